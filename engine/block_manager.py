@@ -1,0 +1,215 @@
+"""The one owner of physical KV blocks: free list, reference counts and the prefix cache.
+
+Requests hold block ids only. A block whose reference count drops to zero goes to the back of
+the free queue but keeps its hash and tokens: it can still be hit by a later request until it
+is reused for something else (least recently freed first), at which point its hash is evicted.
+Cache hits are confirmed by comparing the block's token ids, not the hash alone.
+
+Events: every block hash that becomes cached is recorded as ``stored`` and every evicted one as
+``removed``; a worker drains them (``drain_events``) into the global prefix index.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+import logging
+
+from engine.sequence import Sequence
+from services.block_hash import BlockHasher
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+@dataclass
+class BlockEvents:
+    stored: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class CacheStats:
+    num_blocks: int
+    num_free: int
+    num_cached_free: int
+    prefix_queries_tokens: int
+    prefix_hit_tokens: int
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks if self.num_blocks else 0.0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, hasher: BlockHasher | None,
+                 enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("need at least one KV block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.hasher = hasher
+        self.enable_prefix_caching = enable_prefix_caching and hasher is not None
+        self.blocks = [_Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order (front = evicted first). Values unused.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[bytes, int] = {}
+        self.events = BlockEvents()
+        self.prefix_queries_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks to add so that ``seq`` can hold ``num_tokens`` tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def stats(self) -> CacheStats:
+        cached_free = sum(1 for b in self.free if self.blocks[b].block_hash is not None)
+        return CacheStats(self.num_blocks, len(self.free), cached_free,
+                          self.prefix_queries_tokens, self.prefix_hit_tokens)
+
+    # ------------------------------------------------------------ prefix cache
+    def _update_hashes(self, seq: Sequence) -> None:
+        """Extend ``seq.block_hashes`` to cover every full block of its tokens."""
+        if self.hasher is None:
+            return
+        n_full = seq.num_tokens // self.block_size
+        if len(seq.block_hashes) < n_full:
+            start = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if start else None
+            seq.block_hashes.extend(self.hasher.hash_blocks(seq.token_ids[:n_full * self.block_size],
+                                                            start, parent))
+
+    def _lookup(self, block_hash: bytes, tokens: tuple[int, ...]) -> int | None:
+        bid = self.hash_to_block.get(block_hash)
+        if bid is None or self.blocks[bid].token_ids != tokens:
+            return None
+        return bid
+
+    def count_cached_prefix(self, token_ids: list[int], block_hashes: list[bytes]) -> int:
+        """How many leading tokens of ``token_ids`` are in the cache (no state change)."""
+        bs = self.block_size
+        n = 0
+        for i, h in enumerate(block_hashes):
+            if self._lookup(h, tuple(token_ids[i * bs:(i + 1) * bs])) is None:
+                break
+            n += 1
+        return n * bs
+
+    def allocate_cached_prefix(self, seq: Sequence) -> int:
+        """Attach the cached blocks of ``seq``'s longest cached prefix; returns tokens hit.
+
+        At least one token is always left to compute (its logits give the next token)."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        self._update_hashes(seq)
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        hit: list[int] = []
+        for i in range(min(max_blocks, len(seq.block_hashes))):
+            bid = self._lookup(seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            if bid is None:
+                break
+            hit.append(bid)
+        for bid in hit:
+            self._ref(bid)
+        seq.block_table.extend(hit)
+        seq.num_computed_tokens = len(hit) * bs
+        self.prefix_queries_tokens += seq.num_tokens
+        self.prefix_hit_tokens += seq.num_computed_tokens
+        return seq.num_computed_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register every computed full block of ``seq`` in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        self._update_hashes(seq)
+        bs = self.block_size
+        n_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        for i in range(n_full):
+            blk = self.blocks[seq.block_table[i]]
+            if blk.block_hash is not None:
+                continue
+            h = seq.block_hashes[i]
+            if h in self.hash_to_block:
+                continue  # same content computed concurrently in another block; keep the first
+            blk.block_hash = h
+            blk.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            self.hash_to_block[h] = blk.block_id
+            self.events.stored.append(h)
+
+    # --------------------------------------------------------- allocate/free
+    def _ref(self, bid: int) -> None:
+        blk = self.blocks[bid]
+        if blk.ref_count == 0:
+            del self.free[bid]
+        blk.ref_count += 1
+
+    def _take_free(self) -> int:
+        bid, _ = self.free.popitem(last=False)
+        blk = self.blocks[bid]
+        if blk.block_hash is not None:  # evict its cached content
+            if self.hash_to_block.get(blk.block_hash) == bid:
+                del self.hash_to_block[blk.block_hash]
+                self.events.removed.append(blk.block_hash)
+            blk.block_hash = None
+            blk.token_ids = None
+        blk.ref_count = 1
+        return bid
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow ``seq``'s block table to hold ``num_computed_tokens + num_new_tokens`` tokens.
+        All or nothing: returns False (and changes nothing) when blocks are short."""
+        need = self.blocks_needed(seq, seq.num_computed_tokens + num_new_tokens)
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._take_free())
+        return True
+
+    def allocate_blocks(self, n: int) -> list[int] | None:
+        """Take ``n`` fresh blocks outside any sequence (e.g. a decode worker's pre-allocation)."""
+        if n > len(self.free):
+            return None
+        return [self._take_free() for _ in range(n)]
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references. Tail blocks are queued for eviction before head blocks,
+        since a shared prefix is likelier to be hit again than a request's own tail."""
+        for bid in reversed(seq.block_table):
+            self._unref(bid)
+        seq.block_table = []
+
+    def _unref(self, bid: int) -> None:
+        blk = self.blocks[bid]
+        if blk.ref_count <= 0:
+            raise RuntimeError(f"double free of KV block {bid}")
+        blk.ref_count -= 1
+        if blk.ref_count == 0:
+            self.free[bid] = None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request uses (e.g. an operator's cache reset)."""
+        for bid in self.free:
+            blk = self.blocks[bid]
+            if blk.block_hash is not None:
+                if self.hash_to_block.get(blk.block_hash) == bid:
+                    del self.hash_to_block[blk.block_hash]
+                    self.events.removed.append(blk.block_hash)
+                blk.block_hash = None
+                blk.token_ids = None
+
+    def drain_events(self) -> BlockEvents:
+        ev, self.events = self.events, BlockEvents()
+        return ev

@@ -1,0 +1,213 @@
+"""LLMEngine: one scheduler, one block manager, one model runner, stepped by its owner.
+
+Synchronous and single-threaded by design: an offline caller (``LLM``) loops over ``step()``;
+a serving worker runs ``step()`` on one thread and talks to it through ``engine.async_engine``.
+
+Roles: ``add_request(prefill_only=True)`` stops after the first token and HOLDS the blocks
+until ``release`` (the KV transfer ended); ``preallocate`` + ``commit_transferred`` let a decode
+worker receive a prompt's KV from elsewhere and continue from the first token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import logging
+import time
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_runner import DTYPES, ModelRunner
+from engine.request import FinishReason, RequestOutput, SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SeqStatus
+from services.block_hash import BlockHasher
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_awaiting_kv: int
+    num_held: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    steps: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded=None):
+        self.config = config
+        if loaded is None:
+            from engine.loader import load_model  # heavy: weights
+            loaded = load_model(config.model, dtype=DTYPES[config.dtype], device=config.device,
+                                seed=config.seed)
+        self.model_id = loaded.model_id
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, loaded.config, loaded.weights)
+        loaded.weights = None  # the runner owns the parameters now
+        bs = config.cache.block_size
+        self.hasher = BlockHasher(config.cache.hash_seed, self.model_id, bs)
+        self.block_manager = BlockManager(self.runner.num_blocks, bs, self.hasher,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.max_model_len = min(config.scheduler.max_model_len, loaded.config.max_position)
+        eos = set(loaded.config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self.steps = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ validation
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise ValueError with a readable message for a request this engine cannot serve."""
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the context limit is "
+                             f"{self.max_model_len} (prompt + at least one new token)")
+        need = -(-(len(prompt_token_ids) + 1) // self.block_manager.block_size)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"prompt needs {need} KV blocks; this worker has "
+                             f"{self.block_manager.num_blocks}")
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        return self.tokenizer.encode(prompt)
+
+    # ------------------------------------------------------------- requests
+    def _new_seq(self, request_id, prompt_token_ids, sampling, prefill_only=False) -> Sequence:
+        self.validate(prompt_token_ids, sampling)
+        seq = Sequence(request_id, list(prompt_token_ids), sampling, prefill_only)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, sampling.stop)
+        return seq
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling: SamplingParams, prefill_only: bool = False) -> None:
+        self.scheduler.add(self._new_seq(request_id, prompt_token_ids, sampling, prefill_only))
+
+    def preallocate(self, request_id: str, prompt_token_ids: list[int],
+                    sampling: SamplingParams) -> list[int] | None:
+        """Decode role: reserve blocks for a prompt whose KV will arrive from a prefill worker.
+        Returns the block ids (in order), or None when there are not enough free blocks."""
+        seq = self._new_seq(request_id, prompt_token_ids, sampling)
+        n = -(-seq.num_tokens // self.block_manager.block_size)
+        blocks = self.block_manager.allocate_blocks(n)
+        if blocks is None:
+            return None
+        seq.block_table = blocks
+        seq.status = SeqStatus.AWAITING_KV
+        self.scheduler.add(seq)
+        return list(blocks)
+
+    def commit_transferred(self, request_id: str, first_token: int,
+                           first_logprob: float | None = None,
+                           num_cached_tokens: int = 0) -> RequestOutput:
+        """Decode role: the prompt's KV has landed; continue from the prefill's first token."""
+        seq = self.scheduler.requests.get(request_id)
+        if seq is None or seq.status is not SeqStatus.AWAITING_KV:
+            raise KeyError(f"request {request_id!r} is not awaiting KV")
+        seq.num_computed_tokens = seq.num_tokens
+        seq.num_cached_tokens = num_cached_tokens
+        self.block_manager.cache_full_blocks(seq)
+        self.scheduler.activate(seq)
+        seq.token_ids.append(first_token)
+        out = self._emit(seq, first_token, first_logprob)
+        return out
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.scheduler.abort(request_id)
+        self.runner.drop_request(request_id)
+        return seq is not None
+
+    def release(self, request_id: str) -> bool:
+        """Prefill role: the KV transfer of a HELD request ended; free its blocks."""
+        self.runner.drop_request(request_id)
+        return self.scheduler.release(request_id)
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        seq = self.scheduler.requests[request_id]
+        return list(seq.block_table)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return this step's outputs (deltas)."""
+        sched = self.scheduler.schedule()
+        self.num_preemptions += len(sched.preempted)
+        if not sched:
+            return []
+        tokens, logprobs = self.runner.execute(sched)
+        self.scheduler.update(sched, tokens)
+        self.steps += 1
+        outs = []
+        for item in sched.scheduled:
+            seq = item.seq
+            tok = tokens.get(seq.request_id)
+            if tok is None:
+                continue
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+            outs.append(self._emit(seq, tok, logprobs.get(seq.request_id)))
+        return outs
+
+    def _emit(self, seq: Sequence, tok: int, logprob: float | None) -> RequestOutput:
+        """Record a newly appended token, check stop conditions, build the step output."""
+        sp = seq.sampling
+        if seq.logprobs is not None and logprob is not None:
+            seq.logprobs.append(logprob)
+        delta, hit_stop = seq.detok.add(tok)
+        reason = None
+        if hit_stop:
+            reason = FinishReason.STOP
+        elif tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None and not hit_stop:
+            delta += seq.detok.flush()
+        out = RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=[], token_ids=[tok], text=delta,
+            logprobs=[logprob] if (sp.logprobs and logprob is not None) else None,
+            num_cached_tokens=seq.num_cached_tokens)
+        if reason is not None:
+            out.finished = True
+            out.finish_reason = reason
+            self.scheduler.finish(seq, reason, hold=seq.prefill_only)
+            if not seq.prefill_only:
+                self.runner.drop_request(seq.request_id)
+        elif seq.prefill_only:
+            # prefill role: one token, then hold the blocks for the KV transfer
+            out.finished = True
+            self.scheduler.finish(seq, FinishReason.LENGTH, hold=True)
+        return out
+
+    # ----------------------------------------------------------------- stats
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        statuses = [q.status for q in s.requests.values()]
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_awaiting_kv=statuses.count(SeqStatus.AWAITING_KV),
+            num_held=statuses.count(SeqStatus.HELD),
+            kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
+            prefix_query_tokens=bm.prefix_queries_tokens, prefix_hit_tokens=bm.prefix_hit_tokens,
+            num_preemptions=self.num_preemptions, steps=self.steps)

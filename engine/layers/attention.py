@@ -1,0 +1,139 @@
+"""Attention over the paged KV cache, behind a small backend interface.
+
+The KV cache is one tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
+("block-major": one block holds every layer's K and V contiguously, so a KV transfer moves a
+run of blocks as one region). Token ``t`` of a sequence lives at slot
+``block_table[t // block_size] * block_size + t % block_size``.
+
+A backend stores the step's new K/V into the cache, then attends each query token to its
+sequence's tokens up to and including its own position. The model runner builds the metadata;
+the scheduler never sees any of this.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64, slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (padded with 0)
+    seq_lens: torch.Tensor  # [B] int32: tokens in the sequence after this step
+    query_start_loc: torch.Tensor  # [B+1] int32: offsets of each sequence's new tokens
+    # host-side copies (the torch path loops over them; kernels read the tensors)
+    seq_lens_list: list[int]
+    query_lens_list: list[int]
+    max_seq_len: int
+    max_query_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend:
+    """Interface: ``forward(layer, q, k, v, kv_cache, meta) -> out`` with q ``[T, Hq, D]``,
+    k/v ``[T, Hk, D]``; returns ``[T, Hq, D]``. Must store k/v into the cache first."""
+
+    name = "abstract"
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                   slot_mapping: torch.Tensor) -> None:
+    bs = kv_cache.shape[3]
+    blk = slot_mapping // bs
+    off = slot_mapping % bs
+    kv_cache[blk, layer, 0, off] = k
+    kv_cache[blk, layer, 1, off] = v
+
+
+class TorchAttention(AttentionBackend):
+    """Reference path in plain torch (the CPU backend)."""
+
+    name = "torch"
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def forward(self, layer, q, k, v, kv_cache, meta):
+        store_kv_torch(k, v, kv_cache, layer, meta.slot_mapping)
+        if meta.decode_only:
+            return self._decode(layer, q, kv_cache, meta)
+        out = torch.empty_like(q)
+        start = 0
+        bs = kv_cache.shape[3]
+        decode_rows: list[int] = []
+        for i, (qlen, slen) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+            end = start + qlen
+            if qlen == 1 and slen > 1:
+                decode_rows.append(i)
+            elif qlen == slen:  # no cached context: attend to the fresh k/v
+                out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], self.scale,
+                                       causal=True)
+            else:
+                nb = -(-slen // bs)
+                blocks = meta.block_tables[i, :nb].long()
+                kk = kv_cache[blocks, layer, 0].reshape(-1, *k.shape[1:])[:slen]
+                vv = kv_cache[blocks, layer, 1].reshape(-1, *v.shape[1:])[:slen]
+                out[start:end] = _sdpa(q[start:end], kk, vv, self.scale, causal=True,
+                                       offset=slen - qlen)
+            start = end
+        if decode_rows:
+            rows = torch.tensor(decode_rows, dtype=torch.long)
+            loc = meta.query_start_loc.long()[rows]
+            sub = AttentionMetadata(
+                slot_mapping=meta.slot_mapping, block_tables=meta.block_tables[rows],
+                seq_lens=meta.seq_lens[rows], query_start_loc=meta.query_start_loc,
+                seq_lens_list=[meta.seq_lens_list[r] for r in decode_rows],
+                query_lens_list=[1] * len(decode_rows),
+                max_seq_len=max(meta.seq_lens_list[r] for r in decode_rows), max_query_len=1)
+            out[loc] = self._decode(layer, q[loc], kv_cache, sub)
+        return out
+
+    def _decode(self, layer, q, kv_cache, meta):
+        """One query per sequence: gather each sequence's blocks, mask past its length."""
+        bs = kv_cache.shape[3]
+        b, hq, d = q.shape
+        nb = -(-meta.max_seq_len // bs)
+        tables = meta.block_tables[:, :nb].long()
+        k = kv_cache[tables, layer, 0]  # [B, nb, bs, Hk, D]
+        v = kv_cache[tables, layer, 1]
+        hk = k.shape[-2]
+        k = k.reshape(b, nb * bs, hk, d)
+        v = v.reshape(b, nb * bs, hk, d)
+        g = hq // hk
+        qg = q.view(b, hk, g, d)
+        scores = torch.einsum("bhgd,bshd->bhgs", qg, k) * self.scale
+        pos = torch.arange(nb * bs)
+        mask = pos[None, :] >= meta.seq_lens.long()[:, None]  # [B, S]
+        scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.einsum("bhgs,bshd->bhgd", probs, v)
+        return out.reshape(b, hq, d)
+
+
+def _sdpa(q, k, v, scale, causal: bool, offset: int = 0):
+    """q [n, Hq, D], k/v [s, Hk, D]; query j sits at position offset + j."""
+    hq, hk = q.shape[1], k.shape[1]
+    if hq != hk:
+        k = k.repeat_interleave(hq // hk, dim=1)
+        v = v.repeat_interleave(hq // hk, dim=1)
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if not causal or (offset == 0 and q.shape[0] == k.shape[0]):
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+    else:
+        n, s = q.shape[0], k.shape[0]
+        mask = torch.arange(s)[None, :] <= (torch.arange(n)[:, None] + offset)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)

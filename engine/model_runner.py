@@ -1,0 +1,147 @@
+"""The only place that builds tensors: the model, the KV cache, step inputs, sampling.
+
+Takes a ``SchedulerOutput`` (ids and counts), turns it into flat input tensors and attention
+metadata, runs the model and samples one token for every sequence whose chunk reached its end.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from engine.layers.sampler import Sampler, SamplingBatch
+from engine.models.registry import model_class
+from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+
+
+def make_attention_backend(config: EngineConfig, mc: ModelConfig) -> AttentionBackend:
+    scale = mc.head_dim ** -0.5
+    want = config.attention_backend
+    if want == "auto":
+        want = "triton" if config.device.startswith("cuda") else "torch"
+    if want == "triton":
+        from engine.kernels.backend import TritonAttention  # GPU path
+        return TritonAttention(scale)
+    return TorchAttention(scale)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, mc: ModelConfig, weights: dict[str, torch.Tensor]):
+        self.config = config
+        self.mc = mc
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.block_size = config.cache.block_size
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = model_class(mc)(mc)
+        finally:
+            torch.set_default_dtype(prev)
+        self.model.load_weights(weights)
+        self.model.eval()
+        self.backend = make_attention_backend(config, mc)
+
+        kv_dtype = DTYPES[config.cache.kv_dtype] if config.cache.kv_dtype else self.dtype
+        bb = kv_block_bytes(mc, self.block_size, kv_dtype)
+        n = config.cache.num_blocks or max(1, config.cache.kv_cache_memory_bytes // bb)
+        self.num_blocks = int(n)
+        self.kv_cache = torch.zeros(self.num_blocks, mc.num_layers, 2, self.block_size,
+                                    mc.num_kv_heads, mc.head_dim, dtype=kv_dtype, device=self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
+                    self.block_size, self.kv_cache.numel() * kv_dtype.itemsize / 2**20)
+        self.shared_gen = torch.Generator(device=self.device)
+        self.shared_gen.manual_seed(config.seed)
+        self.sampler = Sampler(self.shared_gen)
+        self.generators: dict[str, torch.Generator] = {}
+
+    # ---------------------------------------------------------------- inputs
+    def prepare(self, out: SchedulerOutput):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        qlens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        for item in out.scheduled:
+            s = item.seq
+            start = s.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids.extend(s.token_ids[start:end])
+            positions.extend(range(start, end))
+            bt = s.block_table
+            slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
+            qsl.append(qsl[-1] + item.num_new_tokens)
+            seq_lens.append(end)
+            qlens.append(item.num_new_tokens)
+            tables.append(bt)
+            if item.samples:
+                sample_rows.append(qsl[-1] - 1)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                      dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens_list=seq_lens, query_lens_list=qlens,
+            max_seq_len=max(seq_lens), max_query_len=max(qlens))
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos, meta, sample_rows
+
+    def _sampling_batch(self, out: SchedulerOutput) -> SamplingBatch:
+        temps, ks, ps, gens = [], [], [], []
+        want_lp = False
+        for item in out.scheduled:
+            if not item.samples:
+                continue
+            sp = item.seq.sampling
+            temps.append(sp.temperature)
+            ks.append(sp.top_k)
+            ps.append(sp.top_p)
+            want_lp |= sp.logprobs
+            g = None
+            if sp.seed is not None and sp.temperature > 0:
+                g = self.generators.get(item.seq.request_id)
+                if g is None:
+                    g = torch.Generator(device=self.device)
+                    g.manual_seed(sp.seed)
+                    self.generators[item.seq.request_id] = g
+            gens.append(g)
+        return SamplingBatch(temps, ks, ps, gens, want_lp)
+
+    # ------------------------------------------------------------------- run
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, float]]:
+        """Run one step; returns ``{request_id: token}`` and ``{request_id: logprob}``."""
+        ids, pos, meta, rows = self.prepare(out)
+        hidden = self.model(ids, pos, self.kv_cache, meta, self.backend)
+        if not rows:
+            return {}, {}
+        logits = self.model.compute_logits(hidden[rows])
+        tokens, logprobs = self.sampler(logits, self._sampling_batch(out))
+        sampled_ids = [item.seq.request_id for item in out.scheduled if item.samples]
+        toks = dict(zip(sampled_ids, tokens))
+        lps = dict(zip(sampled_ids, logprobs)) if logprobs is not None else {}
+        return toks, lps
+
+    def drop_request(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)

@@ -1,0 +1,137 @@
+"""Llama-family decoder (Llama 2/3, Qwen2 with q/k/v bias, Mistral, SmolLM2).
+
+Plain torch modules. Q/K/V and gate/up projections are fused into one matmul each; weights
+arrive under Hugging Face names and are fused in ``load_weights``. Attention is delegated to
+an ``AttentionBackend`` so the GPU path can swap in Triton kernels without touching this file.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.layers.attention import AttentionBackend, AttentionMetadata
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, backend: AttentionBackend,
+                kv_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        o = backend.forward(self.layer, q, k, v, kv_cache, meta)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, residual, positions, rotary, backend, kv_cache, meta):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, backend, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta,
+                                      cfg.rope_scaling_dict)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, self.rotary, backend, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w)
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be set."""
+        cfg = self.config
+        params = dict(self.named_parameters())
+        done: set[str] = set()
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            p = params[name]
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: expected shape {tuple(p.shape)}, got {tuple(tensor.shape)}")
+            p.copy_(tensor)
+            done.add(name)
+
+        def get(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint is missing {name}")
+            return weights[name]
+
+        put("embed_tokens.weight", get("model.embed_tokens.weight"))
+        put("norm.weight", get("model.norm.weight"))
+        if self.lm_head is not None:
+            put("lm_head.weight", get("lm_head.weight"))
+        for i in range(cfg.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            put(dst + "input_layernorm.weight", get(src + "input_layernorm.weight"))
+            put(dst + "post_attention_layernorm.weight", get(src + "post_attention_layernorm.weight"))
+            a = src + "self_attn."
+            put(dst + "self_attn.qkv_proj.weight", torch.cat(
+                [get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]))
+            if cfg.attention_bias:
+                put(dst + "self_attn.qkv_proj.bias", torch.cat(
+                    [get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")]))
+            put(dst + "self_attn.o_proj.weight", get(a + "o_proj.weight"))
+            m = src + "mlp."
+            put(dst + "mlp.gate_up_proj.weight", torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
+            put(dst + "mlp.down_proj.weight", get(m + "down_proj.weight"))
+        missing = set(params) - done
+        if missing:
+            raise ValueError(f"parameters not loaded: {sorted(missing)[:5]}")

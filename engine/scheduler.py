@@ -1,0 +1,194 @@
+"""Iteration-level (continuous) batching. Works on ids and token counts only, never tensors.
+
+Every step brings each scheduled request's ``num_computed_tokens`` closer to ``num_tokens``
+within a token budget. There is no separate prefill or decode phase: a long prompt is simply
+cut into chunks over several steps (chunked prefill) and mixed with one-token decode steps of
+running requests; a prefix-cache hit or a KV transfer only starts the count higher.
+
+Policy: running requests first (oldest first), then FIFO admission from the waiting queue while
+the budget, the running cap and the free blocks allow. When a running request needs a block and
+none is free, the newest running request is preempted: its blocks are freed and it goes back to
+the front of the waiting queue, to be recomputed from its prompt and generated tokens.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+import logging
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.request import FinishReason
+from engine.sequence import Sequence, SeqStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence (its logits give a token)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}  # every unfinished or held request
+
+    # ------------------------------------------------------------- admission
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        self.requests[seq.request_id] = seq
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.append(seq)
+        elif seq.status is SeqStatus.RUNNING:
+            self.running.append(seq)
+        elif seq.status is not SeqStatus.AWAITING_KV:
+            raise ValueError(f"cannot add a request in state {seq.status}")
+        logger.debug("request %s added (%s, %d tokens)", seq.request_id, seq.status.value,
+                     seq.num_tokens)
+
+    def activate(self, seq: Sequence) -> None:
+        """AWAITING_KV -> RUNNING once the transferred KV has landed."""
+        assert seq.status is SeqStatus.AWAITING_KV
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        # 1. Running requests, oldest first; preempt the newest when blocks run out.
+        self.running.sort(key=lambda s: s.order)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:  # nothing to compute (should not happen); skip
+                i += 1
+                continue
+            while not self.bm.allocate_slots(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                scheduled_ids.add(seq.request_id)
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: it was the last running one
+
+        # 2. Waiting requests, FIFO, unless this step already had to preempt.
+        while self.waiting and budget > 0 and not out.preempted \
+                and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                seq.num_cached_tokens = self.bm.allocate_cached_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.bm.allocate_slots(seq, n):
+                if not self.running:  # nothing will free blocks: it can never fit
+                    logger.warning("request %s needs more KV blocks than exist", seq.request_id)
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free_seq(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        logger.debug("request %s preempted (recompute %d tokens)", seq.request_id, seq.num_tokens)
+
+    # ---------------------------------------------------------------- update
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Advance counters after the model ran ``out``; ``sampled`` maps request id to the
+        token sampled for it (only for chunks that reached the end of their sequence)."""
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            tok = sampled.get(seq.request_id)
+            if tok is not None:
+                seq.token_ids.append(tok)
+            self.bm.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason, hold: bool = False) -> None:
+        """End ``seq``; its blocks are freed now, or kept (HELD) until ``release``."""
+        if seq.status in (SeqStatus.FINISHED, SeqStatus.HELD):
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.finish_reason = reason
+        if hold:
+            seq.status = SeqStatus.HELD
+        else:
+            self.bm.free_seq(seq)
+            seq.status = SeqStatus.FINISHED
+            self.requests.pop(seq.request_id, None)
+        logger.debug("request %s finished (%s%s)", seq.request_id, reason.value,
+                     ", blocks held" if hold else "")
+
+    def release(self, request_id: str) -> bool:
+        """Free a HELD request's blocks (its KV transfer ended). False if unknown."""
+        seq = self.requests.get(request_id)
+        if seq is None or seq.status is not SeqStatus.HELD:
+            return False
+        self.bm.free_seq(seq)
+        seq.status = SeqStatus.FINISHED
+        del self.requests[request_id]
+        return True
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a request now, whatever its state, and free its blocks at once."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SeqStatus.HELD:
+            self.release(request_id)
+            return seq
+        if seq.status is SeqStatus.AWAITING_KV:
+            self.bm.free_seq(seq)
+            seq.status = SeqStatus.FINISHED
+            seq.finish_reason = FinishReason.ABORT
+            del self.requests[request_id]
+            return seq
+        self.finish(seq, FinishReason.ABORT)
+        return seq
