@@ -1,0 +1,125 @@
+"""Block manager: exact block ids, reference counts, prefix hits and eviction order."""
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.request import SamplingParams
+from engine.sequence import Sequence
+from services.block_hash import BlockHasher
+
+BS = 4
+
+
+def make_bm(n=8, caching=True):
+    return BlockManager(n, BS, BlockHasher("t", "m", BS), caching)
+
+
+def seq(tokens, rid="r"):
+    return Sequence(rid, list(tokens), SamplingParams(max_tokens=4))
+
+
+def run_prompt(bm, s):
+    """Allocate and 'compute' a whole prompt, like a scheduler step followed by an update."""
+    bm.allocate_cached_prefix(s)
+    assert bm.allocate_slots(s, s.num_tokens - s.num_computed_tokens)
+    s.num_computed_tokens = s.num_tokens
+    bm.cache_full_blocks(s)
+
+
+def test_allocation_exact_ids_and_free_order():
+    bm = make_bm()
+    a = seq(range(10))
+    assert bm.allocate_slots(a, 10)
+    assert a.block_table == [0, 1, 2]
+    assert bm.num_free_blocks == 5
+    bm.free_seq(a)
+    assert bm.num_free_blocks == 8
+    # freed tail first: next allocations reuse 3..7 first (never used), then 2, 1, 0
+    b = seq(range(100, 132), "b")
+    assert bm.allocate_slots(b, 32)
+    assert b.block_table == [3, 4, 5, 6, 7, 2, 1, 0]
+    assert not bm.allocate_slots(seq(range(4), "c"), 4)
+
+
+def test_prefix_hit_computes_only_new_tokens():
+    bm = make_bm()
+    a = seq(list(range(12)) + [50], "a")  # 3 full blocks + 1 token
+    run_prompt(bm, a)
+    assert a.block_table == [0, 1, 2, 3]
+    ev = bm.drain_events()
+    assert len(ev.stored) == 3 and ev.removed == []
+    b = seq(list(range(12)) + [60, 61], "b")
+    hit = bm.allocate_cached_prefix(b)
+    assert hit == 12 and b.num_computed_tokens == 12
+    assert b.block_table == [0, 1, 2]  # shared, not copied
+    assert [bm.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 2, 1]
+    assert bm.allocate_slots(b, 2)
+    assert b.block_table == [0, 1, 2, 4]
+
+
+def test_full_prompt_hit_leaves_last_token_to_compute():
+    bm = make_bm()
+    a = seq(range(8), "a")
+    run_prompt(bm, a)
+    b = seq(range(8), "b")
+    assert bm.allocate_cached_prefix(b) == 4  # not 8: the last token's logits are needed
+    assert b.block_table == [0]
+
+
+def test_hit_confirmed_by_token_ids_not_hash_alone():
+    bm = make_bm()
+    a = seq(range(8), "a")
+    run_prompt(bm, a)
+    # corrupt the stored tokens: a hash match without a token match must miss
+    bm.blocks[0].token_ids = (9, 9, 9, 9)
+    b = seq(range(9), "b")
+    assert bm.allocate_cached_prefix(b) == 0
+
+
+def test_freed_cached_blocks_hit_until_evicted_lru():
+    bm = make_bm(n=4)
+    a = seq(range(8), "a")
+    run_prompt(bm, a)  # blocks 0,1 cached
+    bm.free_seq(a)
+    bm.drain_events()
+    b = seq(range(9), "b")
+    assert bm.allocate_cached_prefix(b) == 8  # both blocks hit while free
+    bm.free_seq(b)
+    # a different prompt needing 3 blocks: uses never-used blocks 2,3 first, then evicts the
+    # tail block of the freed prefix (block 1) before its head (block 0)
+    c = seq(range(100, 112), "c")
+    assert bm.allocate_slots(c, 12)
+    assert c.block_table == [2, 3, 1]
+    ev = bm.drain_events()
+    assert len(ev.removed) == 1
+    d = seq(range(9), "d")
+    assert bm.allocate_cached_prefix(d) == 4  # block 0 still cached
+
+
+def test_caching_off():
+    bm = make_bm(caching=False)
+    a = seq(range(8), "a")
+    run_prompt(bm, a)
+    assert bm.allocate_cached_prefix(seq(range(9), "b")) == 0
+    assert bm.drain_events().stored == []
+
+
+def test_double_free_raises():
+    bm = make_bm()
+    a = seq(range(4), "a")
+    bm.allocate_slots(a, 4)
+    table = list(a.block_table)
+    bm.free_seq(a)
+    a.block_table = table
+    with pytest.raises(RuntimeError):
+        bm.free_seq(a)
+
+
+def test_reset_prefix_cache_reports_removed():
+    bm = make_bm()
+    a = seq(range(8), "a")
+    run_prompt(bm, a)
+    bm.free_seq(a)
+    bm.drain_events()
+    bm.reset_prefix_cache()
+    assert len(bm.drain_events().removed) == 2
+    assert bm.allocate_cached_prefix(seq(range(9), "b")) == 0

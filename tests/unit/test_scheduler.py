@@ -1,0 +1,102 @@
+"""Scheduler: token budget, chunked prefill, FIFO admission, running cap, preemption, abort.
+No model: tokens are 'sampled' by the test."""
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.request import FinishReason, SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SeqStatus
+from services.block_hash import BlockHasher
+
+BS = 4
+
+
+def make(num_blocks=16, budget=8, max_seqs=4):
+    bm = BlockManager(num_blocks, BS, BlockHasher("t", "m", BS))
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                     max_model_len=256), bm), bm
+
+
+def seq(rid, n, start=0):
+    return Sequence(rid, list(range(start, start + n)), SamplingParams(max_tokens=8))
+
+
+def step(s, token=7):
+    out = s.schedule()
+    s.update(out, {it.seq.request_id: token for it in out.scheduled if it.samples})
+    return [(it.seq.request_id, it.num_new_tokens) for it in out.scheduled], out
+
+
+def test_chunked_prefill_and_mixing_with_decode():
+    s, bm = make(budget=8)
+    s.add(seq("a", 3))
+    assert step(s)[0] == [("a", 3)]  # prefill done, token sampled
+    s.add(seq("b", 20, start=100))
+    # a decodes 1 token; b gets the remaining 7 of the budget (a chunk)
+    assert step(s)[0] == [("a", 1), ("b", 7)]
+    assert s.requests["b"].num_computed_tokens == 7 and s.requests["b"].num_output_tokens == 0
+    assert step(s)[0] == [("a", 1), ("b", 7)]
+    assert step(s)[0] == [("a", 1), ("b", 6)]  # last chunk samples
+    assert s.requests["b"].num_output_tokens == 1
+    assert step(s)[0] == [("a", 1), ("b", 1)]
+
+
+def test_fifo_and_running_cap():
+    s, _ = make(budget=100, max_seqs=2)
+    for r in "abc":
+        s.add(seq(r, 2, start=ord(r) * 10))
+    assert [r for r, _ in step(s)[0]] == ["a", "b"]
+    assert [q.request_id for q in s.waiting] == ["c"]
+    s.finish(s.requests["a"], FinishReason.STOP)
+    assert [r for r, _ in step(s)[0]] == ["b", "c"]
+
+
+def test_preemption_newest_first_and_recompute():
+    s, bm = make(num_blocks=4, budget=64)
+    s.add(seq("a", 7))  # 2 blocks
+    s.add(seq("b", 7, start=50))  # 2 blocks -> cache full
+    step(s)
+    assert step(s)[0] == [("a", 1), ("b", 1)]  # the 8th token still fits in 2 blocks
+    assert bm.num_free_blocks == 0
+    # both now hold 9 tokens; a's next step needs a third block: b (newest) is preempted
+    sched, out = step(s)
+    assert out.preempted == ["b"]
+    assert sched == [("a", 1)]
+    b = s.requests["b"]
+    assert b.status is SeqStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    assert b.num_tokens == 9  # keeps its generated token; it is recomputed, not resampled
+    s.finish(s.requests["a"], FinishReason.STOP)
+    sched, _ = step(s)
+    # b's head block survived in the prefix cache (its tail block was evicted for a)
+    assert sched == [("b", 5)] and b.num_cached_tokens == 4
+
+
+def test_abort_frees_blocks_at_once():
+    s, bm = make(budget=64)
+    s.add(seq("a", 9))
+    step(s)
+    assert bm.num_free_blocks == 16 - 3
+    s.abort("a")
+    assert bm.num_free_blocks == 16
+    assert "a" not in s.requests and not s.running
+
+
+def test_hold_and_release():
+    s, bm = make(budget=64)
+    s.add(seq("a", 9))
+    step(s)
+    s.finish(s.requests["a"], FinishReason.LENGTH, hold=True)
+    assert bm.num_free_blocks == 13 and not s.running
+    assert s.release("a")
+    assert bm.num_free_blocks == 16
+    assert not s.release("a")
+
+
+def test_prefix_hit_counts_only_new_tokens():
+    s, bm = make(budget=64)
+    s.add(seq("a", 13))
+    step(s)
+    s.finish(s.requests["a"], FinishReason.STOP)
+    s.add(seq("b", 14))  # shares the first 12 tokens (3 blocks)
+    sched, _ = step(s)
+    assert sched == [("b", 2)]
+    assert s.requests["b"].num_cached_tokens == 12
