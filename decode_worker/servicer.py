@@ -1,0 +1,171 @@
+"""DecodeWorker servicer: the engine in decode role (continuous batching) plus a KV receiver.
+
+Lifecycle of one disaggregated request here:
+  Generate RPC -> pre-allocate blocks for the prompt (RESOURCE_EXHAUSTED if none) -> expect a
+  transfer into them -> PrefillWorker.Prefill on the worker the gateway chose -> wait for the
+  KV to land -> prompt counted as computed, first token emitted -> joins the running batch ->
+  tokens stream back. Any failure before the first token frees the blocks and falls back to
+  prefilling locally; a cancelled or expired call aborts the request and frees its blocks.
+
+A colocated worker (or a request without a prefill address) prefills locally.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+
+from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.grpc_server import grpc_options
+from services.logging_setup import request_context
+from services.protocol import response_from_output, sampling_from_proto, sampling_to_proto
+
+from prefill_worker.servicer import layout_to_proto
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillFailed(Exception):
+    pass
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, aengine, runtime, receiver, layout, kv_backend: str,
+                 transfer_timeout_s: float, allow_local_prefill: bool = True):
+        self.aengine = aengine
+        self.runtime = runtime
+        self.receiver = receiver
+        self.layout = layout
+        self.kv_backend = kv_backend
+        self.transfer_timeout_s = transfer_timeout_s
+        self.allow_local_prefill = allow_local_prefill
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, options=grpc_options())
+            self._channels[address] = ch
+        return worker_pb2_grpc.PrefillWorkerStub(ch)
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    async def Generate(self, request: worker_pb2.DecodeRequest, context):
+        rid = request.request_id or uuid.uuid4().hex
+        with request_context(rid):
+            try:
+                sp = sampling_from_proto(request.sampling)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if request.model and request.model != self.runtime.model_id:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"this worker serves {self.runtime.model_id!r}, not {request.model!r}")
+            ids = list(request.prompt_token_ids)
+            if not ids:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+            stream = None
+            if request.prefill_address:
+                try:
+                    stream = await self._remote_prefill(rid, ids, sp, request.prefill_address, context)
+                except ValueError as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                except PrefillFailed as e:
+                    if not self.allow_local_prefill:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                    logger.warning("request %s: %s; prefilling locally", rid, e)
+            if stream is None:
+                try:
+                    stream = self.aengine.generate(rid, ids, sp)
+                    first = await stream.__anext__()
+                except ValueError as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                stream = _prepend(first, stream)
+            completion = 0
+            try:
+                async for out in stream:
+                    completion += len(out.token_ids)
+                    resp = response_from_output(out, rid)
+                    if out.finished:
+                        resp.usage.CopyFrom(common_pb2.Usage(
+                            prompt_tokens=len(ids), completion_tokens=completion,
+                            cached_tokens=out.num_cached_tokens))
+                    yield resp
+            finally:
+                await stream.aclose()  # a cancelled call aborts the request and frees blocks
+
+    async def _remote_prefill(self, rid, ids, sp, address, context):
+        """Pre-allocate, have ``address`` prefill and send the KV; returns the token stream."""
+        blocks = await self.aengine.preallocate(rid, ids, sp)  # ValueError: bad request
+        if blocks is None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "decode worker has no free KV blocks for this prompt")
+        tid = f"{rid}-{uuid.uuid4().hex[:8]}"
+        handle = self.receiver.expect(tid, blocks, self.transfer_timeout_s)
+        ok = False
+        try:
+            req = worker_pb2.PrefillRequest(
+                request_id=rid, prompt_token_ids=ids, sampling=sampling_to_proto(sp),
+                model=self.runtime.model_id,
+                kv_transfer=common_pb2.KVTransferParams(
+                    transfer_id=tid, backend=self.kv_backend,
+                    receiver_endpoint=self.receiver.endpoint, dst_block_ids=blocks,
+                    timeout_ms=int(self.transfer_timeout_s * 1000),
+                    layout=layout_to_proto(self.layout)))
+            timeout = context.time_remaining()
+            try:
+                resp = await self._stub(address).Prefill(
+                    req, timeout=timeout, metadata=_forward_metadata(context))
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ValueError(e.details()) from None
+                raise PrefillFailed(f"prefill on {address} failed: {e.code().name} {e.details()}") from None
+            if resp.transfer.state != common_pb2.TRANSFER_STATE_DONE:
+                raise PrefillFailed(f"KV transfer {common_pb2.TransferState.Name(resp.transfer.state)}: "
+                                    f"{resp.transfer.error}")
+            if resp.transfer.num_blocks:
+                result = await handle.wait()
+                if not result.ok:
+                    raise PrefillFailed(f"KV transfer {result.state.value}: {result.error}")
+            ok = True
+        finally:
+            if not ok:
+                self.receiver.cancel(tid)
+                await _quiet(self.aengine.abort(rid))
+        lp = resp.first_logprob if resp.HasField("first_logprob") else None
+        if not resp.transfer.num_blocks:
+            self.receiver.cancel(tid)
+        return self.aengine.continue_from(rid, resp.first_token_id, lp, resp.num_cached_tokens)
+
+    async def Stats(self, request, context):
+        return await self.runtime.stats_proto(self.receiver)
+
+    async def Abort(self, request, context):
+        found = await self.aengine.abort(request.request_id)
+        return common_pb2.AbortResponse(found=found)
+
+
+def _forward_metadata(context):
+    """Carry tracing headers to the prefill worker."""
+    keep = ("traceparent", "tracestate")
+    return tuple((k, v) for k, v in (context.invocation_metadata() or ()) if k in keep)
+
+
+async def _prepend(first, stream):
+    try:
+        yield first
+        async for x in stream:
+            yield x
+    finally:
+        await stream.aclose()
+
+
+async def _quiet(coro):
+    try:
+        await asyncio.shield(coro)
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,0 +1,201 @@
+"""AsyncEngine: drives an LLMEngine on its own thread for asyncio servers.
+
+The engine (scheduler, block manager, model) is touched by exactly one thread. Callers submit
+commands (closures over the engine) through a queue; the engine thread runs them between steps,
+steps while there is work, and hands each request's outputs to that request's asyncio queue.
+The torch forward pass releases the GIL, so the event loop keeps serving gRPC meanwhile.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+import concurrent.futures
+import logging
+import queue
+import threading
+from typing import Any
+
+from engine.engine import LLMEngine
+from engine.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead: BaseException | None = None
+        self.step_listeners: list[Callable[[list[RequestOutput]], None]] = []  # engine thread
+
+    # -------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stopping:
+            while True:
+                try:
+                    fn, fut = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    res = fn(eng)
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+                else:
+                    fut.set_result(res)
+            if not eng.has_work:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outs = eng.step()
+            except BaseException as e:  # a broken step must not leave callers hanging
+                logger.exception("engine step failed; failing every in-flight request")
+                self.dead = e
+                self._fail_all(e)
+                return
+            for fn in self.step_listeners:
+                fn(outs)
+            for out in outs:
+                self._deliver(out.request_id, out)
+
+    def _deliver(self, rid: str, item: Any) -> None:
+        q = self._streams.get(rid)
+        if q is not None:
+            self._loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid in list(self._streams):
+            self._deliver(rid, EngineDeadError(f"engine failed: {exc!r}"))
+        while True:
+            try:
+                _, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            fut.set_exception(EngineDeadError(f"engine failed: {exc!r}"))
+
+    # --------------------------------------------------------------- commands
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps; return its result."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine failed: {self.dead!r}")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put((fn, fut))
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
+
+    def _open(self, rid: str) -> asyncio.Queue:
+        if rid in self._streams:
+            raise ValueError(f"duplicate request id {rid!r}")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = q
+        return q
+
+    async def _stream(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:  # cancelled, deadline, or the consumer went away
+                await self._abort_quiet(rid)
+
+    async def _abort_quiet(self, rid: str) -> None:
+        try:
+            await asyncio.shield(self.call(lambda e: e.abort(rid)))
+        except Exception:  # noqa: BLE001 - engine dead: nothing left to free
+            pass
+
+    async def generate(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
+                       ) -> AsyncIterator[RequestOutput]:
+        """Colocated: prefill and decode here; yields step deltas until finished."""
+        q = self._open(rid)
+        try:
+            await self.call(lambda e: e.add_request(rid, prompt_ids, sampling))
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
+        async for out in self._stream(rid, q):
+            yield out
+
+    async def prefill(self, rid: str, prompt_ids: list[int], sampling: SamplingParams
+                      ) -> RequestOutput:
+        """Prefill role: compute the prompt, sample the first token, HOLD the blocks.
+        The caller must ``release`` (or ``abort``) the request when its transfer ends."""
+        q = self._open(rid)
+        try:
+            await self.call(lambda e: e.add_request(rid, prompt_ids, sampling, prefill_only=True))
+            item = await q.get()
+        except BaseException:
+            self._streams.pop(rid, None)
+            await self._abort_quiet(rid)
+            raise
+        self._streams.pop(rid, None)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def release(self, rid: str) -> bool:
+        return await self.call(lambda e: e.release(rid))
+
+    async def abort(self, rid: str) -> bool:
+        return await self.call(lambda e: e.abort(rid))
+
+    async def preallocate(self, rid: str, prompt_ids: list[int], sampling: SamplingParams
+                          ) -> list[int] | None:
+        return await self.call(lambda e: e.preallocate(rid, prompt_ids, sampling))
+
+    async def continue_from(self, rid: str, first_token: int, logprob: float | None,
+                            num_cached_tokens: int) -> AsyncIterator[RequestOutput]:
+        """Decode role: KV landed; stream from the first token on."""
+        q = self._open(rid)
+        try:
+            first = await self.call(
+                lambda e: e.commit_transferred(rid, first_token, logprob, num_cached_tokens))
+        except BaseException:
+            self._streams.pop(rid, None)
+            await self._abort_quiet(rid)
+            raise
+        if first.finished:
+            self._streams.pop(rid, None)
+            yield first
+            return
+        try:
+            yield first
+        except BaseException:  # the consumer went away after the first token
+            self._streams.pop(rid, None)
+            await self._abort_quiet(rid)
+            raise
+        async for out in self._stream(rid, q):
+            yield out
+
+    async def stats(self):
+        return await self.call(lambda e: e.stats())
+

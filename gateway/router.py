@@ -1,0 +1,193 @@
+"""KV-aware routing: which prefill worker (prefix overlap vs load) and which decode worker (load).
+
+Scores (higher wins; ties go to fewer in-flight requests, then round robin)::
+
+    load(w)          = max(inflight_w, running_w + waiting_w) / capacity_w + kv_usage_w
+    prefill_score(w) = prefix_weight * cached_w / prompt_tokens - load(w)
+    decode_score(w)  = -load(w)
+
+``inflight_w`` is this gateway's own count of open requests on w (exact, instant);
+``running/waiting/kv_usage`` come from w's registry heartbeat (up to a second stale);
+``cached_w`` is the number of leading prompt tokens w holds, from one Redis prefix-index
+lookup. With the default weight 1, a worker holding the whole prompt wins unless it is about
+one full batch (its capacity) busier than the others. If Redis is down, ``cached_w`` is 0 for
+everyone (load-only routing) and the last known worker list is kept.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+import itertools
+import logging
+import time
+
+from services.prefix_index import IndexUnavailable, PrefixIndex
+from services.registry import RegistryUnavailable, WorkerInfo, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    info: WorkerInfo
+    inflight: int = 0
+    failures_until: float = 0.0  # routed around until then, after a failed call
+
+    @property
+    def id(self) -> str:
+        return self.info.worker_id
+
+    def load(self) -> float:
+        cap = max(self.info.capacity, 1)
+        queue = max(self.inflight, self.info.running + self.info.waiting)
+        kv = 1.0 - self.info.kv_free_blocks / self.info.kv_total_blocks \
+            if self.info.kv_total_blocks else 0.0
+        return queue / cap + kv
+
+
+@dataclass
+class Route:
+    decode: Worker
+    prefill: Worker | None  # None: the decode (colocated) worker prefills itself
+    cached_tokens: int  # predicted prefix hit on the chosen prefill side
+    index_ok: bool
+    scores: dict[str, float] = field(default_factory=dict)
+
+
+class NoWorkers(Exception):
+    pass
+
+
+class OverCapacity(Exception):
+    pass
+
+
+class Router:
+    def __init__(self, *, model: str, block_size: int, prefix_weight: float = 1.0,
+                 registry: WorkerRegistry | None = None, index: PrefixIndex | None = None,
+                 static_prefill: tuple[str, ...] = (), static_decode: tuple[str, ...] = (),
+                 static_capacity: int = 64, queue_factor: float = 2.0):
+        self.model = model
+        self.block_size = block_size
+        self.prefix_weight = prefix_weight
+        self.registry = registry
+        self.index = index
+        self.queue_factor = queue_factor
+        self.workers: dict[str, Worker] = {}
+        self._rr = itertools.count()
+        self.registry_ok = registry is None
+        self.index_ok = index is None
+        self.stats = {"routed": 0, "prefix_routed": 0, "load_only": 0, "colocated": 0}
+        for addr in static_prefill:
+            self._add_static(addr, "prefill", static_capacity)
+        for addr in static_decode:
+            self._add_static(addr, "decode", static_capacity)
+
+    def _add_static(self, addr: str, role: str, capacity: int) -> None:
+        self.workers[addr] = Worker(WorkerInfo(worker_id=addr, address=addr, role=role,
+                                               model=self.model, capacity=capacity))
+
+    # -------------------------------------------------------------- discovery
+    async def refresh(self) -> None:
+        if self.registry is None:
+            return
+        try:
+            infos = await self.registry.list_workers(model=self.model)
+        except RegistryUnavailable:
+            self.registry_ok = False
+            return  # keep the last known workers
+        self.registry_ok = True
+        seen = set()
+        for info in infos:
+            seen.add(info.worker_id)
+            w = self.workers.get(info.worker_id)
+            if w is None:
+                self.workers[info.worker_id] = Worker(info)
+                logger.info("discovered %s worker %s at %s", info.role, info.worker_id, info.address)
+            else:
+                w.info = info
+        for wid in list(self.workers):
+            if wid not in seen and self.workers[wid].inflight == 0:
+                logger.info("worker %s left the registry", wid)
+                del self.workers[wid]
+
+    async def run_refresh(self, interval_s: float) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - discovery must never die
+                logger.exception("registry refresh failed")
+            await asyncio.sleep(interval_s)
+
+    # ---------------------------------------------------------------- routing
+    def _pool(self, *roles: str) -> list[Worker]:
+        now = time.monotonic()
+        return [w for w in self.workers.values() if w.info.role in roles and w.failures_until <= now]
+
+    def _best(self, pool: list[Worker], score) -> tuple[Worker, dict[str, float]]:
+        scores = {w.id: score(w) for w in pool}
+        rr = next(self._rr)
+        order = sorted(pool, key=lambda w: (-scores[w.id], w.inflight,
+                                            (hash(w.id) + rr) % 1000003))
+        return order[0], scores
+
+    async def route(self, prompt_len: int, hashes: list[bytes]) -> Route:
+        decode_pool = self._pool("decode")
+        prefill_pool = self._pool("prefill")
+        colocated = False
+        if not decode_pool or not prefill_pool:
+            # no disaggregated pair possible: colocated workers serve alone (also the fallback)
+            decode_pool = self._pool("colocated") or decode_pool
+            prefill_pool = []
+            colocated = True
+        if not decode_pool:
+            raise NoWorkers("no workers available for model " + self.model)
+        cap = sum(max(w.info.capacity, 1) * self.queue_factor for w in decode_pool)
+        if sum(w.inflight for w in decode_pool) >= cap:
+            raise OverCapacity("all workers are at capacity; retry later")
+
+        cached: dict[str, int] = {}
+        index_ok = self.index is not None
+        if self.index is not None and hashes:
+            try:
+                cached = await self.index.longest_prefix(hashes)
+                self.index_ok = True
+            except IndexUnavailable:
+                self.index_ok = index_ok = False
+
+        def prefix_score(w: Worker) -> float:
+            hit = min(cached.get(w.id, 0) * self.block_size, prompt_len)
+            return self.prefix_weight * hit / max(prompt_len, 1) - w.load()
+
+        self.stats["routed"] += 1
+        if colocated:
+            self.stats["colocated"] += 1
+            d, scores = self._best(decode_pool, prefix_score)
+            hit = cached.get(d.id, 0) * self.block_size
+            self._count(hit, index_ok)
+            return Route(decode=d, prefill=None, cached_tokens=hit, index_ok=index_ok, scores=scores)
+        p, scores = self._best(prefill_pool, prefix_score)
+        d, _ = self._best(decode_pool, lambda w: -w.load())
+        hit = cached.get(p.id, 0) * self.block_size
+        self._count(hit, index_ok)
+        return Route(decode=d, prefill=p, cached_tokens=hit, index_ok=index_ok, scores=scores)
+
+    def _count(self, hit: int, index_ok: bool) -> None:
+        if not index_ok:
+            self.stats["load_only"] += 1
+        elif hit:
+            self.stats["prefix_routed"] += 1
+
+    def begin(self, route: Route) -> None:
+        route.decode.inflight += 1
+        if route.prefill is not None:
+            route.prefill.inflight += 1
+
+    def end(self, route: Route) -> None:
+        route.decode.inflight -= 1
+        if route.prefill is not None:
+            route.prefill.inflight -= 1
+
+    def mark_failed(self, worker: Worker, seconds: float = 2.0) -> None:
+        """Route around a worker whose call failed (until the registry shows it again)."""
+        worker.failures_until = time.monotonic() + seconds

@@ -1,0 +1,171 @@
+"""pdserve command line.
+
+    pdserve up [--prefill N] [--decode M] [--colocated K] [--model SPEC] [--port P]
+    pdserve gateway | prefill | decode | colocated [service flags, see --help]
+    pdserve generate --address HOST:PORT "prompt"      pdserve chat --address HOST:PORT
+    pdserve run --model SPEC "prompt"                   (offline, in-process engine)
+    pdserve bench ...                                   (serving benchmark)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+DEMO_MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
+
+
+def _cmd_up(argv) -> int:
+    from pdserve.cluster import LocalCluster
+    p = argparse.ArgumentParser(prog="pdserve up", description="start a whole local cluster")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--colocated", type=int, default=0)
+    p.add_argument("--port", type=int, default=50051, help="gateway port")
+    p.add_argument("--kv-backend", default="tcp", choices=["tcp", "shm"])
+    p.add_argument("--no-demo", action="store_true", help="skip the sample request")
+    p.add_argument("--exit-after-demo", action="store_true", help="stop after the sample request")
+    p.add_argument("--verbose", action="store_true", help="echo every service's log")
+    a = p.parse_args(argv)
+    if a.prefill + a.decode + a.colocated == 0 or (a.prefill and not a.decode):
+        p.error("need --decode >= 1 with --prefill, or --colocated >= 1")
+    print(f"starting redis, {a.prefill} prefill, {a.decode} decode, {a.colocated} colocated "
+          f"worker(s) and a gateway on :{a.port} (model {a.model}) ...", flush=True)
+    cluster = LocalCluster(a.model, prefill=a.prefill, decode=a.decode, colocated=a.colocated,
+                           gateway_port=a.port, kv_backend=a.kv_backend, echo=a.verbose)
+    t0 = time.monotonic()
+    cluster.start()
+    print(f"up in {time.monotonic() - t0:.1f}s: gateway {cluster.address}, redis {cluster.redis_url}")
+    for w in cluster.workers:
+        print(f"  {w.kind:9s} {w.address}  {w.worker_id}")
+    try:
+        if not a.no_demo:
+            from pdserve import client
+            req = client.make_request(messages=DEMO_MESSAGES, max_tokens=48, temperature=0.0)
+
+            async def demo():
+                async with client.channel(cluster.address) as ch:
+                    from protos.pdserve.v1 import gateway_pb2_grpc
+                    print(f"\n> {DEMO_MESSAGES[0]['content']}\n< ", end="", flush=True)
+                    c = await client.generate(gateway_pb2_grpc.GatewayStub(ch), req, timeout=120,
+                                              on_text=lambda t: print(t, end="", flush=True))
+                    print(f"\n[{c.completion_tokens} tokens, TTFT {c.ttft_s*1000:.0f} ms, "
+                          f"{c.latency_s:.2f} s, finish={c.finish_reason}]\n")
+            asyncio.run(demo())
+        if a.exit_after_demo:
+            return 0
+        print(f"serving on {cluster.address}; try: pdserve generate --address {cluster.address} "
+              "\"Hello\"   (Ctrl-C to stop)", flush=True)
+        while all(s.alive for s in cluster.workers + [cluster.gateway]):
+            time.sleep(1)
+        print("a service exited; stopping", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        cluster.stop()
+
+
+def _client_args(prog: str, argv, chat: bool):
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=300)
+    if not chat:
+        p.add_argument("prompt")
+    return p.parse_args(argv)
+
+
+def _cmd_generate(argv, chat: bool = False) -> int:
+    import grpc
+    from pdserve import client
+    from protos.pdserve.v1 import gateway_pb2_grpc
+    a = _client_args("pdserve chat" if chat else "pdserve generate", argv, chat)
+    kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+              seed=a.seed)
+
+    async def one(req):
+        async with client.channel(a.address) as ch:
+            return await client.generate(gateway_pb2_grpc.GatewayStub(ch), req, timeout=a.timeout,
+                                         on_text=lambda t: print(t, end="", flush=True))
+    try:
+        if not chat:
+            c = asyncio.run(one(client.make_request(a.prompt, **kw)))
+            print(f"\n[finish={c.finish_reason} tokens={c.completion_tokens} cached={c.cached_tokens}]")
+            return 0
+        history = []
+        while True:
+            try:
+                line = input("you> ")
+            except EOFError:
+                return 0
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            print("bot> ", end="", flush=True)
+            c = asyncio.run(one(client.make_request(messages=history, **kw)))
+            print()
+            history.append({"role": "assistant", "content": c.text})
+    except grpc.aio.AioRpcError as e:
+        print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+
+
+def _cmd_run(argv) -> int:
+    p = argparse.ArgumentParser(prog="pdserve run", description="offline, in-process generation")
+    p.add_argument("prompt", nargs="+")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    a = p.parse_args(argv)
+    from engine import LLM, SamplingParams
+    llm = LLM(a.model)
+    sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature)
+    t0 = time.perf_counter()
+    if a.chat:
+        outs = llm.chat([[{"role": "user", "content": q}] for q in a.prompt], sp)
+    else:
+        outs = llm.generate(a.prompt, sp)
+    dt = time.perf_counter() - t0
+    for q, o in zip(a.prompt, outs):
+        print(f"> {q}\n< {o.text}\n  [{len(o.token_ids)} tokens, {o.finish_reason.value}]")
+    print(f"{sum(len(o.token_ids) for o in outs) / dt:.1f} tok/s")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "up":
+        return _cmd_up(rest)
+    if cmd == "gateway":
+        from gateway.main import main as gw
+        return gw(rest)
+    if cmd in ("prefill", "decode", "colocated"):
+        from pdserve.worker import main as wk
+        return wk(rest, role=cmd)
+    if cmd == "generate":
+        return _cmd_generate(rest)
+    if cmd == "chat":
+        return _cmd_generate(rest, chat=True)
+    if cmd == "run":
+        return _cmd_run(rest)
+    if cmd == "bench":
+        from pdserve.bench import main as bench
+        return bench(rest)
+    print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

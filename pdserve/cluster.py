@@ -1,0 +1,250 @@
+"""A whole local cluster in real processes: a private redis-server, prefill, decode and
+colocated workers, and a gateway, on free ports. Used by ``pdserve up``, the integration tests
+and the benchmarks, so all three run the product the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout_s: float = 10.0, host: str = "127.0.0.1") -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listening on {host}:{port} after {timeout_s}s")
+            time.sleep(0.02)
+
+
+class RedisProcess:
+    """A private redis-server (no persistence) that can be killed and restarted."""
+
+    def __init__(self, port: int | None = None):
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise RuntimeError("redis-server not found on PATH (apt-get install -y redis-server)")
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_port(self.port)
+        except TimeoutError:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+            self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+            self.proc = None
+
+
+@dataclass
+class Service:
+    kind: str  # gateway | prefill | decode | colocated
+    proc: subprocess.Popen
+    address: str = ""
+    worker_id: str = ""
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def _pump(svc: Service, ready: threading.Event, echo: bool) -> None:
+    for raw in svc.proc.stdout:
+        line = raw.rstrip("\n")
+        svc.log.append(line)
+        if len(svc.log) > 2000:
+            del svc.log[:1000]
+        if echo:
+            print(f"[{svc.kind}] {line}", flush=True)
+        if line.startswith("READY ") and not ready.is_set():
+            parts = line.split()
+            svc.address = parts[2]
+            for p in parts[3:]:
+                if p.startswith("worker_id="):
+                    svc.worker_id = p.split("=", 1)[1]
+            ready.set()
+
+
+class LocalCluster:
+    def __init__(self, model: str = "smollm2-135m", *, prefill: int = 1, decode: int = 1,
+                 colocated: int = 0, gateway_port: int = 0, redis: bool = True,
+                 kv_backend: str = "tcp", worker_args: tuple[str, ...] = (),
+                 gateway_args: tuple[str, ...] = (), env: dict | None = None, echo: bool = False,
+                 startup_timeout_s: float = 180.0):
+        self.model = model
+        self.counts = {"prefill": prefill, "decode": decode, "colocated": colocated}
+        self.gateway_port = gateway_port
+        self.use_redis = redis
+        self.kv_backend = kv_backend
+        self.worker_args = tuple(worker_args)
+        self.gateway_args = tuple(gateway_args)
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self.env["PYTHONPATH"] = REPO + os.pathsep + self.env.get("PYTHONPATH", "")
+        self.echo = echo
+        self.timeout = startup_timeout_s
+        self.redis: RedisProcess | None = None
+        self.workers: list[Service] = []
+        self.gateway: Service | None = None
+
+    @property
+    def address(self) -> str:
+        return self.gateway.address if self.gateway else ""
+
+    @property
+    def redis_url(self) -> str:
+        return self.redis.url if self.redis else ""
+
+    def _spawn(self, kind: str, args: list[str]) -> Service:
+        cmd = [sys.executable, "-m", "pdserve.cli", kind, *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=self.env, cwd=REPO, start_new_session=True)
+        svc = Service(kind, proc)
+        ready = threading.Event()
+        threading.Thread(target=_pump, args=(svc, ready, self.echo), daemon=True).start()
+        svc._ready = ready  # type: ignore[attr-defined]
+        return svc
+
+    def _wait_ready(self, svcs: list[Service]) -> None:
+        deadline = time.monotonic() + self.timeout
+        for svc in svcs:
+            while not svc._ready.wait(0.2):  # type: ignore[attr-defined]
+                if not svc.alive or time.monotonic() > deadline:
+                    tail = "\n".join(svc.log[-30:])
+                    self.stop()
+                    raise RuntimeError(f"{svc.kind} did not start:\n{tail}")
+
+    def worker_cmd_args(self, role: str) -> list[str]:
+        args = ["--model", self.model, "--host", "127.0.0.1", "--port", "0",
+                "--kv-backend", self.kv_backend, "--log-format", "text",
+                "--log-level", "WARNING"]
+        if self.redis:
+            args += ["--redis-url", self.redis.url]
+        return args + list(self.worker_args)
+
+    def start_worker(self, role: str, extra: tuple[str, ...] = (), wait: bool = True) -> Service:
+        svc = self._spawn(role, self.worker_cmd_args(role) + list(extra))
+        self.workers.append(svc)
+        if wait:
+            self._wait_ready([svc])
+        return svc
+
+    def start(self) -> "LocalCluster":
+        if self.use_redis:
+            self.redis = RedisProcess()
+            self.redis.start()
+        new = []
+        for role, n in self.counts.items():
+            for _ in range(n):
+                svc = self._spawn(role, self.worker_cmd_args(role))
+                self.workers.append(svc)
+                new.append(svc)
+        self._wait_ready(new)
+        gargs = ["--model", self.model, "--host", "127.0.0.1", "--port", str(self.gateway_port),
+                 "--log-format", "text", "--log-level", "WARNING"]
+        if self.redis:
+            gargs += ["--redis-url", self.redis.url]
+        else:
+            dec = [w.address for w in self.workers if w.kind in ("decode", "colocated")]
+            pre = [w.address for w in self.workers if w.kind == "prefill"]
+            gargs += ["--decode-addrs", ",".join(dec)]
+            if pre:
+                gargs += ["--prefill-addrs", ",".join(pre)]
+        self.gateway = self._spawn("gateway", gargs + list(self.gateway_args))
+        self._wait_ready([self.gateway])
+        if self.redis:
+            self.wait_workers_registered()
+        return self
+
+    def wait_workers_registered(self, timeout_s: float = 15.0) -> None:
+        """Block until the registry lists every live worker (the gateway refreshes each 1 s)."""
+        import redis as redis_sync
+        r = redis_sync.Redis.from_url(self.redis.url)
+        want = {w.worker_id for w in self.workers if w.alive}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                have = {k.decode().split("pdserve:worker:", 1)[1]
+                        for k in r.keys("pdserve:worker:*")}
+                if want <= have:
+                    time.sleep(1.2)  # one gateway refresh period
+                    return
+                time.sleep(0.1)
+        finally:
+            r.close()
+        raise TimeoutError("workers did not register")
+
+    def kill(self, svc: Service) -> None:
+        """SIGKILL a service (a crash)."""
+        if svc.alive:
+            os.killpg(svc.proc.pid, 9)
+            svc.proc.wait(10)
+
+    def stop(self) -> None:
+        svcs = ([self.gateway] if self.gateway else []) + self.workers
+        for svc in svcs:
+            if svc.alive:
+                try:
+                    os.killpg(svc.proc.pid, 15)
+                except ProcessLookupError:
+                    pass
+        for svc in svcs:
+            try:
+                svc.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(svc.proc.pid, 9)
+                svc.proc.wait(5)
+        if self.redis:
+            self.redis.stop()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

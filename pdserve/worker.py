@@ -1,0 +1,95 @@
+"""Composition root of a worker process: engine + KV transfer + servicers for one role.
+
+    prefill    PrefillWorker service, KV sender
+    decode     DecodeWorker service, KV receiver (prefills locally only as a fallback)
+    colocated  DecodeWorker + PrefillWorker services, receiver and sender: the baseline
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from services.config import WorkerSettings
+from services.grpc_server import DECODE_SERVICE, PREFILL_SERVICE, GrpcServer
+from services.worker_runtime import WorkerRuntime, engine_config
+
+logger = logging.getLogger(__name__)
+
+
+async def serve_worker(settings: WorkerSettings) -> None:
+    from decode_worker.servicer import DecodeServicer
+    from engine.async_engine import AsyncEngine
+    from engine.engine import LLMEngine
+    from kvtransfer import KVLayout, make_receiver, make_sender
+    from prefill_worker.servicer import PrefillServicer
+    from protos.pdserve.v1 import worker_pb2_grpc
+
+    role = settings.role
+    engine = LLMEngine(engine_config(settings))
+    aengine = AsyncEngine(engine)
+    await aengine.start()
+    cache = engine.runner.kv_cache
+    layout = KVLayout.from_cache(cache, settings.block_size)
+    runtime = WorkerRuntime(settings, aengine, engine.model_id)
+
+    services = []
+    receiver = None
+    senders: dict = {}
+    decode = None
+    if role in ("decode", "colocated"):
+        opts = {"host": settings.kv_host or _bind_host(settings), "port": settings.kv_port} \
+            if settings.kv_backend == "tcp" else {}
+        if settings.kv_backend == "tcp" and settings.advertise_host:
+            opts["advertise_host"] = settings.advertise_host
+        receiver = make_receiver(settings.kv_backend, cache, layout, **opts)
+        await receiver.start()
+        decode = DecodeServicer(aengine, runtime, receiver, layout, settings.kv_backend,
+                                settings.transfer_timeout_s)
+        services.append(DECODE_SERVICE)
+    if role in ("prefill", "colocated"):
+        senders[settings.kv_backend] = make_sender(settings.kv_backend, cache, layout)
+        services.append(PREFILL_SERVICE)
+
+    srv = GrpcServer(services, host=settings.host, port=settings.port,
+                     max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s,
+                     drain_delay_s=settings.drain_delay_s)
+    if decode is not None:
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, srv.server)
+    if senders:
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
+            PrefillServicer(aengine, runtime, senders, layout), srv.server)
+    port = await srv.start()
+    address = settings.advertise_address(port)
+    await runtime.start(address, receiver.endpoint if receiver else "")
+    srv.add_shutdown_hook(runtime.stop)
+    srv.install_signal_handlers()
+    print(f"READY {role} {address} worker_id={runtime.worker_id}", flush=True)
+    logger.info("%s worker %s serving %s on %s", role, runtime.worker_id, engine.model_id, address)
+    try:
+        await srv.wait_stopped()
+    finally:
+        await aengine.stop()
+        if decode is not None:
+            await decode.close()
+        if receiver is not None:
+            await receiver.close()
+        for s in senders.values():
+            await s.close()
+
+
+def _bind_host(settings: WorkerSettings) -> str:
+    return settings.host
+
+
+def main(argv=None, role: str = "colocated") -> int:
+    from services.config import ConfigError, worker_settings
+    from services.grpc_server import run
+    from services.logging_setup import setup_logging
+    try:
+        settings = worker_settings(argv, role=role)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(f"{settings.role}-worker", settings.log_level, settings.log_format)
+    run(serve_worker(settings))
+    return 0

@@ -1,0 +1,126 @@
+"""PrefillWorker servicer: the engine in prefill role plus a KV sender.
+
+Lifecycle of one request here:
+  Prefill RPC -> engine computes the prompt (reusing its prefix cache) and samples the first
+  token -> blocks HELD -> KV sent to the decode worker's receiver -> blocks released (on DONE,
+  FAILED, TIMED_OUT, cancellation or any error: the lease always ends) -> response.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from kvtransfer import KVLayout, TransferState
+from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.logging_setup import request_context
+from services.protocol import sampling_from_proto
+
+logger = logging.getLogger(__name__)
+
+STATE_PB = {
+    TransferState.PENDING: common_pb2.TRANSFER_STATE_PENDING,
+    TransferState.TRANSFERRING: common_pb2.TRANSFER_STATE_TRANSFERRING,
+    TransferState.DONE: common_pb2.TRANSFER_STATE_DONE,
+    TransferState.FAILED: common_pb2.TRANSFER_STATE_FAILED,
+    TransferState.TIMED_OUT: common_pb2.TRANSFER_STATE_TIMED_OUT,
+    TransferState.CANCELLED: common_pb2.TRANSFER_STATE_ABORTED,
+}
+
+
+def layout_from_proto(pb: common_pb2.KVLayout) -> KVLayout:
+    return KVLayout(pb.num_layers, pb.num_kv_heads, pb.head_dim, pb.block_size, pb.dtype)
+
+
+def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
+    return common_pb2.KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                               head_dim=layout.head_dim, block_size=layout.block_size,
+                               dtype=layout.dtype)
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, aengine, runtime, senders: dict, layout: KVLayout):
+        self.aengine = aengine
+        self.runtime = runtime
+        self.senders = senders  # backend name -> KVSender
+        self.layout = layout
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context):
+        rid = request.request_id
+        with request_context(rid):
+            try:
+                sp = sampling_from_proto(request.sampling)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if request.model and request.model != self.runtime.model_id:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"this worker serves {self.runtime.model_id!r}, not {request.model!r}")
+            kv = request.kv_transfer
+            sender = self.senders.get(kv.backend)
+            if sender is None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"KV backend {kv.backend!r} not available here "
+                                    f"(have {sorted(self.senders)})")
+            if layout_from_proto(kv.layout) != self.layout:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    "KV layout of the decode worker does not match this worker's")
+            ids = list(request.prompt_token_ids)
+            try:
+                first = await self.aengine.prefill(rid, ids, sp)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            try:
+                result = await self._send(rid, kv, first, sender)
+            finally:
+                await _shielded(self.aengine.release(rid))
+            resp = worker_pb2.PrefillResponse(
+                request_id=rid, first_token_id=first.token_ids[0],
+                num_cached_tokens=first.num_cached_tokens, transfer=result)
+            if first.logprobs:
+                resp.first_logprob = first.logprobs[0]
+            logger.info("prefill %s: %d tokens (%d cached), transfer %s", rid, len(ids),
+                        first.num_cached_tokens, common_pb2.TransferState.Name(result.state))
+            return resp
+
+    async def _send(self, rid, kv, first, sender) -> common_pb2.KVTransferResult:
+        dst = list(kv.dst_block_ids)
+        blocks = await self.aengine.call(lambda e: e.held_blocks(rid))
+        src = blocks[kv.skip_blocks:kv.skip_blocks + len(dst)]
+        if first.finish_reason is not None:
+            # the first token already ended the request: nothing to decode, nothing to send
+            return common_pb2.KVTransferResult(transfer_id=kv.transfer_id,
+                                               state=common_pb2.TRANSFER_STATE_DONE)
+        if len(src) != len(dst):
+            return common_pb2.KVTransferResult(
+                transfer_id=kv.transfer_id, state=common_pb2.TRANSFER_STATE_FAILED,
+                error=f"decode worker expects {len(dst)} blocks, prefill holds {len(src)}")
+        self.runtime.active_transfers += 1
+        try:
+            res = await sender.send(kv.transfer_id, kv.receiver_endpoint, src,
+                                    max(kv.timeout_ms, 1) / 1000.0)
+        finally:
+            self.runtime.active_transfers -= 1
+        self.runtime.transferred_bytes += res.num_bytes
+        return common_pb2.KVTransferResult(
+            transfer_id=kv.transfer_id, state=STATE_PB[res.state], error=res.error or "",
+            num_blocks=len(src), num_bytes=res.num_bytes, duration_ms=res.seconds * 1000)
+
+    async def Stats(self, request, context):
+        return await self.runtime.stats_proto()
+
+    async def Abort(self, request, context):
+        found = await self.aengine.abort(request.request_id)
+        return common_pb2.AbortResponse(found=found)
+
+
+async def _shielded(coro) -> None:
+    """Run a cleanup to completion even if the caller is being cancelled."""
+    task = asyncio.ensure_future(coro)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await task
+        raise
+    except Exception:  # noqa: BLE001 - engine dead: nothing left to release
+        logger.exception("cleanup failed")

@@ -1,0 +1,163 @@
+"""What every worker process shares, whatever its role: engine settings, registry heartbeat,
+publishing block events to the global prefix index, and the Stats RPC payload.
+
+Imports no torch: it talks to the engine only through an ``AsyncEngine``-like object.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from protos.pdserve.v1 import common_pb2
+from services.config import WorkerSettings
+from services.prefix_index import IndexUnavailable, PrefixIndex
+from services.registry import (Heartbeat, RegistryUnavailable, WorkerInfo, WorkerLoad,
+                               WorkerRegistry, new_worker_id)
+
+logger = logging.getLogger(__name__)
+
+ROLE_PB = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKER_ROLE_DECODE,
+           "colocated": common_pb2.WORKER_ROLE_COLOCATED}
+
+
+def engine_config(s: WorkerSettings) -> EngineConfig:
+    return EngineConfig(
+        model=s.model, dtype=s.dtype, device=s.device, seed=s.seed,
+        cache=CacheConfig(block_size=s.block_size, num_blocks=s.num_blocks or None,
+                          kv_cache_memory_bytes=s.kv_cache_memory_bytes,
+                          enable_prefix_caching=s.enable_prefix_caching, hash_seed=s.hash_seed),
+        scheduler=SchedulerConfig(max_num_seqs=s.max_num_seqs,
+                                  max_num_batched_tokens=s.max_num_batched_tokens,
+                                  max_model_len=s.max_model_len),
+        enforce_eager=s.enforce_eager, num_threads=s.num_threads or None)
+
+
+class WorkerRuntime:
+    """Registry membership, index publishing and stats of one worker process."""
+
+    def __init__(self, settings: WorkerSettings, aengine, model_id: str):
+        self.settings = settings
+        self.aengine = aengine
+        self.model_id = model_id
+        self.address = ""
+        self.worker_id = settings.worker_id
+        self.transferred_bytes = 0
+        self.active_transfers = 0
+        self._load = WorkerLoad()
+        self._tasks: list[asyncio.Task] = []
+        self.registry = self.heartbeat = self.index = None
+        self._resync = True  # publish every cached block on the first successful round
+
+    def _connect(self, address: str, kv_endpoint: str) -> None:
+        settings = self.settings
+        self.address = address
+        self.worker_id = settings.worker_id or new_worker_id(address)
+        if settings.redis_url:
+            kw = dict(namespace=settings.namespace, timeout_s=settings.redis_timeout_s)
+            self.registry = WorkerRegistry(settings.redis_url, ttl_s=settings.registry_ttl_s, **kw)
+            info = WorkerInfo(worker_id=self.worker_id, address=address, role=settings.role,
+                              model=self.model_id, kv_endpoint=kv_endpoint,
+                              capacity=settings.max_num_seqs)
+            self.heartbeat = Heartbeat(self.registry, info, interval_s=settings.heartbeat_s,
+                                       load_fn=lambda: self._load, on_lost=self._on_lost)
+            if settings.role in ("prefill", "colocated"):
+                self.index = PrefixIndex(settings.redis_url, self.model_id, **kw)
+
+    def _on_lost(self) -> None:
+        self._resync = True  # our key expired: the reaper may have dropped our index entries
+
+    async def start(self, address: str, kv_endpoint: str = "") -> None:
+        """Register as ``address`` (host:port others dial) and start publishing."""
+        self._connect(address, kv_endpoint)
+        await self._refresh_load()
+        if self.heartbeat is not None:
+            await self.heartbeat.start()
+        self._tasks.append(asyncio.create_task(self._load_loop(), name="load"))
+        if self.index is not None:
+            self._tasks.append(asyncio.create_task(self._publish_loop(), name="index-publish"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        self._tasks.clear()
+        if self.heartbeat is not None:
+            await self.heartbeat.stop(deregister=True)
+        if self.index is not None:
+            try:
+                await self.index.clear_worker(self.worker_id)
+            except IndexUnavailable:
+                pass
+            await self.index.close()
+        if self.registry is not None:
+            await self.registry.close()
+
+    # ------------------------------------------------------------------ load
+    async def _refresh_load(self) -> None:
+        st = await self.aengine.stats()
+        self._load = WorkerLoad(running=st.num_running, waiting=st.num_waiting + st.num_awaiting_kv,
+                                kv_free_blocks=st.kv_blocks_free, kv_total_blocks=st.kv_blocks_total)
+
+    async def _load_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.25, self.settings.heartbeat_s))
+            try:
+                await self._refresh_load()
+            except Exception:  # noqa: BLE001 - engine dead; the heartbeat keeps the last load
+                logger.exception("could not read engine stats")
+                await asyncio.sleep(1.0)
+
+    # ----------------------------------------------------------- prefix index
+    async def _publish_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            try:
+                await self.publish_once()
+            except IndexUnavailable:
+                self._resync = True  # events were lost: republish the whole cache later
+            except RegistryUnavailable:
+                self._resync = True
+            except Exception:  # noqa: BLE001
+                logger.exception("publishing block events failed")
+                self._resync = True
+
+    async def publish_once(self) -> None:
+        resync = self._resync
+        if resync:
+            def snapshot(e):
+                e.block_manager.drain_events()
+                return list(e.block_manager.hash_to_block)
+            held = await self.aengine.call(snapshot)
+            await self.index.clear_worker(self.worker_id)
+            await self.index.publish_stored(self.worker_id, held)
+            self._resync = False
+            logger.info("prefix index resynced: %d blocks", len(held))
+            return
+        ev = await self.aengine.call(lambda e: e.block_manager.drain_events())
+        if ev.removed:
+            await self.index.publish_removed(self.worker_id, ev.removed)
+        if ev.stored:
+            await self.index.publish_stored(self.worker_id, ev.stored)
+
+    # ----------------------------------------------------------------- stats
+    async def stats_proto(self, receiver=None) -> common_pb2.StatsResponse:
+        st = await self.aengine.stats()
+        active, nbytes = self.active_transfers, self.transferred_bytes
+        if receiver is not None:
+            rs = receiver.stats()
+            active += rs.active_transfers
+            nbytes += rs.bytes_received
+        return common_pb2.StatsResponse(
+            worker_id=self.worker_id, role=ROLE_PB[self.settings.role], model=self.model_id,
+            kv_blocks_total=st.kv_blocks_total, kv_blocks_free=st.kv_blocks_free,
+            kv_blocks_used=st.kv_blocks_total - st.kv_blocks_free,
+            block_size=self.settings.block_size, num_running=st.num_running,
+            num_waiting=st.num_waiting + st.num_awaiting_kv,
+            prefix_cache_query_tokens=st.prefix_query_tokens,
+            prefix_cache_hit_tokens=st.prefix_hit_tokens, active_transfers=active,
+            transferred_bytes=nbytes)
