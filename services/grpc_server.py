@@ -1,0 +1,182 @@
+"""Bootstrap shared by every pdserve gRPC service (grpc.aio).
+
+Every server gets ``grpc.health.v1.Health`` (SERVING for "" and each service name once started),
+server reflection (for the given service names, Health and reflection itself) and message size
+limits. Shutdown, on SIGTERM/SIGINT or :meth:`GrpcServer.stop`:
+
+1. health -> NOT_SERVING for everything (load balancers and gateways stop sending new work);
+2. shutdown hooks run (e.g. deregister from the Redis registry);
+3. ``drain_delay_s`` passes while RPCs are still accepted (time for peers to notice);
+4. ``server.stop(grace_s)``: no new RPCs; in-flight ones get up to ``grace_s`` to finish, then
+   they are cancelled.
+
+A second signal during shutdown stops at once (grace 0).
+
+Typical use::
+
+    async def main():
+        srv = GrpcServer([GATEWAY_SERVICE], port=cfg.port, grace_s=cfg.grace_s)
+        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, srv.server)
+        srv.add_shutdown_hook(heartbeat.stop)
+        await srv.serve()          # returns after a signal and a complete shutdown
+
+    run(main())
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+import logging
+import signal
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos.pdserve.v1 import gateway_pb2, worker_pb2
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+DECODE_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """Channel/server options shared by servers and the clients between services."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+class GrpcServer:
+    def __init__(self, service_names: Sequence[str], *, host: str = "0.0.0.0", port: int = 0,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, grace_s: float = 5.0,
+                 drain_delay_s: float = 0.0,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
+        if grace_s < 0 or drain_delay_s < 0:
+            raise ValueError("grace_s and drain_delay_s must be >= 0")
+        self.service_names = list(service_names)
+        self.host = host
+        self.requested_port = port
+        self.port: int | None = None
+        self.grace_s = grace_s
+        self.drain_delay_s = drain_delay_s
+        self.server = grpc.aio.server(options=grpc_options(max_message_bytes),
+                                      interceptors=list(interceptors))
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self._hooks: list[Callable[[], Awaitable[None] | None]] = []
+        self._stop_task: asyncio.Task | None = None
+        self._stopped = asyncio.Event()
+        self._signals_installed: list[int] = []
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError("server not started")
+        return f"{self.host}:{self.port}"
+
+    def add_shutdown_hook(self, fn: Callable[[], Awaitable[None] | None]) -> None:
+        """``fn`` (sync or async) runs once during shutdown, after health turns NOT_SERVING."""
+        self._hooks.append(fn)
+
+    async def start(self) -> int:
+        """Bind, start and mark every service SERVING. Returns the bound port."""
+        bind = f"{self.host}:{self.requested_port}"
+        self.port = self.server.add_insecure_port(bind)
+        if not self.port:
+            raise OSError(f"could not bind gRPC server to {bind}")
+        await self.server.start()
+        for name in ("", *self.service_names):
+            await self.health.set(name, SERVING)
+        logger.info("gRPC server on %s serving %s", self.address, ", ".join(self.service_names))
+        return self.port
+
+    async def set_serving(self, serving: bool, service: str = "") -> None:
+        """Flip health of one service (or overall, "") without shutting down."""
+        await self.health.set(service, SERVING if serving else NOT_SERVING)
+
+    def stop(self, grace_s: float | None = None) -> asyncio.Task:
+        """Begin the shutdown sequence (idempotent); await the returned task to wait for it."""
+        if self._stop_task is None:
+            self._stop_task = asyncio.ensure_future(self._shutdown(grace_s))
+        return self._stop_task
+
+    async def _shutdown(self, grace_s: float | None) -> None:
+        grace = self.grace_s if grace_s is None else grace_s
+        logger.info("shutting down %s: NOT_SERVING, drain %.1fs, grace %.1fs",
+                    self.address if self.port else "(unbound)", self.drain_delay_s, grace)
+        try:
+            await self.health.enter_graceful_shutdown()
+            for hook in self._hooks:
+                try:
+                    res = hook()
+                    if asyncio.iscoroutine(res):
+                        await res
+                except Exception:
+                    logger.exception("shutdown hook %r failed", hook)
+            if self.drain_delay_s:
+                await asyncio.sleep(self.drain_delay_s)
+            await self.server.stop(grace)
+        finally:
+            self._remove_signal_handlers()
+            self._stopped.set()
+            logger.info("gRPC server stopped")
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT: graceful stop; a second one: stop now (grace 0)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+            self._signals_installed.append(sig)
+
+    def _remove_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in self._signals_installed:
+            loop.remove_signal_handler(sig)
+        self._signals_installed.clear()
+
+    def _on_signal(self, sig: int) -> None:
+        if self._stop_task is None:
+            logger.info("received %s", signal.Signals(sig).name)
+            self.stop()
+        else:
+            logger.warning("received %s again: stopping now", signal.Signals(sig).name)
+            asyncio.ensure_future(self.server.stop(0))
+
+    async def serve(self) -> None:
+        """Start (if needed), handle signals, return after the shutdown completed."""
+        if self.port is None:
+            await self.start()
+        self.install_signal_handlers()
+        await self.wait_stopped()
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run a service's main coroutine on uvloop (falling back to asyncio's loop)."""
+    try:
+        import uvloop
+        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; kept for odd platforms
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)

@@ -1,0 +1,234 @@
+"""Worker registry in Redis: which workers are alive, where they are, and how loaded they are.
+
+Key layout (``ns`` = namespace, default ``pdserve``)::
+
+    {ns}:worker:{worker_id}   HASH  address, role, model, kv_endpoint, capacity, running,
+                                    waiting, kv_free_blocks, kv_total_blocks, updated_ms
+                                    PEXPIRE ttl (default 3 s)
+    {ns}:workers              SET   worker ids ever registered (an index for listing; members
+                                    whose hash has expired are removed lazily by list_workers)
+
+A worker is alive exactly while its hash exists. :class:`Heartbeat` rewrites the hash and its
+TTL every ``interval_s`` (default 1 s), so a worker that stops heart-beating disappears within
+``ttl_s``. A clean shutdown deletes the hash at once. When a heartbeat finds its hash gone (the
+worker stalled longer than the TTL, or Redis restarted empty) it calls ``on_lost`` so the worker
+can re-publish state that went with it (e.g. its prefix-index entries).
+
+Listing is one round trip (a Lua script reads every member's hash). Worker ids must be unique per
+process incarnation (:func:`new_worker_id` appends a random suffix to host:port) so a restarted
+worker never inherits the index entries of its previous life.
+
+Redis being down never raises anything but :class:`RegistryUnavailable`, quickly
+(see services/redis_client.py); the heartbeat keeps retrying and re-registers on recovery.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, fields, replace
+import logging
+import time
+import uuid
+
+from services.redis_client import DEFAULT_NAMESPACE, RedisConn, RedisUnavailable, worker_key
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+class RegistryUnavailable(RedisUnavailable):
+    """The registry's Redis is unreachable."""
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    running: int = 0
+    waiting: int = 0
+    kv_free_blocks: int = 0
+    kv_total_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    address: str  # host:port of the worker's gRPC server
+    role: str  # "prefill" | "decode" | "colocated"
+    model: str
+    kv_endpoint: str = ""  # KV receiver endpoint (decode/colocated), backend specific
+    capacity: int = 0  # max running requests
+    running: int = 0
+    waiting: int = 0
+    kv_free_blocks: int = 0
+    kv_total_blocks: int = 0
+    updated_ms: int = 0  # wall-clock ms of the last write
+
+    def __post_init__(self) -> None:
+        if not self.worker_id or not self.address:
+            raise ValueError("worker_id and address are required")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+    def with_load(self, load: WorkerLoad) -> WorkerInfo:
+        return replace(self, **asdict(load))
+
+    def to_hash(self) -> dict[str, str]:
+        return {k: str(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_hash(cls, h: dict[str, str]) -> WorkerInfo:
+        kw: dict[str, object] = {}
+        for f in fields(cls):
+            if f.name in h:
+                kw[f.name] = int(h[f.name]) if f.type == "int" else h[f.name]
+        return cls(**kw)  # type: ignore[arg-type]
+
+
+def new_worker_id(address: str) -> str:
+    """A unique id: ``host:port-<8 hex>``."""
+    return f"{address}-{uuid.uuid4().hex[:8]}"
+
+
+# KEYS[1] = workers set; ARGV[1] = worker key prefix. Returns a list of flat HGETALL replies.
+_LIST_LUA = """
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local h = redis.call('HGETALL', ARGV[1] .. id)
+  if #h == 0 then redis.call('SREM', KEYS[1], id) else out[#out + 1] = h end
+end
+return out
+"""
+
+
+class WorkerRegistry:
+    def __init__(self, url: str, *, namespace: str = DEFAULT_NAMESPACE, ttl_s: float = 3.0,
+                 timeout_s: float = 0.25, cooldown_s: float = 0.5):
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be positive")
+        self.namespace = namespace
+        self.ttl_ms = int(ttl_s * 1000)
+        self.conn = RedisConn(url, timeout_s=timeout_s, cooldown_s=cooldown_s,
+                              error_cls=RegistryUnavailable, name="registry")
+        self._set_key = f"{namespace}:workers"
+        self._list = self.conn.client.register_script(_LIST_LUA)
+
+    def key(self, worker_id: str) -> str:
+        return worker_key(self.namespace, worker_id)
+
+    async def register(self, info: WorkerInfo) -> bool:
+        """Write (or refresh) ``info`` with the TTL. Returns whether the key already existed."""
+        info = replace(info, updated_ms=int(time.time() * 1000))
+        key = self.key(info.worker_id)
+
+        async def op(r):
+            async with r.pipeline(transaction=True) as p:
+                p.exists(key)
+                p.hset(key, mapping=info.to_hash())
+                p.pexpire(key, self.ttl_ms)
+                p.sadd(self._set_key, info.worker_id)
+                res = await p.execute()
+            return bool(res[0])
+
+        return await self.conn.call(op)
+
+    async def deregister(self, worker_id: str) -> None:
+        async def op(r):
+            async with r.pipeline(transaction=True) as p:
+                p.delete(self.key(worker_id))
+                p.srem(self._set_key, worker_id)
+                await p.execute()
+
+        await self.conn.call(op)
+
+    async def get(self, worker_id: str) -> WorkerInfo | None:
+        h = await self.conn.call(lambda r: r.hgetall(self.key(worker_id)))
+        return WorkerInfo.from_hash(h) if h else None
+
+    async def list_workers(self, role: str | None = None, model: str | None = None
+                           ) -> list[WorkerInfo]:
+        """Alive workers, optionally of one role and/or model, sorted by id."""
+        prefix = worker_key(self.namespace, "")
+        rows = await self.conn.call(lambda r: self._list(keys=[self._set_key], args=[prefix]))
+        out = []
+        for flat in rows:
+            h = dict(zip(flat[::2], flat[1::2]))
+            try:
+                info = WorkerInfo.from_hash(h)
+            except (ValueError, TypeError) as e:
+                logger.warning("ignoring malformed registry entry %s: %s", h.get("worker_id"), e)
+                continue
+            if (role is None or info.role == role) and (model is None or info.model == model):
+                out.append(info)
+        return sorted(out, key=lambda w: w.worker_id)
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+
+class Heartbeat:
+    """Keeps one worker registered: writes ``info`` (with fresh load) every ``interval_s``.
+
+    ``load_fn`` returns the current :class:`WorkerLoad`; ``on_lost`` (sync or async) runs after
+    a heartbeat re-created a key that had disappeared (not on the first registration).
+    """
+
+    def __init__(self, registry: WorkerRegistry, info: WorkerInfo, *, interval_s: float = 1.0,
+                 load_fn: Callable[[], WorkerLoad] | None = None,
+                 on_lost: Callable[[], Awaitable[None] | None] | None = None):
+        if interval_s <= 0 or interval_s * 1000 >= registry.ttl_ms:
+            raise ValueError("heartbeat interval must be positive and shorter than the TTL")
+        self.registry = registry
+        self.info = info
+        self.interval_s = interval_s
+        self.load_fn = load_fn
+        self.on_lost = on_lost
+        self._task: asyncio.Task | None = None
+        self._registered_once = False
+
+    async def beat(self) -> None:
+        """One heartbeat; raises RegistryUnavailable when Redis is down."""
+        info = self.info.with_load(self.load_fn()) if self.load_fn else self.info
+        existed = await self.registry.register(info)
+        if self._registered_once and not existed:
+            logger.warning("registry key of %s had expired; re-registered", info.worker_id)
+            if self.on_lost is not None:
+                res = self.on_lost()
+                if asyncio.iscoroutine(res):
+                    await res
+        self._registered_once = True
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.beat()
+            except RegistryUnavailable:
+                pass  # logged once by RedisConn; keep trying
+            except Exception:  # a bug in load_fn/on_lost must not kill the heartbeat
+                logger.exception("heartbeat of %s failed", self.info.worker_id)
+
+    async def start(self) -> None:
+        """Register now (best effort: Redis down is tolerated) and keep beating."""
+        if self._task is not None:
+            return
+        try:
+            await self.beat()
+        except RegistryUnavailable:
+            logger.warning("registry unavailable at start; %s will register when it is back",
+                           self.info.worker_id)
+        self._task = asyncio.create_task(self._run(), name=f"heartbeat-{self.info.worker_id}")
+
+    async def stop(self, deregister: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if deregister:
+            try:
+                await self.registry.deregister(self.info.worker_id)
+            except RegistryUnavailable:
+                logger.warning("could not deregister %s; its key expires by TTL",
+                               self.info.worker_id)

@@ -1,0 +1,76 @@
+"""Pools that grow and shrink, crashed workers, Redis down: the cluster keeps serving."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis as redis_sync
+
+from pdserve import client
+from pdserve.cluster import LocalCluster
+from tests.integration.helpers import gen_many, run, worker_stats
+
+TTL_S = 3.0
+
+
+def _reqs(n, tag):
+    return [client.make_request(f"{tag} request number {i}: say something.", max_tokens=4,
+                                temperature=0.0) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster("smollm2-135m", prefill=1, decode=1) as c:
+        yield c
+
+
+def _keys(url, pattern):
+    r = redis_sync.Redis.from_url(url)
+    try:
+        return {k.decode() for k in r.keys(pattern)}
+    finally:
+        r.close()
+
+
+def test_late_worker_gets_traffic_then_crash_is_cleaned_up(cluster):
+    late = cluster.start_worker("prefill")
+    cluster.wait_workers_registered()
+    outs = run(gen_many(cluster.address, _reqs(12, "late")))
+    assert all(o.completion_tokens > 0 for o in outs)
+    st = run(worker_stats(late.address))
+    assert st.prefix_cache_query_tokens > 0, "the new prefill worker got no traffic"
+    wid = late.worker_id
+    assert _keys(cluster.redis_url, f"pdserve:idx:*:wrk:{wid}"), "late worker published nothing"
+
+    cluster.kill(late)
+    deadline = time.monotonic() + TTL_S + 3.0
+    while time.monotonic() < deadline:
+        if not _keys(cluster.redis_url, f"pdserve:worker:{wid}") and \
+                not _keys(cluster.redis_url, f"pdserve:idx:*:wrk:{wid}"):
+            break
+        time.sleep(0.2)
+    assert not _keys(cluster.redis_url, f"pdserve:worker:{wid}")
+    assert not _keys(cluster.redis_url, f"pdserve:idx:*:wrk:{wid}")
+    # no index entry anywhere still names it
+    r = redis_sync.Redis.from_url(cluster.redis_url)
+    try:
+        for k in r.scan_iter("pdserve:idx:*:blk:*"):
+            assert wid.encode() not in r.smembers(k)
+    finally:
+        r.close()
+    # and requests keep succeeding on the survivors
+    outs = run(gen_many(cluster.address, _reqs(6, "after-crash")))
+    assert all(o.completion_tokens > 0 for o in outs)
+
+
+def test_redis_down_keeps_serving(cluster):
+    cluster.redis.kill()
+    try:
+        outs = run(gen_many(cluster.address, _reqs(6, "no-redis")))
+        assert all(o.completion_tokens > 0 for o in outs)
+    finally:
+        cluster.redis.start()
+    # workers re-register by themselves once Redis is back
+    cluster.wait_workers_registered(timeout_s=TTL_S + 5)
+    outs = run(gen_many(cluster.address, _reqs(4, "redis-back")))
+    assert all(o.completion_tokens > 0 for o in outs)

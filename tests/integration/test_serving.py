@@ -1,0 +1,133 @@
+"""Disaggregated serving end to end: real processes, real Redis, real gRPC and KV transfer."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from pdserve import client
+from pdserve.cluster import LocalCluster
+from protos.pdserve.v1 import gateway_pb2_grpc
+from tests.integration.helpers import PROMPTS, gen_many, run, wait_all_free, worker_stats
+
+MAX_TOKENS = 24
+PROMPTS32 = PROMPTS + [p + " Tell me more." for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM("smollm2-135m")
+    outs = llm.generate(PROMPTS32, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def cluster_2p2d():
+    with LocalCluster("smollm2-135m", prefill=2, decode=2) as c:
+        yield c
+
+
+def _reqs(prompts):
+    return [client.make_request(p, max_tokens=MAX_TOKENS, temperature=0.0) for p in prompts]
+
+
+def test_1p1d_matches_engine(reference):
+    with LocalCluster("smollm2-135m", prefill=1, decode=1) as c:
+        outs = run(gen_many(c.address, _reqs(PROMPTS32)))
+        assert [o.token_ids for o in outs] == reference
+        assert all(o.finish_reason in ("stop", "length") for o in outs)
+        stats = run(wait_all_free([w.address for w in c.workers]))
+        assert all(s.kv_blocks_used == 0 for s in stats)
+        assert stats[1].transferred_bytes > 0 or stats[0].transferred_bytes > 0
+
+
+def test_2p2d_matches_engine(cluster_2p2d, reference):
+    outs = run(gen_many(cluster_2p2d.address, _reqs(PROMPTS32)))
+    assert [o.token_ids for o in outs] == reference
+    # both pools were used
+    stats = run(wait_all_free([w.address for w in cluster_2p2d.workers]))
+    assert all(s.transferred_bytes > 0 for s in stats), [s.transferred_bytes for s in stats]
+
+
+def test_prefix_aware_routing(cluster_2p2d):
+    """4 long shared prefixes over 2 prefill workers: later requests of a prefix go to the
+    worker that holds it, and report cached tokens."""
+    prefixes = [f"System prompt {i}: " + ("You are a careful assistant for topic %d. " % i) * 12
+                for i in range(4)]
+    users = ["Hi!", "What is 2+2?", "Name a color.", "Say yes.", "Count to 3.", "Bye."]
+
+    async def go():
+        async with client.channel(cluster_2p2d.address) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            firsts = [client.make_request(p + users[0], max_tokens=2, temperature=0.0) for p in prefixes]
+            await asyncio.gather(*(client.generate(stub, r, timeout=120) for r in firsts))
+            await asyncio.sleep(0.5)  # index publication is asynchronous (~50 ms)
+            rest = [client.make_request(p + u, max_tokens=2, temperature=0.0)
+                    for u in users[1:] for p in prefixes]
+            return await asyncio.gather(*(client.generate(stub, r, timeout=120) for r in rest))
+    outs = run(go())
+    hits = [o.cached_tokens > 0 for o in outs]
+    assert sum(hits) >= 0.9 * len(outs), [o.cached_tokens for o in outs]
+
+
+def test_bad_requests_get_invalid_argument(cluster_2p2d):
+    async def status(req):
+        async with client.channel(cluster_2p2d.address) as ch:
+            try:
+                await client.generate(gateway_pb2_grpc.GatewayStub(ch), req, timeout=30)
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details()
+        return grpc.StatusCode.OK, ""
+    cases = [
+        client.make_request(""),
+        client.make_request("hi", max_tokens=0),
+        client.make_request("hi", temperature=-1),
+        client.make_request("hi", top_p=1.5),
+        client.make_request("hi", model="no-such-model"),
+        client.make_request(token_ids=[10**9]),
+        client.make_request("word " * 9000),
+    ]
+    for req in cases:
+        code, details = run(status(req))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (req, code, details)
+        assert details
+    # the cluster still serves after all that
+    assert run(gen_many(cluster_2p2d.address, _reqs(["Hello"])))[0].completion_tokens > 0
+
+
+def test_cancel_and_deadline_free_all_blocks(cluster_2p2d):
+    addrs = [w.address for w in cluster_2p2d.workers]
+
+    async def cancel_mid_stream():
+        async with client.channel(cluster_2p2d.address) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            call = stub.Generate(client.make_request("Write a long story about a dragon.",
+                                                     max_tokens=400, ignore_eos=True))
+            n = 0
+            async for _ in call:
+                n += 1
+                if n == 5:
+                    call.cancel()
+                    break
+            return n
+
+    async def deadline():
+        async with client.channel(cluster_2p2d.address) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            try:
+                await client.generate(stub, client.make_request(
+                    "Write a long story about a knight.", max_tokens=400, ignore_eos=True),
+                    timeout=1.0)
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+            return grpc.StatusCode.OK
+
+    assert run(cancel_mid_stream()) == 5
+    stats = run(wait_all_free(addrs))
+    assert all(s.kv_blocks_used == 0 and s.num_running == 0 for s in stats), stats
+    assert run(deadline()) == grpc.StatusCode.DEADLINE_EXCEEDED
+    stats = run(wait_all_free(addrs))
+    assert all(s.kv_blocks_used == 0 and s.num_running == 0 for s in stats), stats
