@@ -1,0 +1,52 @@
+"""Triton kernels, each with a torch reference of the same signature in reference.py.
+
+Import the wrappers from here. They need triton and either CUDA or TRITON_INTERPRET=1 (set
+before this package is first imported: triton decides at decoration time whether a kernel
+is compiled or interpreted). Without triton the names below raise ImportError on use, and
+callers should check triton_available() and use engine.kernels.reference instead.
+
+KV cache layout: one tensor [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+(block-major, 0 = K, 1 = V); kernels take it with a layer index and use its strides.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+__all__ = [
+    "triton_available", "store_kv", "paged_decode_attention", "paged_prefill_attention",
+    "rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rotary_embedding", "sample",
+]
+
+_WRAPPERS = {
+    "store_kv": "cache",
+    "paged_decode_attention": "decode_attention",
+    "paged_prefill_attention": "prefill_attention",
+    "rmsnorm": "elementwise",
+    "fused_add_rmsnorm": "elementwise",
+    "silu_and_mul": "elementwise",
+    "rotary_embedding": "elementwise",
+    "sample": "sampling",
+}
+
+
+def triton_available() -> bool:
+    """True when triton imports and kernels can run: on CUDA, or interpreted on CPU."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:  # a broken install counts as absent
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    import torch
+    return torch.cuda.is_available()
+
+
+def __getattr__(name):
+    module = _WRAPPERS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine.kernels' has no attribute {name!r}")
+    mod = importlib.import_module(f"engine.kernels.{module}")
+    return getattr(mod, name)

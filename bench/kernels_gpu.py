@@ -1,0 +1,192 @@
+"""Kernel correctness and speed at Llama-3-8B shapes (bf16, block 16) on one GPU.
+
+    python bench/kernels_gpu.py --out bench/results/kernels_h200.json
+
+For each case: max abs error vs the torch reference, median time (triton.testing.do_bench),
+and achieved GB/s (memory-bound kernels) or TFLOP/s (prefill). A failing case records its
+error and the rest still run; the JSON is always written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, BF16 = 32, 8, 128, 16, torch.bfloat16
+SCALE = HEAD_DIM ** -0.5
+
+
+def paged(num_seqs, ctx):
+    blocks = -(-ctx // BLOCK)
+    n = num_seqs * blocks + 1
+    cache = torch.randn(n, 2, 2, BLOCK, KV_HEADS, HEAD_DIM, dtype=BF16, device="cuda")
+    bt = torch.randperm(n, device="cuda")[: num_seqs * blocks].view(num_seqs, blocks)
+    return cache, bt.to(torch.int32)
+
+
+def err(a, b):
+    return float((a.float() - b.float()).abs().max())
+
+
+def case_decode(K, R, batch, ctx):
+    cache, bt = paged(batch, ctx)
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=BF16, device="cuda")
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    fn = lambda: K.paged_decode_attention(q, cache, 1, bt, lens, SCALE)
+    e = err(fn(), R.paged_decode_attention_ref(q, cache, 1, bt, lens, SCALE))
+    return fn, e, {"bytes": batch * ctx * 2 * KV_HEADS * HEAD_DIM * 2}
+
+
+def case_prefill(K, R, prefix, n):
+    cache, bt = paged(1, prefix + n)
+    q = torch.randn(n, HEADS, HEAD_DIM, dtype=BF16, device="cuda")
+    qsl = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    sl = torch.tensor([prefix + n], dtype=torch.int32, device="cuda")
+    fn = lambda: K.paged_prefill_attention(q, cache, 0, bt, qsl, sl, SCALE, max_query_len=n)
+    e = err(fn(), R.paged_prefill_attention_ref(q, cache, 0, bt, qsl, sl, SCALE))
+    keys = n * prefix + n * (n + 1) // 2  # (query, key) pairs under the causal mask
+    return fn, e, {"flops": 4 * HEADS * HEAD_DIM * keys}
+
+
+def case_sdpa(K, R, n):
+    q = torch.randn(1, HEADS, n, HEAD_DIM, dtype=BF16, device="cuda")
+    k, v = (torch.randn(1, KV_HEADS, n, HEAD_DIM, dtype=BF16, device="cuda") for _ in range(2))
+    fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return fn, None, {"flops": 4 * HEADS * HEAD_DIM * n * (n + 1) // 2}
+
+
+def case_store_kv(K, R, n):
+    cache, _ = paged(1, 2 * n)
+    k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, dtype=BF16, device="cuda") for _ in range(2))
+    slots = torch.randperm(cache.shape[0] * BLOCK, device="cuda")[:n]
+    fn = lambda: K.store_kv(k, v, cache, 1, slots)
+    fn()
+    expect = cache.clone()
+    R.store_kv_ref(k, v, expect, 1, slots)
+    return fn, err(cache, expect), {"bytes": 4 * k.numel() * 2}
+
+
+def case_rowwise(K, R, name):
+    x, res = (torch.randn(4096, 4096, dtype=BF16, device="cuda") for _ in range(2))
+    w = torch.randn(4096, dtype=BF16, device="cuda")
+    nbytes = 2 * x.numel() * 2
+    if name == "rmsnorm":
+        fn = lambda: K.rmsnorm(x, w, 1e-5)
+        e = err(fn(), R.rmsnorm_ref(x, w, 1e-5))
+    elif name == "fused_add_rmsnorm":
+        fn = lambda: K.fused_add_rmsnorm(x, res, w, 1e-5)
+        e = max(err(a, b) for a, b in zip(fn(), R.fused_add_rmsnorm_ref(x, res, w, 1e-5)))
+        nbytes *= 2
+    elif name == "silu_and_mul":
+        gu = torch.randn(4096, 2 * 4096, dtype=BF16, device="cuda")
+        fn = lambda: K.silu_and_mul(gu)
+        e = err(fn(), R.silu_and_mul_ref(gu))
+        nbytes = 3 * x.numel() * 2
+    else:  # rotary_embedding on q (4096 x 32 x 128) and k (4096 x 8 x 128), in place
+        q = torch.randn(4096, HEADS, HEAD_DIM, dtype=BF16, device="cuda")
+        k = torch.randn(4096, KV_HEADS, HEAD_DIM, dtype=BF16, device="cuda")
+        pos = torch.randint(0, 8192, (4096,), device="cuda")
+        ang = torch.rand(8192, HEAD_DIM // 2, device="cuda") * 6.28
+        cs = torch.cat([ang.cos(), ang.sin()], 1)
+        eq, ek = q.clone(), k.clone()
+        K.rotary_embedding(pos, q, k, cs)
+        R.rotary_embedding_ref(pos, eq, ek, cs)
+        e = max(err(q, eq), err(k, ek))
+        fn = lambda: K.rotary_embedding(pos, q, k, cs)
+        nbytes = 2 * (q.numel() + k.numel()) * 2
+    return fn, e, {"bytes": nbytes}
+
+
+def case_sample(K, R, n, vocab):
+    logits = torch.randn(n, vocab, device="cuda") * 4
+    t = torch.full((n,), 0.8, device="cuda")
+    k = torch.full((n,), 50, dtype=torch.int32, device="cuda")
+    p = torch.full((n,), 0.9, device="cuda")
+    seeds = torch.arange(n, device="cuda")
+    steps = torch.zeros(n, dtype=torch.int64, device="cuda")
+    fn = lambda: K.sample(logits, t, k, p, seeds, steps)
+    mismatch = float((fn() != R.sample_ref(logits, t, k, p, seeds, steps)).float().mean())
+    return fn, mismatch, {"bytes": logits.numel() * 4}
+
+
+CASES = [
+    ("decode b1 ctx256", case_decode, (1, 256)),
+    ("decode b1 ctx4096", case_decode, (1, 4096)),
+    ("decode b64 ctx512", case_decode, (64, 512)),
+    ("prefill 4096 no prefix", case_prefill, (0, 4096)),
+    ("prefill 1024 + 3072 prefix", case_prefill, (3072, 1024)),
+    ("torch sdpa causal 4096", case_sdpa, (4096,)),
+    ("store_kv 4096 tokens", case_store_kv, (4096,)),
+    ("rmsnorm 4096x4096", case_rowwise, ("rmsnorm",)),
+    ("fused_add_rmsnorm 4096x4096", case_rowwise, ("fused_add_rmsnorm",)),
+    ("silu_and_mul 4096x4096", case_rowwise, ("silu_and_mul",)),
+    ("rotary 4096 tokens", case_rowwise, ("rotary_embedding",)),
+    ("sample b64 vocab128256 top-k50 top-p0.9 (err = mismatch rate)", case_sample, (64, 128256)),
+]
+
+
+def graph_time(fn, do_bench):
+    try:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return do_bench(graph.replay, warmup=10, rep=50, return_mode="median")
+    except Exception:
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    report = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "python": platform.python_version(),
+              "torch": torch.__version__, "results": []}
+    try:
+        import triton
+        from triton.testing import do_bench
+
+        from engine import kernels as K
+        from engine.kernels import reference as R
+        report["triton"] = triton.__version__
+        report["device"] = torch.cuda.get_device_name()
+        for name, make, params in CASES:
+            row = {"case": name}
+            t0 = time.time()
+            try:
+                fn, e, work = make(K, R, *params)
+                ms = do_bench(fn, warmup=10, rep=50, return_mode="median")
+                row.update(max_abs_err=e, median_ms=ms)
+                graph_ms = graph_time(fn, do_bench)
+                if graph_ms is not None:  # launch overhead removed, as under the decode graphs
+                    row["graph_median_ms"] = graph_ms
+                    ms = min(ms, graph_ms)
+                if "bytes" in work:
+                    row["GB/s"] = work["bytes"] / ms / 1e6
+                if "flops" in work:
+                    row["TFLOP/s"] = work["flops"] / ms / 1e9
+            except Exception as exc:  # record and go on
+                row["error"] = f"{type(exc).__name__}: {exc}"
+                row["traceback"] = traceback.format_exc(limit=6)
+            row["wall_s"] = round(time.time() - t0, 2)
+            report["results"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+            torch.cuda.empty_cache()
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""KV transfer throughput on one CPU host: tcp and shm between two real processes.
+
+The parent process is the sender (prefill side); it starts one receiver process (decode side)
+per backend and drives it over stdin/stdout lines: ``expect <tid> <pattern>`` -> ``ready``,
+then the parent sends and the child prints the receiver's result as JSON. Throughput is the
+payload over the sender's ``send()`` time (connect to ack: the data is in the receiver's
+cache), median of ``--runs`` runs after ``--warmup`` runs. Two block patterns: ``contiguous``
+(blocks 0..n-1 on both sides) and ``scattered`` (random, distinct ids on both sides).
+
+    python bench/kv_transfer_cpu.py --out bench/results/kv_transfer_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvtransfer import KVLayout, make_receiver, make_sender  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backends", default="tcp,shm")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=30)  # SmolLM2-135M
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--runs", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--shm-chunk-mb", type=float, default=None, help="shm sender chunk_bytes")
+    p.add_argument("--shm-slots", type=int, default=None, help="shm sender num_slots")
+    p.add_argument("--patterns", default="contiguous,scattered")
+    p.add_argument("--out", default=None)
+    p.add_argument("--role", default="sender", choices=["sender", "receiver"])
+    p.add_argument("--backend", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def layout_of(args: argparse.Namespace) -> KVLayout:
+    return KVLayout(args.layers, args.kv_heads, args.head_dim, args.block_size, args.dtype)
+
+
+def block_ids(pattern: str, n: int, num_blocks: int, seed: int) -> list[int]:
+    if pattern == "contiguous":
+        return list(range(n))
+    return random.Random(seed).sample(range(num_blocks), n)
+
+
+async def receiver_main(args: argparse.Namespace) -> None:
+    layout = layout_of(args)
+    n = -(-args.tokens // args.block_size)
+    cache = torch.zeros(2 * n, *layout.block_shape, dtype=layout.torch_dtype)
+    rx = make_receiver(args.backend, cache, layout)
+    await rx.start()
+    print(rx.endpoint, flush=True)
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        _, tid, pattern, seed = line.split()
+        handle = rx.expect(tid, block_ids(pattern, n, 2 * n, int(seed) + 1), timeout_s=60)
+        print("ready", flush=True)
+        res = await handle.wait()
+        print(json.dumps({"state": res.state.value, "num_bytes": res.num_bytes,
+                          "error": res.error}), flush=True)
+    await rx.close()
+
+
+async def bench_backend(args: argparse.Namespace, backend: str) -> dict:
+    layout = layout_of(args)
+    n = -(-args.tokens // args.block_size)
+    src = torch.randn(2 * n, *layout.block_shape).to(layout.torch_dtype)
+    opts = {}
+    if backend == "shm" and args.shm_chunk_mb:
+        opts["chunk_bytes"] = int(args.shm_chunk_mb * 2**20)
+    if backend == "shm" and args.shm_slots:
+        opts["num_slots"] = args.shm_slots
+    tx = make_sender(backend, src, layout, **opts)
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--role", "receiver", "--backend", backend,
+         "--tokens", str(args.tokens), "--layers", str(args.layers), "--kv-heads",
+         str(args.kv_heads), "--head-dim", str(args.head_dim), "--block-size",
+         str(args.block_size), "--dtype", args.dtype],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    loop = asyncio.get_running_loop()
+
+    async def readline() -> str:
+        return (await loop.run_in_executor(None, child.stdout.readline)).strip()
+
+    out: dict = {}
+    try:
+        endpoint = await readline()
+        for pattern in args.patterns.split(","):
+            gbps = []
+            for i in range(args.warmup + args.runs):
+                tid = f"{backend}-{pattern}-{i}"
+                child.stdin.write(f"expect {tid} {pattern} {i}\n")
+                child.stdin.flush()
+                assert await readline() == "ready"
+                res = await tx.send(tid, endpoint, block_ids(pattern, n, 2 * n, i), 60)
+                remote = json.loads(await readline())
+                if not res.ok or remote["state"] != "done":
+                    raise RuntimeError(f"{tid}: sender {res}, receiver {remote}")
+                if i >= args.warmup:
+                    gbps.append(res.gbps)
+            out[pattern] = {"median_gbps": round(statistics.median(gbps), 3),
+                            "min_gbps": round(min(gbps), 3), "max_gbps": round(max(gbps), 3),
+                            "runs_gbps": [round(g, 3) for g in gbps]}
+            print(f"{backend:4s} {pattern:10s} median {out[pattern]['median_gbps']:.2f} GB/s "
+                  f"(min {min(gbps):.2f}, max {max(gbps):.2f}, {len(gbps)} runs)", flush=True)
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+        await tx.close()
+    return out
+
+
+def memcpy_gbps(nbytes: int, runs: int) -> float:
+    """One-process, one-thread copy of the same payload: the same-host ceiling to compare to."""
+    a = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    b = np.empty_like(a)
+    times = []
+    for _ in range(runs + 1):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+async def main(args: argparse.Namespace) -> None:
+    layout = layout_of(args)
+    n = -(-args.tokens // args.block_size)
+    payload = n * layout.block_bytes
+    print(f"KV of {args.tokens} tokens: {n} blocks x {layout.block_bytes} B = "
+          f"{payload / 2**20:.1f} MiB", flush=True)
+    load = [round(x, 2) for x in os.getloadavg()]  # the CI host is shared: note how busy
+    results = {b: await bench_backend(args, b) for b in args.backends.split(",")}
+    copy = memcpy_gbps(payload, args.runs)
+    print(f"in-process single-thread memcpy of the same payload: {copy:.2f} GB/s")
+    report = {
+        "command": "python " + shlex.join([os.path.relpath(__file__), *sys.argv[1:]]),
+        "layout": layout.__dict__, "tokens": args.tokens, "num_blocks": n,
+        "payload_bytes": payload, "runs": args.runs, "warmup": args.warmup,
+        "gbps_definition": "payload bytes / sender send() seconds (connect..ack), 1e9 B/s",
+        "results": results, "memcpy_gbps_single_process": round(copy, 3),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "torch_threads": torch.get_num_threads(),
+                    "loadavg_at_start": load},
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    ns = parse_args()
+    asyncio.run(receiver_main(ns) if ns.role == "receiver" else main(ns))

@@ -1,0 +1,47 @@
+"""Argument checks shared by the kernel wrappers: every failure is a ValueError naming the arg."""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=None,
+                 last_contiguous: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name} dtype must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if last_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, strides {t.stride()}")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    """`shape` may hold None for dims that are not checked."""
+    ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
+    if not ok:
+        want = tuple("*" if s is None else s for s in shape)
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+
+
+def check_kv_cache(kv_cache, layer: int, device=None) -> tuple[int, int, int, int]:
+    """kv_cache is [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
+
+    Returns (num_layers, block_size, num_kv_heads, head_dim)."""
+    check_tensor("kv_cache", kv_cache, ndim=6, dtypes=FLOAT_DTYPES, device=device)
+    _, num_layers, two, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if two != 2:
+        raise ValueError(f"kv_cache dim 2 must be 2 (K, V), got {two}")
+    if not (0 <= int(layer) < num_layers):
+        raise ValueError(f"layer {layer} out of range for kv_cache with {num_layers} layers")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    return num_layers, block_size, num_kv_heads, head_dim
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

@@ -1,0 +1,250 @@
+"""The kvtransfer interface: layout, per-transfer state machine, sender and receiver.
+
+A KV cache is ONE tensor of shape ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
+head_dim]`` ("block-major"): block ``b`` is one contiguous region of ``block_bytes`` bytes
+holding every layer's K and V. kvtransfer moves whole blocks between two such tensors; it
+never imports the engine, it only sees the tensor, a :class:`KVLayout` and block ids.
+
+Lifecycle of one transfer (both sides keep the same state machine)::
+
+    decode (receiver)                         prefill (sender)
+    handle = rx.expect(tid, dst_ids, t)  -->  (tid and rx.endpoint travel via the control plane)
+      PENDING                                 res = await tx.send(tid, endpoint, src_ids, t)
+      TRANSFERRING  <-- header + payload --     PENDING -> TRANSFERRING
+      DONE          --       ack         -->    DONE
+    res = await handle.wait()
+
+Every transfer ends in exactly one of DONE, FAILED, TIMED_OUT, CANCELLED, and always by its
+timeout. Leases: the sender reads the source blocks only while ``send()`` runs, so the caller
+keeps those blocks allocated (holds a lease) until ``send()`` returns, whatever the result.
+The receiver writes the destination blocks only between ``expect()`` and the end of the
+transfer; once ``handle.wait()`` has returned (or ``cancel()`` was called) it never touches
+them again, so the caller may free them.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one KV block; two caches can exchange blocks iff their layouts are equal."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"KVLayout.dtype {self.dtype!r} not one of {sorted(_DTYPES)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block: ``[num_layers, 2, block_size, num_kv_heads, head_dim]``."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        numel = 1
+        for n in self.block_shape:
+            numel *= n
+        return numel * self.torch_dtype.itemsize
+
+    @classmethod
+    def from_cache(cls, cache: torch.Tensor, block_size: int | None = None) -> KVLayout:
+        """Layout of a block-major cache tensor (``block_size`` is checked when given)."""
+        if cache.dim() != 6 or cache.shape[2] != 2:
+            raise ValueError(
+                "KV cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
+                f"head_dim], got shape {tuple(cache.shape)}"
+            )
+        _, layers, _, bs, heads, head_dim = cache.shape
+        if block_size is not None and bs != block_size:
+            raise ValueError(f"cache block_size is {bs}, expected {block_size}")
+        return cls(layers, heads, head_dim, bs, dtype_name(cache.dtype))
+
+    def validate(self, cache: torch.Tensor, *, need_contiguous_cpu: bool = False) -> None:
+        """Raise ValueError unless ``cache`` is a block-major cache with this layout."""
+        actual = KVLayout.from_cache(cache)
+        if actual != self:
+            raise ValueError(f"cache layout {actual} does not match {self}")
+        if need_contiguous_cpu and (cache.device.type != "cpu" or not cache.is_contiguous()):
+            raise ValueError("this backend needs a contiguous CPU cache tensor")
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset(
+    {TransferState.DONE, TransferState.FAILED, TransferState.TIMED_OUT, TransferState.CANCELLED}
+)
+_ENDINGS = frozenset({TransferState.FAILED, TransferState.TIMED_OUT, TransferState.CANCELLED})
+ALLOWED_TRANSITIONS: dict[TransferState, frozenset[TransferState]] = {
+    TransferState.PENDING: frozenset({TransferState.TRANSFERRING}) | _ENDINGS,
+    TransferState.TRANSFERRING: frozenset({TransferState.DONE}) | _ENDINGS,
+    TransferState.DONE: frozenset(),
+    TransferState.FAILED: frozenset(),
+    TransferState.TIMED_OUT: frozenset(),
+    TransferState.CANCELLED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A transfer was moved along an edge its state machine does not have."""
+
+
+class TransferStateMachine:
+    """The state of one transfer; every change is checked and logged with the transfer id."""
+
+    def __init__(self, transfer_id: str, side: str) -> None:
+        self.transfer_id = transfer_id
+        self.side = side
+        self.state = TransferState.PENDING
+        self.num_bytes = 0  # payload bytes moved so far
+        logger.debug("%s transfer %s: pending", side, transfer_id)
+
+    def advance(self, new: TransferState, reason: str | None = None) -> None:
+        if new not in ALLOWED_TRANSITIONS[self.state]:
+            raise IllegalTransition(
+                f"transfer {self.transfer_id}: {self.state.value} -> {new.value} not allowed"
+            )
+        logger.debug(
+            "%s transfer %s: %s -> %s%s", self.side, self.transfer_id, self.state.value,
+            new.value, f" ({reason})" if reason else "",
+        )
+        self.state = new
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    transfer_id: str
+    state: TransferState
+    num_bytes: int
+    seconds: float
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state is TransferState.DONE
+
+    @property
+    def gbps(self) -> float:
+        """Payload throughput in GB/s (1e9 bytes per second)."""
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class ReceiverStats:
+    active_transfers: int  # expected and not yet ended (PENDING or TRANSFERRING)
+    bytes_received: int  # payload bytes written into the cache, all transfers
+    done: int
+    failed: int  # FAILED + TIMED_OUT + CANCELLED
+
+
+class TransferHandle(abc.ABC):
+    """What ``KVReceiver.expect`` returns: one expected transfer on the decode side."""
+
+    transfer_id: str
+
+    @property
+    @abc.abstractmethod
+    def state(self) -> TransferState: ...
+
+    @abc.abstractmethod
+    async def wait(self) -> TransferResult:
+        """The final result; returns no later than the transfer's timeout."""
+
+
+class KVReceiver(abc.ABC):
+    """Decode side: writes incoming blocks into its cache."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Bind/listen; ``endpoint`` is valid afterwards."""
+
+    @property
+    @abc.abstractmethod
+    def endpoint(self) -> str:
+        """Opaque address a sender connects to, e.g. ``tcp://127.0.0.1:5555``."""
+
+    @abc.abstractmethod
+    def expect(self, transfer_id: str, dst_block_ids: list[int],
+               timeout_s: float) -> TransferHandle:
+        """Register a transfer before the sender sends; must be called in the event loop."""
+
+    @abc.abstractmethod
+    def cancel(self, transfer_id: str) -> bool:
+        """End the transfer as CANCELLED (no more writes to its blocks); False if not active."""
+
+    @abc.abstractmethod
+    def stats(self) -> ReceiverStats: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Cancel active transfers and release sockets / shared memory."""
+
+
+class KVSender(abc.ABC):
+    """Prefill side: reads blocks from its cache and ships them to a receiver."""
+
+    @abc.abstractmethod
+    async def send(
+        self, transfer_id: str, endpoint: str, src_block_ids: list[int], timeout_s: float
+    ) -> TransferResult:
+        """Send the blocks; DONE only once the receiver acked having them.
+
+        Never raises on network problems (returns FAILED / TIMED_OUT; CANCELLED after
+        ``cancel``); raises ValueError for invalid arguments. The cache is read only while
+        this coroutine runs: keep the source blocks leased until it returns.
+        """
+
+    @abc.abstractmethod
+    def cancel(self, transfer_id: str) -> bool:
+        """Make a running ``send`` return CANCELLED; False if no such send is running."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...

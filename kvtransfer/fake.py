@@ -1,0 +1,137 @@
+"""In-process backend for engine and worker unit tests: no sockets, same semantics.
+
+Receivers register under ``fake://<n>`` in a process-wide dict; a sender looks the endpoint
+up, the receiver checks the transfer exactly like a real backend (unknown id, layout, block
+count) and copies the blocks tensor-to-tensor (any device). ``stall=True`` makes a receiver
+that accepts transfers but never acknowledges them (to test sender timeouts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import torch
+
+from kvtransfer.base import (
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    ReceiverStats,
+    TransferResult,
+    TransferState,
+    TransferStateMachine,
+)
+from kvtransfer.blocks import block_runs, scatter
+from kvtransfer.tracking import (
+    ExpectedTransfer,
+    ReceiverTracker,
+    SendRunner,
+    TransferError,
+    check_block_ids,
+)
+
+logger = logging.getLogger(__name__)
+
+_ENDPOINTS: dict[str, FakeReceiver] = {}
+_NEXT = itertools.count()
+
+
+class FakeReceiver(KVReceiver):
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, stall: bool = False) -> None:
+        layout.validate(cache)
+        self._cache = cache
+        self._layout = layout
+        self._stall = stall
+        self._tracker = ReceiverTracker(cache.shape[0], layout.block_bytes)
+        self._endpoint: str | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._endpoint = f"fake://{next(_NEXT)}"
+        _ENDPOINTS[self._endpoint] = self
+
+    @property
+    def endpoint(self) -> str:
+        if self._endpoint is None:
+            raise RuntimeError("receiver not started")
+        return self._endpoint
+
+    def expect(self, transfer_id: str, dst_block_ids: list[int],
+               timeout_s: float) -> ExpectedTransfer:
+        return self._tracker.expect(transfer_id, dst_block_ids, timeout_s)
+
+    def cancel(self, transfer_id: str) -> bool:
+        return self._tracker.cancel(transfer_id)
+
+    def stats(self) -> ReceiverStats:
+        return self._tracker.stats()
+
+    async def close(self) -> None:
+        if self._endpoint is not None:
+            _ENDPOINTS.pop(self._endpoint, None)
+        self._tracker.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _deliver(self, transfer_id: str, layout: KVLayout, blocks: torch.Tensor) -> None:
+        """Runs as its own task; raises TransferError when the transfer is rejected/failed."""
+        error = None if layout == self._layout else (
+            f"layout mismatch: sender {layout} != receiver {self._layout}")
+        entry: ExpectedTransfer = self._tracker.claim(
+            transfer_id, blocks.shape[0], error, owner=asyncio.current_task())
+        try:
+            if self._stall:
+                await asyncio.Event().wait()  # never acks; ends by timeout or cancel
+            await asyncio.sleep(0)  # a transfer takes at least one loop turn, like a real one
+            scatter(self._cache, entry.dst_block_ids, blocks.to(self._cache.device))
+            entry.add_bytes(blocks.numel() * blocks.element_size())
+            entry.finish(TransferState.DONE)
+        except asyncio.CancelledError:
+            if not entry.state.terminal:  # the sender went away
+                entry.finish(TransferState.FAILED, "sender cancelled the transfer")
+            raise
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+
+class FakeSender(KVSender):
+    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+        layout.validate(cache)
+        self._cache = cache
+        self._layout = layout
+        self._runner = SendRunner()
+
+    async def send(self, transfer_id: str, endpoint: str, src_block_ids: list[int],
+                   timeout_s: float) -> TransferResult:
+        ids = check_block_ids(src_block_ids, self._cache.shape[0], unique=False)
+
+        async def body(sm: TransferStateMachine) -> int:
+            receiver = _ENDPOINTS.get(endpoint)
+            if receiver is None:
+                raise TransferError(f"no fake receiver at {endpoint!r}")
+            blocks = torch.cat([self._cache[r.start:r.start + r.count] for r in block_runs(ids)])
+            sm.advance(TransferState.TRANSFERRING)
+            task = receiver._spawn(receiver._deliver(sm.transfer_id, self._layout, blocks))
+            try:
+                await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if task.cancelled() and not (current and current.cancelling()):
+                    raise TransferError("receiver aborted the transfer") from None
+                raise
+            return blocks.numel() * blocks.element_size()
+
+        return await self._runner.run(transfer_id, timeout_s, body)
+
+    def cancel(self, transfer_id: str) -> bool:
+        return self._runner.cancel(transfer_id)
+
+    async def close(self) -> None:
+        await self._runner.close()

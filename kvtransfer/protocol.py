@@ -1,0 +1,163 @@
+"""Wire format shared by the socket backends (tcp, shm) and async socket helpers.
+
+Sender -> receiver, once per connection (one connection per transfer)::
+
+    HELLO  !4sHH IIII 16s Q III H  + transfer id (utf-8)
+           magic b"PDKV", version, backend kind,
+           num_layers, num_kv_heads, head_dim, block_size, dtype, block_bytes,
+           num_blocks, chunk_blocks, num_slots (shm only; 0 for tcp), len(transfer id)
+
+Receiver -> sender::
+
+    REPLY  !BIH + message (utf-8)      status, value, len(message)
+           OK after HELLO = accepted; OK after the payload = ack (the data is in place);
+           ERROR = rejected / failed, the message says why; FREED (shm) = slot ``value`` free.
+
+Everything is big-endian. All helpers use the loop's ``sock_*`` methods on non-blocking
+sockets, so they run under asyncio and uvloop alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import struct
+from dataclasses import dataclass
+
+from kvtransfer.base import KVLayout
+from kvtransfer.tracking import TransferError
+
+MAGIC = b"PDKV"
+VERSION = 1
+KIND_TCP = 1
+KIND_SHM = 2
+
+_HELLO = struct.Struct("!4sHHIIII16sQIIIH")
+_REPLY = struct.Struct("!BIH")
+HELLO_SIZE = _HELLO.size
+
+OK = 0
+ERROR = 1
+FREED = 2
+
+
+class PeerClosed(ConnectionError):
+    """The other side closed the connection before the message was complete."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    kind: int
+    layout: KVLayout | None  # None when the fields do not even form a valid layout
+    layout_text: str
+    block_bytes: int
+    num_blocks: int
+    chunk_blocks: int
+    num_slots: int
+    transfer_id: str
+
+
+def encode_hello(kind: int, layout: KVLayout, transfer_id: str, num_blocks: int,
+                 chunk_blocks: int = 0, num_slots: int = 0) -> bytes:
+    tid = transfer_id.encode()
+    head = _HELLO.pack(MAGIC, VERSION, kind, layout.num_layers, layout.num_kv_heads,
+                       layout.head_dim, layout.block_size, layout.dtype.encode(),
+                       layout.block_bytes, num_blocks, chunk_blocks, num_slots, len(tid))
+    return head + tid
+
+
+def decode_hello_head(head: bytes) -> tuple[Hello, int]:
+    """Parse the fixed part; returns the Hello (transfer id still empty) and the id length."""
+    (magic, version, kind, layers, heads, head_dim, block_size, dtype, block_bytes,
+     num_blocks, chunk_blocks, num_slots, tid_len) = _HELLO.unpack(head)
+    if magic != MAGIC:
+        raise TransferError(f"bad magic {magic!r}: not a kvtransfer peer")
+    if version != VERSION:
+        raise TransferError(f"protocol version {version} not supported (this side: {VERSION})")
+    dtype_s = dtype.rstrip(b"\0").decode(errors="replace")
+    text = (f"KVLayout(num_layers={layers}, num_kv_heads={heads}, head_dim={head_dim}, "
+            f"block_size={block_size}, dtype='{dtype_s}')")
+    try:
+        layout = KVLayout(layers, heads, head_dim, block_size, dtype_s)
+    except ValueError:
+        layout = None
+    hello = Hello(kind, layout, text, block_bytes, num_blocks, chunk_blocks, num_slots, "")
+    return hello, tid_len
+
+
+def layout_error(hello: Hello, mine: KVLayout) -> str | None:
+    if hello.layout != mine or hello.block_bytes != mine.block_bytes:
+        return f"layout mismatch: sender {hello.layout_text} != receiver {mine}"
+    return None
+
+
+def encode_reply(status: int, value: int = 0, message: str = "") -> bytes:
+    text = message.encode()[:60000]
+    return _REPLY.pack(status, value, len(text)) + text
+
+
+async def recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                    view: memoryview) -> None:
+    """Fill ``view`` completely from ``sock``; PeerClosed on end of stream."""
+    got = 0
+    while got < len(view):
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            raise PeerClosed(f"peer closed the connection after {got} of {len(view)} bytes")
+        got += n
+
+
+async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    if n:
+        await recv_into(loop, sock, memoryview(buf))
+    return bytes(buf)
+
+
+async def read_hello(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                     head: bytes | None = None) -> Hello:
+    """Read a HELLO (``head``: its fixed part when already read, e.g. with an fd)."""
+    if head is None:
+        head = await recv_exact(loop, sock, HELLO_SIZE)
+    hello, tid_len = decode_hello_head(head)
+    tid = (await recv_exact(loop, sock, tid_len)).decode(errors="replace")
+    return dataclasses.replace(hello, transfer_id=tid)
+
+
+async def read_reply(loop: asyncio.AbstractEventLoop,
+                     sock: socket.socket) -> tuple[int, int, str]:
+    status, value, n = _REPLY.unpack(await recv_exact(loop, sock, _REPLY.size))
+    return status, value, (await recv_exact(loop, sock, n)).decode(errors="replace")
+
+
+async def expect_ok(loop: asyncio.AbstractEventLoop, sock: socket.socket, what: str) -> None:
+    status, _, message = await read_reply(loop, sock)
+    if status == ERROR:
+        raise TransferError(f"receiver {what}: {message}")
+    if status != OK:
+        raise TransferError(f"protocol error: unexpected reply status {status} ({what})")
+
+
+def try_send_error(sock: socket.socket, message: str) -> None:
+    """Best effort, never blocks: tell the peer why we are hanging up."""
+    try:
+        sock.send(encode_reply(ERROR, 0, message))
+    except OSError:
+        pass
+
+
+async def wait_readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    fut = loop.create_future()
+    loop.add_reader(sock.fileno(), lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+def parse_endpoint(endpoint: str, scheme: str) -> str:
+    prefix = f"{scheme}://"
+    if not endpoint.startswith(prefix):
+        raise TransferError(f"endpoint {endpoint!r} is not a {scheme}:// endpoint")
+    return endpoint[len(prefix):]

@@ -1,0 +1,236 @@
+"""Bookkeeping every backend shares: expected transfers (receiver) and running sends (sender).
+
+Backends only move bytes. The timeouts, cancellation, state changes and statistics live
+here, so every backend ends its transfers the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from kvtransfer.base import (
+    ReceiverStats,
+    TransferHandle,
+    TransferResult,
+    TransferState,
+    TransferStateMachine,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class TransferError(Exception):
+    """A transfer failed for a reason both sides can name (rejection, protocol error)."""
+
+
+def check_block_ids(ids: list[int], num_blocks: int, *, unique: bool) -> list[int]:
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise ValueError("a transfer needs at least one block id")
+    bad = [i for i in ids if not 0 <= i < num_blocks]
+    if bad:
+        raise ValueError(f"block ids out of range [0, {num_blocks}): {bad[:8]}")
+    if unique and len(set(ids)) != len(ids):
+        raise ValueError("destination block ids must be distinct")
+    return ids
+
+
+class ExpectedTransfer(TransferHandle):
+    """One transfer the receiver waits for. Ends exactly once, at the latest at its deadline."""
+
+    def __init__(self, tracker: ReceiverTracker, transfer_id: str, dst_block_ids: list[int],
+                 timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        self.transfer_id = transfer_id
+        self.dst_block_ids = dst_block_ids
+        self.num_bytes = 0
+        self._tracker = tracker
+        self._sm = TransferStateMachine(transfer_id, "recv")
+        self._t0 = time.monotonic()
+        self._future: asyncio.Future[TransferResult] = loop.create_future()
+        self._timer = loop.call_later(timeout_s, self._on_timeout, timeout_s)
+        self._owner: asyncio.Task | None = None
+        self._cleanups: list[Callable[[], None]] = []
+
+    @property
+    def state(self) -> TransferState:
+        return self._sm.state
+
+    async def wait(self) -> TransferResult:
+        return await asyncio.shield(self._future)
+
+    def start(self, owner: asyncio.Task | None) -> None:
+        """The data began to arrive; ``owner`` is cancelled if the transfer ends elsewhere."""
+        self._sm.advance(TransferState.TRANSFERRING)
+        self._owner = owner
+
+    def on_end(self, cleanup: Callable[[], None]) -> None:
+        """Run ``cleanup`` when the transfer ends (or now, if it already has)."""
+        if self.state.terminal:
+            cleanup()
+        else:
+            self._cleanups.append(cleanup)
+
+    def add_bytes(self, n: int) -> None:
+        self.num_bytes += n
+        self._tracker.bytes_received += n
+
+    def finish(self, state: TransferState, error: str | None = None) -> bool:
+        """End the transfer; False (and nothing happens) if it had already ended."""
+        if self.state.terminal:
+            return False
+        self._sm.advance(state, error)
+        self._timer.cancel()
+        self._tracker._ended(self)
+        owner, self._owner = self._owner, None
+        if owner is not None and owner is not asyncio.current_task():
+            owner.cancel()  # stop the backend before it writes another byte into our blocks
+        for cleanup in self._cleanups:
+            try:
+                cleanup()
+            except Exception:  # noqa: BLE001 - a cleanup must not block the others
+                logger.exception("transfer %s: cleanup failed", self.transfer_id)
+        self._cleanups.clear()
+        self._future.set_result(TransferResult(
+            self.transfer_id, state, self.num_bytes, time.monotonic() - self._t0, error))
+        return True
+
+    def _on_timeout(self, timeout_s: float) -> None:
+        self.finish(TransferState.TIMED_OUT,
+                    f"no complete transfer within {timeout_s}s (was {self.state.value})")
+
+
+class ReceiverTracker:
+    """The receiver's table of expected transfers, keyed by transfer id."""
+
+    def __init__(self, num_blocks: int, block_bytes: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.bytes_received = 0
+        self._active: dict[str, ExpectedTransfer] = {}
+        self._done = 0
+        self._failed = 0
+
+    def expect(self, transfer_id: str, dst_block_ids: list[int],
+               timeout_s: float) -> ExpectedTransfer:
+        if not transfer_id or len(transfer_id.encode()) > 1024:
+            raise ValueError("transfer_id must be a non-empty string of at most 1024 bytes")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if transfer_id in self._active:
+            raise ValueError(f"transfer {transfer_id} is already expected")
+        ids = check_block_ids(dst_block_ids, self.num_blocks, unique=True)
+        entry = ExpectedTransfer(self, transfer_id, ids, timeout_s)
+        self._active[transfer_id] = entry
+        return entry
+
+    def claim(self, transfer_id: str, num_blocks: int, layout_error: str | None = None,
+              owner: asyncio.Task | None = None) -> ExpectedTransfer:
+        """Match incoming data to its expected transfer; raise TransferError to reject it.
+
+        A mismatch (layout, block count) also fails the expected transfer, so both sides
+        see FAILED with the same message.
+        """
+        entry = self._active.get(transfer_id)
+        if entry is None:
+            raise TransferError(f"unknown or expired transfer id {transfer_id!r}")
+        if entry.state is not TransferState.PENDING:
+            raise TransferError(f"transfer {transfer_id!r} is already {entry.state.value}")
+        error = layout_error
+        if error is None and num_blocks != len(entry.dst_block_ids):
+            error = (f"block count mismatch: sender has {num_blocks} blocks, "
+                     f"receiver expects {len(entry.dst_block_ids)}")
+        if error is not None:
+            entry.finish(TransferState.FAILED, error)
+            raise TransferError(error)
+        entry.start(owner)
+        return entry
+
+    def cancel(self, transfer_id: str) -> bool:
+        entry = self._active.get(transfer_id)
+        return entry is not None and entry.finish(TransferState.CANCELLED, "cancelled by receiver")
+
+    def close(self) -> None:
+        for entry in list(self._active.values()):
+            entry.finish(TransferState.CANCELLED, "receiver closed")
+
+    def stats(self) -> ReceiverStats:
+        return ReceiverStats(len(self._active), self.bytes_received, self._done, self._failed)
+
+    def _ended(self, entry: ExpectedTransfer) -> None:
+        self._active.pop(entry.transfer_id, None)
+        if entry.state is TransferState.DONE:
+            self._done += 1
+        else:
+            self._failed += 1
+
+
+SendBody = Callable[[TransferStateMachine], Awaitable[int]]
+
+
+class SendRunner:
+    """Runs a backend's send body with a timeout, cancellation and one final state change.
+
+    The body returns the payload byte count once the receiver acked, and raises
+    TransferError / OSError / EOFError for failures; it must advance the state machine to
+    TRANSFERRING once the receiver accepted the transfer.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._cancel_requested: set[str] = set()
+
+    async def run(self, transfer_id: str, timeout_s: float, body: SendBody) -> TransferResult:
+        if transfer_id in self._tasks:
+            raise ValueError(f"transfer {transfer_id} is already being sent")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        sm = TransferStateMachine(transfer_id, "send")
+        t0 = time.monotonic()
+        task = asyncio.create_task(self._guarded(sm, timeout_s, body))
+        self._tasks[transfer_id] = task
+        try:
+            state, error = await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if transfer_id not in self._cancel_requested or (current and current.cancelling()):
+                raise  # our caller was cancelled: propagate
+            state, error = TransferState.CANCELLED, "cancelled by sender"
+        finally:
+            self._tasks.pop(transfer_id, None)
+            self._cancel_requested.discard(transfer_id)
+        sm.advance(state, error)
+        return TransferResult(transfer_id, state, sm.num_bytes, time.monotonic() - t0, error)
+
+    def cancel(self, transfer_id: str) -> bool:
+        task = self._tasks.get(transfer_id)
+        if task is None or task.done():
+            return False
+        self._cancel_requested.add(transfer_id)
+        task.cancel()
+        return True
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.items())
+        for transfer_id, _ in tasks:
+            self.cancel(transfer_id)
+        await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
+
+    @staticmethod
+    async def _guarded(sm: TransferStateMachine, timeout_s: float,
+                       body: SendBody) -> tuple[TransferState, str | None]:
+        try:
+            async with asyncio.timeout(timeout_s) as cm:
+                sm.num_bytes = await body(sm)
+            return TransferState.DONE, None
+        except TransferError as exc:
+            return TransferState.FAILED, str(exc)
+        except TimeoutError as exc:  # before OSError: TimeoutError is one
+            if cm.expired():
+                return TransferState.TIMED_OUT, f"not acknowledged within {timeout_s}s"
+            return TransferState.FAILED, f"{type(exc).__name__}: {exc}"
+        except (OSError, EOFError) as exc:
+            return TransferState.FAILED, f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,203 @@
+"""Triton kernels vs their torch references, on CPU through TRITON_INTERPRET=1 (tiny shapes).
+
+Outputs are poisoned (NaN) before each kernel runs so unwritten elements fail the comparison.
+"""
+import os
+
+if not os.environ.get("TRITON_INTERPRET") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of engine.kernels
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from engine import kernels as K  # noqa: E402
+from engine.kernels import reference as R  # noqa: E402
+
+if not K.triton_available():
+    pytest.skip("triton cannot run here", allow_module_level=True)
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(a, b, dtype, scale=1.0):
+    assert not torch.isnan(a).any(), "unwritten (NaN) elements in kernel output"
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype] * scale,
+                               rtol=TOL[dtype] * scale)
+
+
+def make_cache(num_blocks, layers, block_size, kv_heads, head_dim, dtype):
+    return torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, dtype=dtype,
+                       device=DEV)
+
+
+def random_block_tables(num_seqs, max_blocks, num_blocks):
+    perm = torch.randperm(num_blocks, device=DEV)[: num_seqs * max_blocks]
+    return perm.view(num_seqs, max_blocks).to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv(dtype):
+    cache = make_cache(6, 3, 4, 2, 64, dtype)
+    expect = cache.clone()
+    key = torch.randn(7, 2, 64, dtype=dtype, device=DEV)
+    value = torch.randn(7, 2, 64, dtype=dtype, device=DEV)
+    slots = torch.randperm(24, device=DEV)[:7]
+    slots[3] = -1
+    K.store_kv(key, value, cache, 1, slots)
+    R.store_kv_ref(key, value, expect, 1, slots)
+    assert torch.equal(cache, expect)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,block_size,group,num_splits", [
+    (64, 16, 4, None), (64, 16, 4, 3), (128, 8, 2, 1), (64, 32, 1, 4)])
+def test_paged_decode_attention(dtype, head_dim, block_size, group, num_splits):
+    kv_heads, max_blocks, seqs = 2, 5, 3
+    cache = make_cache(seqs * max_blocks + 2, 2, block_size, kv_heads, head_dim, dtype)
+    bt = random_block_tables(seqs, max_blocks, cache.shape[0])
+    ctx = torch.tensor([1, block_size * max_blocks, block_size + 3], dtype=torch.int32,
+                       device=DEV)
+    q = torch.randn(seqs, kv_heads * group, head_dim, dtype=dtype, device=DEV)
+    scale = head_dim ** -0.5
+    out = K.paged_decode_attention(q, cache, 1, bt, ctx, scale, num_splits=num_splits)
+    close(out, R.paged_decode_attention_ref(q, cache, 1, bt, ctx, scale), dtype)
+
+
+def test_decode_zero_context_gives_zeros():
+    cache = make_cache(4, 1, 16, 1, 64, torch.float32)
+    bt = random_block_tables(2, 2, 4)
+    q = torch.randn(2, 2, 64, device=DEV)
+    ctx = torch.tensor([0, 5], dtype=torch.int32, device=DEV)
+    for splits in (1, 2):
+        out = K.paged_decode_attention(q, cache, 0, bt, ctx, 0.125, num_splits=splits)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 8)])
+def test_paged_prefill_attention(dtype, head_dim, block_size):
+    kv_heads, group, max_blocks = 2, 2, 4
+    prefix = [0, 21, 5]
+    qlen = [19, 3, 27]
+    seqs = len(qlen)
+    cache = make_cache(seqs * max_blocks + 1, 2, block_size, kv_heads, head_dim, dtype)
+    max_blocks = -(-max(p + n for p, n in zip(prefix, qlen)) // block_size)
+    cache = make_cache(seqs * max_blocks + 1, 2, block_size, kv_heads, head_dim, dtype)
+    bt = random_block_tables(seqs, max_blocks, cache.shape[0])
+    qsl = torch.tensor([0, 19, 22, 49], dtype=torch.int32, device=DEV)
+    seq_lens = torch.tensor([p + n for p, n in zip(prefix, qlen)], dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(qlen), kv_heads * group, head_dim, dtype=dtype, device=DEV)
+    out = K.paged_prefill_attention(q, cache, 0, bt, qsl, seq_lens, 0.1)
+    close(out, R.paged_prefill_attention_ref(q, cache, 0, bt, qsl, seq_lens, 0.1), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_and_fused_add(dtype):
+    x = torch.randn(5, 96, dtype=dtype, device=DEV)
+    res = torch.randn(5, 96, dtype=dtype, device=DEV)
+    w = torch.randn(96, dtype=dtype, device=DEV)
+    close(K.rmsnorm(x, w, 1e-6), R.rmsnorm_ref(x, w, 1e-6), dtype)
+    normed, new_res = K.fused_add_rmsnorm(x, res, w, 1e-5)
+    e_normed, e_res = R.fused_add_rmsnorm_ref(x, res, w, 1e-5)
+    close(new_res, e_res, dtype)
+    close(normed, e_normed, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = torch.randn(4, 2 * 80, dtype=dtype, device=DEV)
+    close(K.silu_and_mul(x), R.silu_and_mul_ref(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (128, 128), (64, 32)])
+def test_rotary_embedding(dtype, head_dim, rot_dim):
+    n, max_pos = 6, 40
+    pos = torch.randint(0, max_pos, (n,), device=DEV)
+    qkv = torch.randn(n, 4 + 2 + 2, head_dim, dtype=dtype, device=DEV)
+    q, k = qkv[:, :4], qkv[:, 4:6]  # strided views, as split from a fused qkv projection
+    inv = 1.0 / 10000 ** (torch.arange(0, rot_dim, 2, device=DEV).float() / rot_dim)
+    ang = torch.arange(max_pos, device=DEV).float()[:, None] * inv[None, :]
+    cs = torch.cat([ang.cos(), ang.sin()], dim=1)
+    eq, ek = q.clone(), k.clone()
+    K.rotary_embedding(pos, q, k, cs)
+    R.rotary_embedding_ref(pos, eq, ek, cs)
+    close(q, eq, dtype)
+    close(k, ek, dtype)
+    assert torch.equal(qkv[:, 6:], qkv[:, 6:])
+
+
+def sampling_inputs(n, vocab, temps, top_ks, top_ps, seeds=None, steps=None):
+    logits = torch.randn(n, vocab, device=DEV) * 3
+    f = lambda v, dt: torch.as_tensor(v, dtype=dt, device=DEV).expand(n).contiguous()
+    seeds = torch.randint(0, 2**62, (n,), device=DEV) if seeds is None else f(seeds, torch.int64)
+    return (logits, f(temps, torch.float32), f(top_ks, torch.int32), f(top_ps, torch.float32),
+            seeds, f(0 if steps is None else steps, torch.int64))
+
+
+@pytest.mark.parametrize("temp,top_k,top_p", [
+    (0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (1.0, 10, 0.8), (1.0, 1, 1.0)])
+def test_sample_matches_reference(temp, top_k, top_p):
+    args = sampling_inputs(3, 100, temp, top_k, top_p, steps=3)
+    got = K.sample(*args)
+    assert torch.equal(got, R.sample_ref(*args))
+    if temp == 0.0 or top_k == 1:
+        assert torch.equal(got, args[0].argmax(dim=1))
+
+
+def test_sample_stays_inside_top_k_and_top_p():
+    # the kernel equals the reference (above), so the property is checked on many rows of it
+    logits, t, k, p, seeds, steps = sampling_inputs(400, 100, 1.0, 7, 0.5)
+    got = R.sample_ref(logits, t, k, p, seeds, steps)
+    assert torch.equal(K.sample(*(x[:2] for x in (logits, t, k, p, seeds, steps))), got[:2])
+    order = torch.softmax(logits, dim=1).sort(dim=1, descending=True)
+    top = order.values[:, :7] / order.values[:, :7].sum(1, keepdim=True)
+    n_keep = (top.cumsum(1) < 0.5).sum(1) + 1  # the smallest prefix reaching top_p
+    rank = (order.indices == got[:, None]).float().argmax(dim=1)
+    assert bool((rank < n_keep).all())
+
+
+def test_sample_reproducible_and_batch_independent():
+    args = sampling_inputs(3, 100, 1.0, 0, 0.9, steps=11)
+    a = K.sample(*args)
+    assert torch.equal(a, K.sample(*args))
+    assert torch.equal(K.sample(*(x[2:3] for x in args)), a[2:3])
+
+
+def test_sample_frequencies_follow_softmax():
+    vocab, n = 8, 20000
+    row = torch.randn(vocab, device=DEV)
+    logits = row.expand(n, vocab).contiguous()
+    f = lambda v, dt: torch.full((n,), v, dtype=dt, device=DEV)
+    args = (logits, f(0.8, torch.float32), f(0, torch.int32), f(1.0, torch.float32),
+            f(1234, torch.int64), torch.arange(n, device=DEV))
+    got = R.sample_ref(*args)
+    assert torch.equal(K.sample(*(x[:32] for x in args)), got[:32])
+    counts = torch.bincount(got, minlength=vocab).float()
+    expect = torch.softmax(row / 0.8, dim=0) * n
+    chi2 = float(((counts - expect) ** 2 / expect).sum())
+    assert chi2 < 30.0, chi2  # 7 degrees of freedom: p < 1e-4 by chance
+
+
+def test_wrappers_reject_bad_arguments():
+    cache = make_cache(4, 2, 16, 2, 64, torch.float32)
+    key = torch.randn(3, 2, 64, device=DEV)
+    with pytest.raises(ValueError, match="layer"):
+        K.store_kv(key, key, cache, 2, torch.zeros(3, dtype=torch.int64, device=DEV))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        K.store_kv(key, key, cache, 0, torch.zeros(4, dtype=torch.int64, device=DEV))
+    q = torch.randn(2, 3, 64, device=DEV)
+    bt = torch.zeros(2, 2, dtype=torch.int32, device=DEV)
+    ctx = torch.ones(2, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="multiple"):
+        K.paged_decode_attention(q, cache, 0, bt, ctx, 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        K.paged_decode_attention(q[:, :2].half(), cache, 0, bt, ctx, 1.0)
+    with pytest.raises(ValueError, match="even"):
+        K.silu_and_mul(torch.randn(2, 5, device=DEV))
+    with pytest.raises(ValueError, match="weight"):
+        K.rmsnorm(torch.randn(2, 8, device=DEV), torch.ones(9, device=DEV), 1e-6)

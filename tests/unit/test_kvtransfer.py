@@ -1,0 +1,431 @@
+"""kvtransfer conformance suite: every backend runs every test (real sockets and processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import uvloop
+
+from kvtransfer import (
+    IllegalTransition,
+    KVLayout,
+    TransferState,
+    make_receiver,
+    make_sender,
+)
+from kvtransfer.base import TransferStateMachine
+from kvtransfer.blocks import block_runs
+
+ROOT = Path(__file__).resolve().parents[2]
+BACKENDS = ["fake", "tcp", "shm"]
+SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+BIG = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype="float32")
+# the shm ring is made small on purpose so that round trips reuse its slots
+SENDER_OPTS = {"shm": {"chunk_bytes": 3 * SMALL.block_bytes, "num_slots": 2}}
+
+
+def run(coro, loop: str = "uvloop"):
+    return uvloop.run(coro) if loop == "uvloop" else asyncio.run(coro)
+
+
+def cache(layout: KVLayout, num_blocks: int, seed: int | None = None) -> torch.Tensor:
+    shape = (num_blocks, *layout.block_shape)
+    if seed is None:
+        return torch.zeros(shape, dtype=layout.torch_dtype)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(layout.torch_dtype)
+
+
+async def pair(backend: str, src: torch.Tensor, dst: torch.Tensor, layout: KVLayout = SMALL,
+               src_layout: KVLayout | None = None, **sender_opts):
+    """A started receiver on ``dst`` and a sender on ``src`` (``sender_opts``: shm only)."""
+    rx = make_receiver(backend, dst, layout)
+    await rx.start()
+    opts = {**SENDER_OPTS.get(backend, {}), **(sender_opts if backend == "shm" else {})}
+    tx = make_sender(backend, src, src_layout or layout, **opts)
+    return rx, tx
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def memfd_mappings() -> list[str]:
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if "pdkv" in line]
+
+
+class StalledPeer:
+    """An endpoint that accepts a connection but never answers (for sender timeouts)."""
+
+    def __init__(self, backend: str, dst: torch.Tensor) -> None:
+        self.backend, self.dst = backend, dst
+        self.sock: socket.socket | None = None
+        self.rx = None
+
+    async def __aenter__(self) -> str:
+        if self.backend == "fake":
+            self.rx = make_receiver("fake", self.dst, SMALL, stall=True)
+            await self.rx.start()
+            self.rx.expect("stalled", [0], 30)
+            return self.rx.endpoint
+        family = socket.AF_INET if self.backend == "tcp" else socket.AF_UNIX
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        name = f"pdkv-test-stall-{os.getpid()}"
+        self.sock.bind(("127.0.0.1", 0) if self.backend == "tcp" else "\0" + name)
+        self.sock.listen(8)  # never accepted: the kernel completes the connect, nobody reads
+        if self.backend == "tcp":
+            return f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+        return f"shm://{name}"
+
+    async def __aexit__(self, *exc) -> None:
+        if self.rx is not None:
+            await self.rx.close()
+        if self.sock is not None:
+            self.sock.close()
+
+
+# ---------------------------------------------------------------- layout and state machine
+
+
+def test_layout_block_bytes_and_from_cache():
+    assert SMALL.block_bytes == 2 * 2 * 4 * 2 * 8 * 4
+    t = torch.zeros(5, 3, 2, 16, 2, 64, dtype=torch.bfloat16)
+    layout = KVLayout.from_cache(t, block_size=16)
+    assert layout == KVLayout(3, 2, 64, 16, "bfloat16")
+    assert layout.block_bytes == 3 * 2 * 16 * 2 * 64 * 2
+    layout.validate(t)
+    with pytest.raises(ValueError, match="block_size"):
+        KVLayout.from_cache(t, block_size=8)
+    with pytest.raises(ValueError, match="does not match"):
+        SMALL.validate(t)
+    with pytest.raises(ValueError):
+        KVLayout(0, 1, 1, 1, "float32")
+    with pytest.raises(ValueError):
+        KVLayout(1, 1, 1, 1, "float13")
+
+
+def test_state_machine_transitions():
+    sm = TransferStateMachine("t", "test")
+    sm.advance(TransferState.TRANSFERRING)
+    sm.advance(TransferState.DONE)
+    with pytest.raises(IllegalTransition):
+        sm.advance(TransferState.FAILED)
+    sm = TransferStateMachine("t", "test")
+    with pytest.raises(IllegalTransition):
+        sm.advance(TransferState.DONE)  # DONE only after TRANSFERRING
+    for end in (TransferState.FAILED, TransferState.TIMED_OUT, TransferState.CANCELLED):
+        sm = TransferStateMachine("t", "test")
+        sm.advance(end)
+        assert sm.state.terminal
+        with pytest.raises(IllegalTransition):
+            sm.advance(TransferState.TRANSFERRING)
+
+
+def test_block_runs():
+    runs = [(r.pos, r.start, r.count) for r in block_runs([4, 5, 6, 9, 2, 3])]
+    assert runs == [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="unknown kvtransfer backend"):
+        make_sender("carrier-pigeon", cache(SMALL, 2), SMALL)
+
+
+# ---------------------------------------------------------------- conformance
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_round_trip(backend, loop):
+    async def main():
+        src, dst = cache(SMALL, 32, seed=1), cache(SMALL, 40)
+        rx, tx = await pair(backend, src, dst)
+        src_ids = [3, 4, 5, 6, 20, 0, 1, 31, 9, 10]
+        dst_ids = [39, 0, 1, 2, 17, 18, 5, 7, 8, 30]
+        handle = rx.expect("rt", dst_ids, timeout_s=5)
+        assert handle.state is TransferState.PENDING
+        res = await tx.send("rt", rx.endpoint, src_ids, timeout_s=5)
+        got = await handle.wait()
+        assert res.state is TransferState.DONE, res.error
+        assert got.state is TransferState.DONE, got.error
+        assert res.num_bytes == got.num_bytes == len(src_ids) * SMALL.block_bytes
+        assert torch.equal(dst[dst_ids], src[src_ids])
+        untouched = [b for b in range(40) if b not in dst_ids]
+        assert not dst[untouched].any()
+        stats = rx.stats()
+        assert (stats.active_transfers, stats.bytes_received, stats.done) == (0, res.num_bytes, 1)
+        await tx.close()
+        await rx.close()
+
+    run(main(), loop)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concurrent_transfers(backend):
+    async def main():
+        src, dst = cache(SMALL, 64, seed=2), cache(SMALL, 64)
+        rx, tx = await pair(backend, src, dst)
+        jobs = [(f"c{i}", list(range(i * 8, i * 8 + 7)), list(range(63 - i * 8, 56 - i * 8, -1)))
+                for i in range(8)]
+        handles = [rx.expect(tid, dst_ids, 10) for tid, _, dst_ids in jobs]
+        results = await asyncio.gather(
+            *(tx.send(tid, rx.endpoint, src_ids, 10) for tid, src_ids, _ in jobs))
+        assert [r.state for r in results] == [TransferState.DONE] * 8
+        for handle, (_, src_ids, dst_ids) in zip(handles, jobs):
+            assert (await handle.wait()).state is TransferState.DONE
+            assert torch.equal(dst[dst_ids], src[src_ids])
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layout_mismatch_fails_both_sides(backend):
+    other = KVLayout(2, 2, 16, 4, "float32")
+
+    async def main():
+        rx, tx = await pair(backend, cache(other, 8, seed=3), cache(SMALL, 8), src_layout=other)
+        handle = rx.expect("lm", [0, 1], 5)
+        res = await tx.send("lm", rx.endpoint, [0, 1], 5)
+        got = await handle.wait()
+        assert res.state is got.state is TransferState.FAILED
+        assert "layout mismatch" in res.error and "layout mismatch" in got.error
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_count_mismatch_fails_both_sides(backend):
+    async def main():
+        src, dst = cache(SMALL, 8, seed=4), cache(SMALL, 8)
+        rx, tx = await pair(backend, src, dst)
+        handle = rx.expect("cm", [0, 1, 2], 5)
+        res = await tx.send("cm", rx.endpoint, [0, 1], 5)
+        got = await handle.wait()
+        assert res.state is got.state is TransferState.FAILED
+        assert "block count mismatch" in res.error and "block count mismatch" in got.error
+        assert not dst.any()
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unknown_and_expired_transfer_ids_are_rejected(backend):
+    async def main():
+        src, dst = cache(SMALL, 8, seed=5), cache(SMALL, 8)
+        rx, tx = await pair(backend, src, dst)
+        res = await tx.send("nobody-expects-me", rx.endpoint, [0], 5)
+        assert res.state is TransferState.FAILED and "unknown" in res.error
+        handle = rx.expect("expired", [1], timeout_s=0.05)
+        assert (await handle.wait()).state is TransferState.TIMED_OUT
+        res = await tx.send("expired", rx.endpoint, [0], 5)
+        assert res.state is TransferState.FAILED and "unknown or expired" in res.error
+        assert not dst.any()
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_receiver_timeout_when_sender_never_sends(backend):
+    async def main():
+        rx = make_receiver(backend, cache(SMALL, 4), SMALL)
+        await rx.start()
+        handle = rx.expect("late", [0, 1], timeout_s=0.2)
+        t0 = time.monotonic()
+        res = await asyncio.wait_for(handle.wait(), 2)
+        assert res.state is TransferState.TIMED_OUT
+        assert 0.15 < time.monotonic() - t0 < 1.0
+        assert rx.stats().active_transfers == 0
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sender_without_receiver_fails_fast(backend):
+    async def main():
+        tx = make_sender(backend, cache(SMALL, 4, seed=6), SMALL)
+        gone = {"tcp": "tcp://127.0.0.1:1", "shm": "shm://pdkv-test-nobody-here",
+                "fake": "fake://nobody"}[backend]
+        res = await tx.send("x", gone, [0], timeout_s=5)
+        assert res.state is TransferState.FAILED and res.seconds < 1.0, res
+        await tx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sender_times_out_when_receiver_never_acks(backend):
+    async def main():
+        tx = make_sender(backend, cache(SMALL, 4, seed=7), SMALL)
+        async with StalledPeer(backend, cache(SMALL, 4)) as endpoint:
+            t0 = time.monotonic()
+            res = await tx.send("stalled", endpoint, [0], timeout_s=0.3)
+            assert res.state in (TransferState.TIMED_OUT, TransferState.FAILED), res
+            assert time.monotonic() - t0 < 1.5
+        await tx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sender_cancel(backend):
+    async def main():
+        tx = make_sender(backend, cache(SMALL, 4, seed=8), SMALL)
+        async with StalledPeer(backend, cache(SMALL, 4)) as endpoint:
+            task = asyncio.create_task(tx.send("stalled", endpoint, [0], timeout_s=30))
+            await asyncio.sleep(0.1)
+            assert tx.cancel("stalled")
+            res = await asyncio.wait_for(task, 2)
+            assert res.state is TransferState.CANCELLED
+            assert not tx.cancel("stalled")
+        await tx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sender_cancel_mid_transfer_fails_receiver(backend):
+    async def main():
+        src, dst = cache(BIG, 256, seed=9), cache(BIG, 256)
+        rx, tx = await pair(backend, src, dst, BIG, chunk_bytes=BIG.block_bytes * 4)
+        handle = rx.expect("sc", list(range(256)), 10)
+        task = asyncio.create_task(tx.send("sc", rx.endpoint, list(range(256)), 10))
+        while handle.state is TransferState.PENDING:
+            await asyncio.sleep(0)
+        assert tx.cancel("sc")
+        assert (await task).state is TransferState.CANCELLED
+        got = await asyncio.wait_for(handle.wait(), 2)
+        assert got.state is TransferState.FAILED
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_receiver_cancel(backend):
+    async def main():
+        src, dst = cache(BIG, 256, seed=10), cache(BIG, 256)
+        rx, tx = await pair(backend, src, dst, BIG, chunk_bytes=BIG.block_bytes * 4)
+        # cancelled before the sender shows up: the send is rejected
+        handle = rx.expect("early", [0], 10)
+        assert rx.cancel("early") and not rx.cancel("early")
+        assert (await handle.wait()).state is TransferState.CANCELLED
+        res = await tx.send("early", rx.endpoint, [0], 5)
+        assert res.state is TransferState.FAILED
+        # cancelled mid-transfer: no more writes, the sender fails promptly
+        handle = rx.expect("mid", list(range(256)), 10)
+        task = asyncio.create_task(tx.send("mid", rx.endpoint, list(range(256)), 10))
+        while handle.state is TransferState.PENDING:
+            await asyncio.sleep(0)
+        assert rx.cancel("mid")
+        assert (await handle.wait()).state is TransferState.CANCELLED
+        snapshot = dst.clone()
+        res = await asyncio.wait_for(task, 3)
+        assert res.state is TransferState.FAILED, res
+        await asyncio.sleep(0.05)
+        assert torch.equal(dst, snapshot)  # nothing written after the cancel
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_close_ends_pending_transfers(backend):
+    async def main():
+        rx = make_receiver(backend, cache(SMALL, 4), SMALL)
+        await rx.start()
+        handle = rx.expect("p", [0], 30)
+        await rx.close()
+        res = await asyncio.wait_for(handle.wait(), 1)
+        assert res.state is TransferState.CANCELLED
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resources_released(backend):
+    async def main():
+        fds, shm = open_fds(), set(os.listdir("/dev/shm"))
+        src, dst = cache(SMALL, 16, seed=11), cache(SMALL, 16)
+        rx, tx = await pair(backend, src, dst)
+        for i in range(5):
+            handle = rx.expect(f"r{i}", [i, i + 5], 5)
+            assert (await tx.send(f"r{i}", rx.endpoint, [i, 15 - i], 5)).ok
+            assert (await handle.wait()).ok
+        rx.expect("bad", [0], 5)
+        assert not (await tx.send("bad", rx.endpoint, [0, 1], 5)).ok
+        assert not (await tx.send("unknown", rx.endpoint, [0], 5)).ok
+        await tx.close()
+        await rx.close()
+        await asyncio.sleep(0.01)
+        assert open_fds() == fds
+        assert set(os.listdir("/dev/shm")) == shm
+        assert memfd_mappings() == []
+
+    run(main())
+
+
+_CHILD_SENDER = """
+import asyncio, sys, torch
+from kvtransfer import KVLayout, make_sender
+backend, endpoint, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+layout = KVLayout(4, 4, 64, 16, "float32")
+src = torch.ones(n, *layout.block_shape)
+opts = {"chunk_bytes": 4 << 20} if backend == "shm" else {}
+res = asyncio.run(make_sender(backend, src, layout, **opts).send("victim", endpoint,
+                                                                  list(range(n)), 60))
+print(res, flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_sender_process_killed_mid_transfer(backend):
+    """The receiver must end FAILED promptly (not at its timeout) and release everything."""
+    n = 768  # 96 MiB: more than the socket buffers / shm ring can hold
+
+    async def main():
+        fds = open_fds()
+        rx = make_receiver(backend, cache(BIG, n), BIG)
+        await rx.start()
+        handle = rx.expect("victim", list(range(n)), timeout_s=60)
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD_SENDER, backend, rx.endpoint,
+                                 str(n)], cwd=ROOT, stdout=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 20
+            while handle.state is TransferState.PENDING and time.monotonic() < deadline:
+                await asyncio.sleep(0.002)
+            assert handle.state is TransferState.TRANSFERRING
+            # block our loop so the child fills the pipe / ring and stalls, then kill it
+            time.sleep(0.3)
+            proc.kill()
+            proc.wait()
+            t0 = time.monotonic()
+            res = await asyncio.wait_for(handle.wait(), 5)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert res.state is TransferState.FAILED, res
+        assert time.monotonic() - t0 < 1.0
+        assert 0 <= res.num_bytes < n * BIG.block_bytes
+        await rx.close()
+        assert open_fds() == fds
+        assert memfd_mappings() == []
+
+    run(main())
