@@ -54,8 +54,9 @@ def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, lay
     bs = kv_cache.shape[3]
     blk = slot_mapping // bs
     off = slot_mapping % bs
-    kv_cache[blk, layer, 0, off] = k
-    kv_cache[blk, layer, 1, off] = v
+    # view first, then index: mixing int scalars into advanced indexing is ~300x slower
+    kv_cache[:, layer, 0][blk, off] = k
+    kv_cache[:, layer, 1][blk, off] = v
 
 
 class TorchAttention(AttentionBackend):
@@ -84,8 +85,8 @@ class TorchAttention(AttentionBackend):
             else:
                 nb = -(-slen // bs)
                 blocks = meta.block_tables[i, :nb].long()
-                kk = kv_cache[blocks, layer, 0].reshape(-1, *k.shape[1:])[:slen]
-                vv = kv_cache[blocks, layer, 1].reshape(-1, *v.shape[1:])[:slen]
+                kk = kv_cache[:, layer, 0][blocks].reshape(-1, *k.shape[1:])[:slen]
+                vv = kv_cache[:, layer, 1][blocks].reshape(-1, *v.shape[1:])[:slen]
                 out[start:end] = _sdpa(q[start:end], kk, vv, self.scale, causal=True,
                                        offset=slen - qlen)
             start = end
@@ -107,15 +108,15 @@ class TorchAttention(AttentionBackend):
         b, hq, d = q.shape
         nb = -(-meta.max_seq_len // bs)
         tables = meta.block_tables[:, :nb].long()
-        k = kv_cache[tables, layer, 0]  # [B, nb, bs, Hk, D]
-        v = kv_cache[tables, layer, 1]
+        k = kv_cache[:, layer, 0][tables]  # [B, nb, bs, Hk, D]
+        v = kv_cache[:, layer, 1][tables]
         hk = k.shape[-2]
         k = k.reshape(b, nb * bs, hk, d)
         v = v.reshape(b, nb * bs, hk, d)
         g = hq // hk
         qg = q.view(b, hk, g, d)
         scores = torch.einsum("bhgd,bshd->bhgs", qg, k) * self.scale
-        pos = torch.arange(nb * bs)
+        pos = torch.arange(nb * bs, device=q.device)
         mask = pos[None, :] >= meta.seq_lens.long()[:, None]  # [B, S]
         scores.masked_fill_(mask[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
@@ -134,6 +135,8 @@ def _sdpa(q, k, v, scale, causal: bool, offset: int = 0):
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
     else:
         n, s = q.shape[0], k.shape[0]
-        mask = torch.arange(s)[None, :] <= (torch.arange(n)[:, None] + offset)
+        dev = q.device
+        mask = (torch.arange(s, device=dev)[None, :]
+                <= (torch.arange(n, device=dev)[:, None] + offset))
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
     return o.transpose(0, 1)
