@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig, ModelConfig
@@ -67,6 +68,101 @@ class ModelRunner:
         self.shared_gen.manual_seed(config.seed)
         self.sampler = Sampler(self.shared_gen)
         self.generators: dict[str, torch.Generator] = {}
+        self.graphs: dict[int, tuple] = {}
+        if self.device.type == "cuda" and self.backend.name == "triton":
+            self.model.enable_fused_ops(True)
+            if not config.enforce_eager:
+                self._capture_graphs()
+
+    # ------------------------------------------------------------ CUDA graphs
+    def _capture_graphs(self) -> None:
+        """Capture one graph per batch-size bucket for decode-only steps (every sequence adds
+        one token): model forward, logits and greedy argmax. Inputs live in static buffers;
+        a step fills the first ``n`` rows and pads the bucket with slot -1 (store_kv skips
+        it) and context 0 (decode writes a zero row). The block-table width is fixed at
+        max_model_len / block_size, so the decode kernel's split count (a function of shapes
+        only) is the same at capture and at replay."""
+        sc = self.config.scheduler
+        bs = self.block_size
+        self.graph_width = width = -(-min(sc.max_model_len, self.mc.max_position) // bs)
+        buckets = [1, 2, 4, 8]
+        while buckets[-1] < sc.max_num_seqs:
+            buckets.append(buckets[-1] * 2 if buckets[-1] < 256 else buckets[-1] + 128)
+        self.graph_buckets = [b for b in buckets if b < sc.max_num_seqs] + [
+            next(b for b in buckets if b >= sc.max_num_seqs)]
+        mb = self.graph_buckets[-1]
+        dev = self.device
+        # packed static inputs: int64 [3, mb] (ids, positions, slots); int32 seq_lens [mb]
+        # then block tables [mb, width]; pinned host twins for one copy each per step
+        self.g_i64 = torch.zeros(3, mb, dtype=torch.int64, device=dev)
+        self.g_i32 = torch.zeros(mb + mb * width, dtype=torch.int32, device=dev)
+        self.h_i64 = torch.zeros(3, mb, dtype=torch.int64).pin_memory()
+        self.h_i32 = torch.zeros(mb + mb * width, dtype=torch.int32).pin_memory()
+        self.h_i64_np = self.h_i64.numpy()
+        self.h_i32_np = self.h_i32.numpy()
+        self.g_i64[2].fill_(-1)
+        qsl = torch.arange(mb + 1, dtype=torch.int32, device=dev)
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.graph_buckets):
+            meta = AttentionMetadata(
+                slot_mapping=self.g_i64[2, :b], seq_lens=self.g_i32[:b],
+                block_tables=self.g_i32[mb:].view(mb, width)[:b], query_start_loc=qsl[:b + 1],
+                seq_lens_list=[1] * b, query_lens_list=[1] * b, max_seq_len=1, max_query_len=1)
+
+            def run(b=b, meta=meta):
+                hidden = self.model(self.g_i64[0, :b], self.g_i64[1, :b], self.kv_cache, meta,
+                                    self.backend)
+                logits = self.model.compute_logits(hidden)
+                return logits, logits.argmax(dim=-1)
+
+            with torch.inference_mode():
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    run()  # compile kernels, create handles
+                torch.cuda.current_stream().wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    logits, greedy = run()
+            self.graphs[b] = (g, logits, greedy)
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch %s, table width %d)",
+                    len(self.graphs), self.graph_buckets, width)
+
+    def _graph_step(self, out: SchedulerOutput):
+        """Fill the static buffers for a decode-only step and replay its bucket's graph.
+        Returns (logits [n, V], greedy [n]) views for the n scheduled rows."""
+        n = len(out.scheduled)
+        b = next(x for x in self.graph_buckets if x >= n)
+        mb = self.graph_buckets[-1]
+        bs = self.block_size
+        h64, h32 = self.h_i64_np, self.h_i32_np
+        tables = h32[mb:].reshape(mb, self.graph_width)
+        tables[:b] = 0
+        h64[2, :b] = -1
+        h32[:b] = 0
+        for i, item in enumerate(out.scheduled):
+            s = item.seq
+            p = s.num_computed_tokens
+            bt = s.block_table
+            h64[0, i] = s.token_ids[p]
+            h64[1, i] = p
+            h64[2, i] = bt[p // bs] * bs + p % bs
+            h32[i] = p + 1
+            tables[i, :len(bt)] = bt
+        self.g_i64[:, :b].copy_(self.h_i64[:, :b], non_blocking=True)
+        self.g_i32[:b].copy_(self.h_i32[:b], non_blocking=True)
+        w = self.graph_width
+        self.g_i32[mb:mb + b * w].copy_(self.h_i32[mb:mb + b * w], non_blocking=True)
+        g, logits, greedy = self.graphs[b]
+        g.replay()
+        return logits[:n], greedy[:n]
+
+    def _can_graph(self, out: SchedulerOutput) -> bool:
+        if not self.graphs or len(out.scheduled) > self.graph_buckets[-1]:
+            return False
+        return all(item.num_new_tokens == 1 and len(item.seq.block_table) <= self.graph_width
+                   for item in out.scheduled)
 
     # ---------------------------------------------------------------- inputs
     def prepare(self, out: SchedulerOutput):
@@ -132,12 +228,26 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, float]]:
         """Run one step; returns ``{request_id: token}`` and ``{request_id: logprob}``."""
-        ids, pos, meta, rows = self.prepare(out)
-        hidden = self.model(ids, pos, self.kv_cache, meta, self.backend)
-        if not rows:
-            return {}, {}
-        logits = self.model.compute_logits(hidden[rows])
-        tokens, logprobs = self.sampler(logits, self._sampling_batch(out))
+        if self._can_graph(out):
+            logits, greedy = self._graph_step(out)
+            rows = [i for i, item in enumerate(out.scheduled) if item.samples]
+            if not rows:
+                torch.cuda.current_stream().synchronize()  # the pinned inputs get reused
+                return {}, {}
+            batch = self._sampling_batch(out)
+            if len(rows) < len(out.scheduled):
+                logits, greedy = logits[rows], greedy[rows]
+            if batch.all_greedy and not batch.want_logprobs:
+                tokens, logprobs = greedy.tolist(), None  # the step's one host sync
+            else:
+                tokens, logprobs = self.sampler(logits, batch)
+        else:
+            ids, pos, meta, rows = self.prepare(out)
+            hidden = self.model(ids, pos, self.kv_cache, meta, self.backend)
+            if not rows:
+                return {}, {}
+            logits = self.model.compute_logits(hidden[rows])
+            tokens, logprobs = self.sampler(logits, self._sampling_batch(out))
         sampled_ids = [item.seq.request_id for item in out.scheduled if item.samples]
         toks = dict(zip(sampled_ids, tokens))
         lps = dict(zip(sampled_ids, logprobs)) if logprobs is not None else {}

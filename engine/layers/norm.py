@@ -10,9 +10,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.fused = False  # GPU: one Triton kernel (engine.kernels), set by the model runner
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``rmsnorm(x)``; with ``residual``: returns ``(rmsnorm(x + residual), x + residual)``."""
+        if self.fused:
+            from engine.kernels.elementwise import fused_add_rmsnorm, rmsnorm
+            if residual is None:
+                return rmsnorm(x, self.weight, self.eps)
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x

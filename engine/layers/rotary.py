@@ -39,6 +39,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
         self.head_dim = head_dim
+        self.fused = False  # GPU: rotate q/k in place with one Triton kernel
         inv_freq = compute_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
@@ -56,7 +57,11 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D] -> rotated copies."""
+        """q: [T, Hq, D], k: [T, Hk, D] -> rotated copies (fused: rotated in place)."""
+        if self.fused:
+            from engine.kernels.elementwise import rotary_embedding
+            rotary_embedding(positions, q, k, self.cos_sin_cache)
+            return q, k
         cos, sin = self.cos_sin(positions, q.dtype)
         cos = cos.unsqueeze(1)
         sin = sin.unsqueeze(1)

@@ -44,8 +44,12 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused = False  # GPU: silu(gate) * up in one Triton kernel
 
     def forward(self, x):
+        if self.fused:
+            from engine.kernels.elementwise import silu_and_mul
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -90,6 +94,14 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, self.rotary, backend, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def enable_fused_ops(self, on: bool = True) -> None:
+        """GPU only: route RMSNorm, rotary and SiLU-and-mul through the Triton kernels in
+        engine.kernels (fp32 math inside each kernel; the default torch path is unchanged)."""
+        for m in self.modules():
+            if hasattr(m, "fused"):
+                m.fused = on
+        self.rotary.fused = on
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

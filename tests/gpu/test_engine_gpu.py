@@ -1,0 +1,66 @@
+"""GPU engine path (Triton attention + fused ops + CUDA graphs) against the torch path on the
+same GPU, on dummy:tiny in bf16. Run on the GPU machine: pytest -q -m gpu tests/gpu."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from engine.llm import LLM  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+
+# lengths cover: short, one block, several blocks, > SDPA_MIN_TOKENS (the flash path)
+LENGTHS = (1, 5, 16, 17, 40, 100, 600, 33, 9, 250)
+
+
+def prompts():
+    g = torch.Generator().manual_seed(7)
+    return [[1] + torch.randint(3, 512, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def run(**kw):
+    llm = LLM("dummy:tiny", dtype="bfloat16", device="cuda", max_num_seqs=8,
+              max_num_batched_tokens=1024, max_model_len=1024, **kw)
+    outs = llm.generate(prompts(), SamplingParams(max_tokens=24, temperature=0,
+                                                  ignore_eos=True))
+    return llm, [o.token_ids for o in outs]
+
+
+def agreement(a, b):
+    return sum(x == y for r, s in zip(a, b) for x, y in zip(r, s)) / sum(len(r) for r in b)
+
+
+def test_graphs_on_off_equal():
+    llm, graphed = run(attention_backend="triton")
+    assert llm.engine.runner.graphs, "no CUDA graphs captured"
+    _, eager = run(attention_backend="triton", enforce_eager=True)
+    # batches are padded to a graph bucket, and cuBLAS may pick another kernel (another
+    # summation order) for the padded M: a bf16 near-tie can flip (seen once on an H200:
+    # one of 10 prompts diverged at token 15). Batch 1 has no padding: exact.
+    print(f"graphs vs eager: {agreement(graphed, eager):.3f} token agreement")
+    assert agreement(graphed, eager) >= 0.9
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    one = [LLM("dummy:tiny", dtype="bfloat16", device="cuda", enforce_eager=e)
+           .generate(prompts()[4], sp)[0].token_ids for e in (False, True)]
+    assert one[0] == one[1]
+
+
+def test_triton_matches_torch_backend():
+    _, fast = run(attention_backend="triton")
+    _, ref = run(attention_backend="torch")
+    # bf16: the fused kernels round once (fp32 inside) where torch rounds per op, so a
+    # near-tie argmax may flip and the continuation then diverges (seen on an H200: 200 of
+    # 240 tokens agree); require most tokens and every first token to agree
+    print(f"triton vs torch backend: {agreement(fast, ref):.3f} token agreement")
+    assert agreement(fast, ref) >= 0.75
+    assert [x[0] for x in fast] == [x[0] for x in ref]
+
+
+def test_graph_seeded_sampling_runs():
+    llm = LLM("dummy:tiny", dtype="bfloat16", device="cuda", max_num_seqs=4)
+    sp = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    a = llm.generate(prompts()[:3], sp)
+    b = llm.generate(prompts()[:3], sp)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
