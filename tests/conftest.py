@@ -8,7 +8,15 @@ ask for both to kill/restart it.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Triton decides at decoration time whether to interpret: set it before anything imports
+# engine.kernels. On a GPU machine the kernels compile for real.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pdserve.cluster import RedisProcess, free_port, wait_port  # noqa: F401 - re-exported
 

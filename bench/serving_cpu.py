@@ -1,0 +1,142 @@
+"""Serving overhead on CPU: 16 concurrent streams through the full gRPC path (gateway ->
+workers, real processes, real Redis) against the in-process engine on the same prompts.
+
+    python bench/serving_cpu.py --out bench/results/serving_cpu.json
+
+Each of --streams closed-loop streams sends --rounds requests back to back (greedy, EOS
+ignored, --max-tokens new tokens, prompts of 64-192 tokens). Reported per deployment: output
+tok/s, TTFT p50/p90, and the ratios to the in-process engine (AsyncEngine driven by the same
+asyncio client loop in this process). Deployments: colocated (1 worker, gateway in front) and
+1P1D (prefill and decode workers, KV over tcp). The KV transfer GB/s comes from
+bench/kv_transfer_cpu.py (tcp and shm between two processes).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(64, 193))] for _ in range(n)]
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def summarize(results, wall) -> dict:
+    ttft = [r["ttft"] for r in results]
+    toks = sum(r["tokens"] for r in results)
+    return {"requests": len(results), "output_tokens": toks, "wall_s": wall,
+            "output_tok_s": toks / wall, "ttft_p50_ms": 1000 * statistics.median(ttft),
+            "ttft_p90_ms": 1000 * pct(ttft, 0.9)}
+
+
+async def drive(submit, prompts, streams: int, rounds: int):
+    results = []
+
+    async def stream(i):
+        for r in range(rounds):
+            p = prompts[(i * rounds + r) % len(prompts)]
+            results.append(await submit(f"s{i}-r{r}", p))
+    t = time.perf_counter()
+    await asyncio.gather(*(stream(i) for i in range(streams)))
+    return results, time.perf_counter() - t
+
+
+async def bench_inprocess(args, prompts):
+    import torch
+    from engine.async_engine import AsyncEngine
+    from engine.engine import LLMEngine
+    from engine.llm import build_engine_config
+    from engine.request import SamplingParams
+    torch.set_num_threads(args.threads)
+    eng = AsyncEngine(LLMEngine(build_engine_config(args.model)))
+    await eng.start()
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+
+    async def submit(rid, p):
+        t = time.perf_counter()
+        ttft, n = None, 0
+        async for out in eng.generate(rid, p, sp):
+            if ttft is None:
+                ttft = time.perf_counter() - t
+            n += len(out.token_ids)
+        return {"ttft": ttft, "tokens": n}
+    await drive(submit, prompts[:2], 2, 1)  # warm-up
+    res, wall = await drive(submit, prompts, args.streams, args.rounds)
+    await eng.stop()
+    return summarize(res, wall)
+
+
+async def bench_cluster(args, prompts, **kw):
+    from pdserve import client
+    from pdserve.cluster import LocalCluster
+    from protos.pdserve.v1 import gateway_pb2_grpc
+    c = LocalCluster(args.model, **kw).start()
+    try:
+        async with client.channel(c.address) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+
+            async def submit(rid, p):
+                comp = await client.generate(stub, client.make_request(
+                    token_ids=p, request_id=rid, max_tokens=args.max_tokens, temperature=0.0,
+                    ignore_eos=True), timeout=600)
+                return {"ttft": comp.ttft_s, "tokens": comp.completion_tokens}
+            await drive(submit, prompts[:2], 2, 1)
+            res, wall = await drive(submit, prompts, args.streams, args.rounds)
+        return summarize(res, wall)
+    finally:
+        c.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--out", default=os.path.join(REPO, "bench/results/serving_cpu.json"))
+    a = ap.parse_args()
+    prompts = make_prompts(a.streams * a.rounds)
+    doc = {"command": "python bench/serving_cpu.py " + " ".join(sys.argv[1:]),
+           "load_avg_start": os.getloadavg(), "cpus": os.cpu_count(), "config": vars(a)}
+    doc["inprocess"] = asyncio.run(bench_inprocess(a, prompts))
+    print("in-process", doc["inprocess"], flush=True)
+    doc["colocated"] = asyncio.run(bench_cluster(
+        a, prompts, prefill=0, decode=0, colocated=1,
+        worker_args=("--num-threads", str(a.threads))))
+    print("colocated", doc["colocated"], flush=True)
+    doc["1p1d"] = asyncio.run(bench_cluster(
+        a, prompts, prefill=1, decode=1,
+        worker_args=("--num-threads", str(max(1, a.threads // 2)))))
+    print("1p1d", doc["1p1d"], flush=True)
+    base = doc["inprocess"]
+    doc["summary"] = {
+        name: {"throughput_ratio": doc[name]["output_tok_s"] / base["output_tok_s"],
+               "added_ttft_p50_ms": doc[name]["ttft_p50_ms"] - base["ttft_p50_ms"]}
+        for name in ("colocated", "1p1d")}
+    doc["summary"]["targets"] = {"throughput_ratio": ">= 0.85", "added_ttft_p50_ms": "<= 20"}
+    kv = os.path.join(REPO, "bench/results/kv_transfer_cpu.json")
+    if os.path.exists(kv):
+        doc["kv_transfer"] = json.load(open(kv)).get("summary", "see kv_transfer_cpu.json")
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(json.dumps(doc["summary"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

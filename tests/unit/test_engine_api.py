@@ -1,0 +1,117 @@
+"""Offline API behaviour: sampling options, seeds, stops, logprobs, abort, chat, validation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.layers.sampler import Sampler, SamplingBatch
+from engine.request import FinishReason
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return LLM("dummy:tiny", block_size=4, num_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return LLM("smollm2-135m")
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny):
+    p = [5, 6, 7, 8, 9]
+    sp = SamplingParams(max_tokens=20, temperature=1.0, seed=1234, ignore_eos=True)
+    a = tiny.generate([p], sp)[0].token_ids
+    # same seed, now batched with other (unseeded and seeded) requests
+    outs = tiny.generate([[1, 2, 3], p, [9, 9]], [
+        SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True), sp,
+        SamplingParams(max_tokens=20, temperature=0.7, seed=1, ignore_eos=True)])
+    assert outs[1].token_ids == a
+    c = tiny.generate([p], SamplingParams(max_tokens=20, temperature=1.0, seed=99, ignore_eos=True))
+    assert c[0].token_ids != a
+
+
+def test_top_k_one_is_greedy(tiny):
+    p = [11, 12, 13]
+    g = tiny.generate([p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    k1 = tiny.generate([p], SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=3,
+                                           ignore_eos=True))[0]
+    assert g.token_ids == k1.token_ids
+
+
+def test_sampler_respects_top_k_and_top_p():
+    gen = torch.Generator().manual_seed(0)
+    s = Sampler(gen)
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]]).repeat(400, 1)
+    toks, _ = s(logits, SamplingBatch([1.0] * 400, [3] * 400, [1.0] * 400, [None] * 400, False))
+    assert set(toks) <= {0, 1, 2} and len(set(toks)) == 3
+    # probs ~ [.64 .23 .09 ...]: top_p=0.8 keeps tokens 0 and 1 only
+    toks, _ = s(logits, SamplingBatch([1.0] * 400, [0] * 400, [0.8] * 400, [None] * 400, False))
+    assert set(toks) == {0, 1}
+    # frequencies follow the softmax (token 0 ~ 0.64 of draws without truncation)
+    toks, _ = s(logits, SamplingBatch([1.0] * 400, [0] * 400, [1.0] * 400, [None] * 400, False))
+    frac0 = toks.count(0) / 400
+    assert 0.55 < frac0 < 0.73
+
+
+def test_logprobs_of_chosen_tokens(tiny):
+    out = tiny.generate([[3, 4, 5]], SamplingParams(max_tokens=6, temperature=0, logprobs=True,
+                                                    ignore_eos=True))[0]
+    assert len(out.logprobs) == 6 and all(lp <= 0 for lp in out.logprobs)
+
+
+def test_stop_token_ids_and_max_tokens(tiny):
+    p = [21, 22, 23]
+    free = tiny.generate([p], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    assert free.finish_reason is FinishReason.LENGTH and len(free.token_ids) == 10
+    stop_at = free.token_ids[4]
+    first = free.token_ids.index(stop_at)
+    out = tiny.generate([p], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                            stop_token_ids=(stop_at,)))[0]
+    assert out.finish_reason is FinishReason.STOP
+    assert out.token_ids == free.token_ids[:first + 1]
+
+
+def test_stop_strings_truncate_text(smol):
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    full = smol.generate(["1, 2, 3, 4, 5,"], sp)[0]
+    assert " 7" in full.text
+    out = smol.generate(["1, 2, 3, 4, 5,"], SamplingParams(max_tokens=40, temperature=0,
+                                                            ignore_eos=True, stop=(" 7",)))[0]
+    assert out.finish_reason is FinishReason.STOP
+    assert out.text == full.text[:full.text.index(" 7")]
+
+
+def test_eos_stops_and_chat_template(smol):
+    out = smol.chat([{"role": "user", "content": "Say the word hello."}],
+                    SamplingParams(max_tokens=64, temperature=0))[0]
+    assert out.finish_reason is FinishReason.STOP and out.text.strip()
+    assert out.token_ids[-1] in smol.engine.eos_token_ids
+
+
+def test_abort_frees_blocks_at_once(tiny):
+    eng = tiny.engine
+    free0 = eng.block_manager.num_free_blocks
+    eng.add_request("ab", list(range(3, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    assert eng.block_manager.num_free_blocks < free0
+    assert eng.abort("ab")
+    assert eng.block_manager.num_free_blocks == free0
+    assert not eng.has_work
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-0.1),
+                                 dict(top_p=0.0), dict(top_k=-2), dict(stop=("",))])
+def test_bad_sampling_params(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_bad_prompts(tiny):
+    with pytest.raises(ValueError, match="empty"):
+        tiny.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="vocabulary"):
+        tiny.generate([[10**6]], SamplingParams())
+    with pytest.raises(ValueError, match="context"):
+        tiny.generate([[5] * 100000], SamplingParams())
