@@ -1,0 +1,4 @@
+"""``pdserve bench`` entry point; the implementation lives in :mod:`pdserve.benchlib`."""
+from pdserve.benchlib.cli import main
+
+__all__ = ["main"]

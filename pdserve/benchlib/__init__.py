@@ -1,0 +1,1 @@
+"""The serving benchmark behind ``pdserve bench``: workloads, load generation, figures, plots."""
