@@ -121,6 +121,8 @@ def main():
     R["engine_build_s"] = round(time.time() - t0, 1)
     R["graph_buckets"] = getattr(eng.runner, "graph_buckets", None)
     R["num_kv_blocks"] = eng.runner.num_blocks
+    R["gemv_tuning"] = getattr(eng.runner, "gemv_tuning", None)
+    R["env"] = {k: v for k, v in os.environ.items() if k.startswith("PDSERVE_")}
     vocab = eng.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa

@@ -13,6 +13,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
 from engine.engine import LLMEngine
@@ -36,6 +37,7 @@ class AsyncEngine:
         self._stopping = False
         self.dead: BaseException | None = None
         self.step_listeners: list[Callable[[list[RequestOutput]], None]] = []  # engine thread
+        self.step_started_ns = 0  # wall clock (time.time_ns) when the current/last step began
 
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -67,6 +69,7 @@ class AsyncEngine:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            self.step_started_ns = time.time_ns()
             try:
                 outs = eng.step()
             except BaseException as e:  # a broken step must not leave callers hanging

@@ -6,6 +6,7 @@ metadata, runs the model and samples one token for every sequence whose chunk re
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
@@ -32,7 +33,8 @@ def make_attention_backend(config: EngineConfig, mc: ModelConfig) -> AttentionBa
         want = "triton" if config.device.startswith("cuda") else "torch"
     if want == "triton":
         from engine.kernels.backend import TritonAttention  # GPU path
-        return TritonAttention(scale)
+        # PDSERVE_FUSE_ROTARY=0: separate rotary and store_kv kernels (A/B measurements)
+        return TritonAttention(scale, fuse_rotary=os.environ.get("PDSERVE_FUSE_ROTARY") != "0")
     return TorchAttention(scale)
 
 
@@ -69,8 +71,15 @@ class ModelRunner:
         self.sampler = Sampler(self.shared_gen)
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: dict[int, tuple] = {}
+        self.gemv_tuning: dict = {}
         if self.device.type == "cuda" and self.backend.name == "triton":
             self.model.enable_fused_ops(True)
+            if hasattr(self.model, "set_gemv_plan"):
+                # one-token projections: Triton GEMV or cuBLAS, timed per shape once per
+                # process (PDSERVE_GEMV=off|auto|force)
+                from engine.kernels.gemv_tune import tune_gemv_plan
+                plan, self.gemv_tuning = tune_gemv_plan(self.model)
+                self.model.set_gemv_plan(plan)
             if not config.enforce_eager:
                 self._capture_graphs()
 

@@ -15,7 +15,8 @@ import os
 
 __all__ = [
     "triton_available", "store_kv", "paged_decode_attention", "paged_prefill_attention",
-    "rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rotary_embedding", "sample",
+    "rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rotary_embedding", "sample", "gemv",
+    "rotary_store_kv",
 ]
 
 _WRAPPERS = {
@@ -27,6 +28,8 @@ _WRAPPERS = {
     "silu_and_mul": "elementwise",
     "rotary_embedding": "elementwise",
     "sample": "sampling",
+    "gemv": "matvec",
+    "rotary_store_kv": "cache",
 }
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cache import store_kv
+from engine.kernels.cache import rotary_store_kv, store_kv
 from engine.kernels.decode_attention import paged_decode_attention
 from engine.kernels.prefill_attention import paged_prefill_attention
 from engine.layers.attention import AttentionBackend, AttentionMetadata
@@ -31,13 +31,19 @@ SDPA_MIN_TOKENS = 512
 class TritonAttention(AttentionBackend):
     name = "triton"
 
-    def __init__(self, scale: float, sdpa_min_tokens: int = SDPA_MIN_TOKENS):
+    def __init__(self, scale: float, sdpa_min_tokens: int = SDPA_MIN_TOKENS,
+                 fuse_rotary: bool = True):
         self.scale = scale
         self.sdpa_min_tokens = sdpa_min_tokens
+        # the model passes rope=(positions, cos_sin_cache) instead of rotating q/k itself
+        self.fuses_rotary = fuse_rotary
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        store_kv(k, v, kv_cache, layer, meta.slot_mapping)
+                kv_cache: torch.Tensor, meta: AttentionMetadata, rope=None) -> torch.Tensor:
+        if rope is not None:  # rotate q/k in place and store k/v: one launch
+            rotary_store_kv(rope[0], q, k, v, rope[1], kv_cache, layer, meta.slot_mapping)
+        else:
+            store_kv(k, v, kv_cache, layer, meta.slot_mapping)
         if meta.decode_only:
             return paged_decode_attention(q, kv_cache, layer, meta.block_tables, meta.seq_lens,
                                           self.scale)

@@ -48,3 +48,86 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, lay
         key, value, kv_cache, slot_mapping, int(layer), n_heads, head_dim, block_size,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         s[0], s[1], s[2], s[3], s[4], BLOCK_H=next_pow2(n_heads), BLOCK_D=next_pow2(head_dim))
+
+
+@triton.jit
+def _rotary_store_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, cache_ptr, slot_ptr, layer,
+                            half, n_q_heads, n_kv_heads, head_dim, block_size,
+                            stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+                            stride_v_tok, stride_v_head, stride_cs,
+                            s_blk, s_layer, s_kv, s_tok, s_head,
+                            BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)[None, :]
+    r_mask = r < half
+    cos = tl.load(cs_ptr + pos * stride_cs + r, mask=r_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + half + r, mask=r_mask, other=0.0).to(tl.float32)
+    # q: rotated in place
+    hq = tl.arange(0, BLOCK_HQ)[:, None]
+    mq = (hq < n_q_heads) & r_mask
+    pq = q_ptr + tok * stride_q_tok + hq * stride_q_head + r
+    q1 = tl.load(pq, mask=mq, other=0.0).to(tl.float32)
+    q2 = tl.load(pq + half, mask=mq, other=0.0).to(tl.float32)
+    tl.store(pq, (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=mq)
+    tl.store(pq + half, (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=mq)
+    # k: rotated in place and into the cache; v (and k's unrotated tail dims) copied
+    hk = tl.arange(0, BLOCK_HK)[:, None]
+    mk = (hk < n_kv_heads) & r_mask
+    pk = k_ptr + tok * stride_k_tok + hk * stride_k_head + r
+    k1 = tl.load(pk, mask=mk, other=0.0).to(tl.float32)
+    k2 = tl.load(pk + half, mask=mk, other=0.0).to(tl.float32)
+    o1 = (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty)
+    o2 = (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty)
+    tl.store(pk, o1, mask=mk)
+    tl.store(pk + half, o2, mask=mk)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        dst = cache_ptr + (slot // block_size) * s_blk + layer * s_layer + (slot % block_size) * s_tok
+        ct = cache_ptr.dtype.element_ty
+        tl.store(dst + hk * s_head + r, o1.to(ct), mask=mk)
+        tl.store(dst + hk * s_head + half + r, o2.to(ct), mask=mk)
+        d = tl.arange(0, BLOCK_D)[None, :]
+        hm = hk < n_kv_heads
+        tail = hm & (d >= 2 * half) & (d < head_dim)
+        kt = tl.load(k_ptr + tok * stride_k_tok + hk * stride_k_head + d, mask=tail)
+        tl.store(dst + hk * s_head + d, kt.to(ct), mask=tail)
+        vm = hm & (d < head_dim)
+        vv = tl.load(v_ptr + tok * stride_v_tok + hk * stride_v_head + d, mask=vm)
+        tl.store(dst + s_kv + hk * s_head + d, vv.to(ct), mask=vm)
+
+
+def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
+                    layer: int, slot_mapping: torch.Tensor) -> None:
+    """rotary_embedding (in place on q and key, NeoX convention) then store_kv, in one launch.
+    Same arguments and semantics as the two kernels it replaces."""
+    _, block_size, n_heads, head_dim = check_kv_cache(kv_cache, layer)
+    check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES, device=kv_cache.device)
+    check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=kv_cache.device)
+    check_tensor("q", q, ndim=3, dtypes=(key.dtype,), device=kv_cache.device)
+    check_shape("key", key, (None, n_heads, head_dim))
+    check_shape("value", value, tuple(key.shape))
+    n = key.shape[0]
+    check_shape("q", q, (n, None, head_dim))
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32),
+                 device=kv_cache.device)
+    check_shape("slot_mapping", slot_mapping, (n,))
+    check_tensor("positions", positions, ndim=1, dtypes=(torch.int32, torch.int64),
+                 device=kv_cache.device)
+    check_shape("positions", positions, (n,))
+    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtypes=FLOAT_DTYPES,
+                 device=kv_cache.device)
+    rot = cos_sin_cache.shape[1]
+    if rot % 2 or rot > head_dim:
+        raise ValueError(f"cos_sin_cache dim 1 must be even and <= head_dim {head_dim}, got {rot}")
+    if n == 0:
+        return
+    s = kv_cache.stride()
+    _rotary_store_kv_kernel[(n,)](
+        positions, q, key, value, cos_sin_cache, kv_cache, slot_mapping, int(layer), rot // 2,
+        q.shape[1], n_heads, head_dim, block_size, q.stride(0), q.stride(1), key.stride(0),
+        key.stride(1), value.stride(0), value.stride(1), cos_sin_cache.stride(0),
+        s[0], s[1], s[2], s[3], s[4], BLOCK_HQ=next_pow2(q.shape[1]),
+        BLOCK_HK=next_pow2(n_heads), BLOCK_R=next_pow2(rot // 2), BLOCK_D=next_pow2(head_dim))

@@ -157,3 +157,28 @@ def sample_ref(logits, temperatures, top_ks, top_ps, seeds, steps):
     g = -torch.log(-torch.log(u))
     sampled = torch.where(keep, z + g, float("-inf")).argmax(dim=1)
     return torch.where(t > 0, sampled, logits.float().argmax(dim=1))
+
+
+def gemv_ref(x, weight, bias=None, *, prologue="none", residual=None, norm_weight=None,
+             eps=1e-6, **_config):
+    """Reference of engine.kernels.matvec.gemv (config keywords ignored): the prologue's rounded
+    input, then an fp32 product rounded once to x.dtype."""
+    extra = None
+    if prologue == "silu_mul":
+        x = silu_and_mul_ref(x)
+    elif prologue == "rmsnorm":
+        extra, x = x, rmsnorm_ref(x, norm_weight, eps)
+    elif prologue == "add_rmsnorm":
+        x, extra = fused_add_rmsnorm_ref(x, residual, norm_weight, eps)
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(x.dtype)
+    return y if extra is None else (y, extra)
+
+
+def rotary_store_kv_ref(positions, q, k, v, cos_sin_cache, kv_cache, layer, slot_mapping):
+    """Reference of engine.kernels.cache.rotary_store_kv: rotate q and k in place, then
+    store k and v into the cache."""
+    rotary_embedding_ref(positions, q, k, cos_sin_cache)
+    store_kv_ref(k, v, kv_cache, layer, slot_mapping)

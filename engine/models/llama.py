@@ -27,15 +27,25 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rotary: RotaryEmbedding, backend: AttentionBackend,
                 kv_cache, meta: AttentionMetadata):
-        qkv = self.qkv_proj(x)
+        return self.o_proj(self.attend(self.qkv_proj(x), positions, rotary, backend, kv_cache,
+                                       meta))
+
+    def attend(self, qkv, positions, rotary: RotaryEmbedding, backend: AttentionBackend,
+               kv_cache, meta: AttentionMetadata):
+        """Projected qkv [T, q+2kv] -> attention output [T, q_size] (before o_proj)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = x.shape[0]
+        t = qkv.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        o = backend.forward(self.layer, q, k, v, kv_cache, meta)
-        return self.o_proj(o.reshape(t, self.q_size))
+        if rotary.fused and getattr(backend, "fuses_rotary", False):
+            # GPU: rotary + store_kv in one kernel inside the backend
+            o = backend.forward(self.layer, q, k, v, kv_cache, meta,
+                                rope=(positions, rotary.cos_sin_cache))
+        else:
+            q, k = rotary(positions, q, k)
+            o = backend.forward(self.layer, q, k, v, kv_cache, meta)
+        return o.reshape(t, self.q_size)
 
 
 class MLP(nn.Module):
@@ -47,11 +57,14 @@ class MLP(nn.Module):
         self.fused = False  # GPU: silu(gate) * up in one Triton kernel
 
     def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def act(self, gate_up):
         if self.fused:
             from engine.kernels.elementwise import silu_and_mul
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            return silu_and_mul(gate_up)
+        gate, up = gate_up.split(self.inter, dim=-1)
+        return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -61,8 +74,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        # GPU, one token: {"qkv"|"o"|"gate_up"|"down": gemv config or None}; set by the runner
+        self.gemv_plan: dict | None = None
 
     def forward(self, x, residual, positions, rotary, backend, kv_cache, meta):
+        if self.gemv_plan is not None and x.shape[0] == 1:
+            return self._forward_gemv(x, residual, positions, rotary, backend, kv_cache, meta)
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
@@ -71,6 +88,47 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, positions, rotary, backend, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def _forward_gemv(self, x, residual, positions, rotary, backend, kv_cache, meta):
+        """One token (decode at batch 1, GPU): each projection the plan names runs as the
+        Triton GEMV with its neighbouring row-wise op folded in (rmsnorm / add+rmsnorm before
+        qkv and gate_up, silu_and_mul before down); a role mapped to None stays on cuBLAS."""
+        plan, attn, mlp = self.gemv_plan, self.self_attn, self.mlp
+        qkv, residual = _norm_linear(self.input_layernorm, attn.qkv_proj, x, residual,
+                                     plan.get("qkv"))
+        o = attn.attend(qkv, positions, rotary, backend, kv_cache, meta)
+        h = _linear(attn.o_proj, o, plan.get("o"))
+        gu, residual = _norm_linear(self.post_attention_layernorm, mlp.gate_up_proj, h, residual,
+                                    plan.get("gate_up"))
+        cfg = plan.get("down")
+        if cfg is None:
+            return mlp.down_proj(mlp.act(gu)), residual
+        from engine.kernels.matvec import gemv
+        return gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul",
+                    **cfg), residual
+
+
+def _linear(linear: nn.Linear, x, cfg):
+    if cfg is None:
+        return linear(x)
+    from engine.kernels.matvec import gemv
+    return gemv(x, linear.weight, linear.bias, **cfg)
+
+
+def _norm_linear(norm: RMSNorm, linear: nn.Linear, x, residual, cfg):
+    """(linear(rmsnorm(x [+ residual])), new residual), fused into one GEMV when cfg is set."""
+    if cfg is None:
+        if residual is None:
+            residual, h = x, norm(x)
+        else:
+            h, residual = norm(x, residual)
+        return linear(h), residual
+    from engine.kernels.matvec import gemv
+    if residual is None:
+        return gemv(x, linear.weight, linear.bias, prologue="rmsnorm", norm_weight=norm.weight,
+                    eps=norm.eps, **cfg)
+    return gemv(x, linear.weight, linear.bias, prologue="add_rmsnorm", residual=residual,
+                norm_weight=norm.weight, eps=norm.eps, **cfg)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -102,6 +160,12 @@ class LlamaForCausalLM(nn.Module):
             if hasattr(m, "fused"):
                 m.fused = on
         self.rotary.fused = on
+
+    def set_gemv_plan(self, plan: dict | None) -> None:
+        """GPU only: route one-token projections through engine.kernels.matvec.gemv per ``plan``
+        (see DecoderLayer._forward_gemv); None restores the default path."""
+        for layer in self.layers:
+            layer.gemv_plan = plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

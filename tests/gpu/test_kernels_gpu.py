@@ -96,3 +96,45 @@ def test_sample():
     # GPU exp/log may differ from torch's by an ulp: allow a rare tie flip
     assert (got == ref).float().mean() >= 0.95
     assert torch.equal(got, K.sample(logits, t, k, p, seeds, steps))
+
+
+@pytest.mark.parametrize("n,k,prologue", [
+    (6144, 4096, "add_rmsnorm"), (4096, 4096, "none"), (28672, 4096, "rmsnorm"),
+    (4096, 14336, "silu_mul")])
+def test_gemv(n, k, prologue):
+    kx = 2 * k if prologue == "silu_mul" else k
+    x = torch.randn(1, kx, dtype=BF16, device=DEV)
+    w = torch.randn(n, k, dtype=BF16, device=DEV) / k ** 0.5
+    kw = {}
+    if prologue != "none" and prologue != "silu_mul":
+        kw["norm_weight"] = torch.randn(k, dtype=BF16, device=DEV)
+    if prologue == "add_rmsnorm":
+        kw["residual"] = torch.randn(1, k, dtype=BF16, device=DEV)
+    want = R.gemv_ref(x, w, prologue=prologue, **kw)
+    for bn, bk, nw in [(8, 1024, 4), (16, 512, 4), (8, 2048, 8)]:
+        got = K.gemv(x, w, prologue=prologue, block_n=bn, block_k=bk, num_warps=nw, **kw)
+        if isinstance(want, tuple):
+            assert torch.equal(got[1], want[1])
+            close(got[0], want[0])
+        else:
+            close(got, want)
+
+
+def test_rotary_store_kv():
+    cache, _ = cache_and_tables(4, 64)
+    expect = cache.clone()
+    n = 512
+    qkv = torch.randn(n, HEADS + 2 * KV_HEADS, HEAD_DIM, dtype=BF16, device=DEV)
+    q, k, v = qkv[:, :HEADS], qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:]
+    pos = torch.randint(0, 8192, (n,), device=DEV)
+    inv = 1.0 / 500000 ** (torch.arange(0, HEAD_DIM, 2, device=DEV).float() / HEAD_DIM)
+    ang = torch.arange(8192, device=DEV).float()[:, None] * inv[None, :]
+    cs = torch.cat([ang.cos(), ang.sin()], dim=1)
+    slots = torch.randperm(cache.shape[0] * BLOCK, device=DEV)[:n]
+    slots[::7] = -1
+    eq, ek, ev = q.clone(), k.clone(), v.clone()
+    K.rotary_store_kv(pos, q, k, v, cs, cache, 1, slots)
+    R.rotary_store_kv_ref(pos, eq, ek, ev, cs, expect, 1, slots)
+    close(q, eq, tol=1e-2)  # fp32 math on both sides; FMA contraction may move one ulp
+    close(k, ek, tol=1e-2)
+    close(cache, expect, tol=1e-2)

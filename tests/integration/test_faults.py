@@ -14,8 +14,9 @@ TTL_S = 3.0
 
 
 def _reqs(n, tag):
-    return [client.make_request(f"{tag} request number {i}: say something.", max_tokens=4,
-                                temperature=0.0) for i in range(n)]
+    # > 2 blocks of 16 tokens each, so prefill workers cache (and publish) full blocks
+    return [client.make_request(f"{tag} request number {i}: " + "please say something short. " * 8,
+                                max_tokens=4, temperature=0.0) for i in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -201,3 +201,86 @@ def test_wrappers_reject_bad_arguments():
         K.silu_and_mul(torch.randn(2, 5, device=DEV))
     with pytest.raises(ValueError, match="weight"):
         K.rmsnorm(torch.randn(2, 8, device=DEV), torch.ones(9, device=DEV), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "add_rmsnorm", "silu_mul"])
+@pytest.mark.parametrize("m,n,k,bias,cfg", [
+    (1, 48, 96, False, (8, 32, 4)), (1, 40, 64, True, (16, 64, 4)), (3, 24, 80, False, (4, 32, 2))])
+def test_gemv(dtype, prologue, m, n, k, bias, cfg):
+    kx = 2 * k if prologue == "silu_mul" else k
+    x = torch.randn(m, kx, dtype=dtype, device=DEV)
+    w = torch.randn(n, k, dtype=dtype, device=DEV) / k ** 0.5
+    b = torch.randn(n, dtype=dtype, device=DEV) if bias else None
+    kw = {}
+    if prologue in ("rmsnorm", "add_rmsnorm"):
+        kw["norm_weight"] = torch.randn(k, dtype=dtype, device=DEV)
+        kw["eps"] = 1e-5
+    if prologue == "add_rmsnorm":
+        kw["residual"] = torch.randn(m, k, dtype=dtype, device=DEV)
+    bn, bk, nw = cfg
+    got = K.gemv(x, w, b, prologue=prologue, block_n=bn, block_k=bk, num_warps=nw, **kw)
+    want = R.gemv_ref(x, w, b, prologue=prologue, **kw)
+    if isinstance(want, tuple):
+        close(got[1], want[1], dtype)
+        got, want = got[0], want[0]
+    close(got, want, dtype, scale=2.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (64, 32)])
+def test_rotary_store_kv(dtype, head_dim, rot_dim):
+    n, max_pos = 7, 40
+    cache = make_cache(6, 3, 4, 2, head_dim, dtype)
+    expect = cache.clone()
+    pos = torch.randint(0, max_pos, (n,), device=DEV)
+    qkv = torch.randn(n, 4 + 2 + 2, head_dim, dtype=dtype, device=DEV)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]  # strided views of a fused projection
+    inv = 1.0 / 10000 ** (torch.arange(0, rot_dim, 2, device=DEV).float() / rot_dim)
+    ang = torch.arange(max_pos, device=DEV).float()[:, None] * inv[None, :]
+    cs = torch.cat([ang.cos(), ang.sin()], dim=1)
+    slots = torch.randperm(24, device=DEV)[:n]
+    slots[3] = -1
+    eq, ek, ev = q.clone(), k.clone(), v.clone()
+    K.rotary_store_kv(pos, q, k, v, cs, cache, 1, slots)
+    R.rotary_store_kv_ref(pos, eq, ek, ev, cs, expect, 1, slots)
+    close(q, eq, dtype)
+    close(k, ek, dtype)
+    assert torch.equal(v, ev)
+    close(cache, expect, dtype)
+
+
+def test_model_gemv_plan_matches_default_path():
+    """One-token decode through the GEMV plan (fused norm / silu prologues) and the fused
+    rotary+store_kv backend vs the plain model, on dummy:tiny."""
+    from engine.kernels.backend import TritonAttention
+    from engine.layers.attention import AttentionMetadata
+    from engine.loader import load_model
+    from engine.models.llama import LlamaForCausalLM
+    loaded = load_model("dummy:tiny", dtype=torch.float32, device=DEV, seed=0)
+    cfg = loaded.config
+    with torch.device(DEV):
+        model = LlamaForCausalLM(cfg)
+    model.load_weights(loaded.weights)
+    model.enable_fused_ops(True)
+    bs, ctx = 4, 6
+    cache = torch.randn(4, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim, device=DEV)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([ctx - 1], device=DEV),
+        block_tables=torch.tensor([[2, 0]], dtype=torch.int32, device=DEV),
+        seq_lens=torch.tensor([ctx], dtype=torch.int32, device=DEV),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEV),
+        seq_lens_list=[ctx], query_lens_list=[1], max_seq_len=ctx, max_query_len=1)
+    ids = torch.tensor([7], device=DEV)
+    pos = torch.tensor([ctx - 1], device=DEV)
+    outs = []
+    for plan, fuse in ((None, False), ({"qkv": {"block_n": 8, "block_k": 32}, "o": None,
+                                        "gate_up": {"block_n": 16, "block_k": 64},
+                                        "down": {"block_n": 8, "block_k": 64}}, True)):
+        model.set_gemv_plan(plan)
+        c = cache.clone()
+        with torch.no_grad():
+            outs.append((model(ids, pos, c, meta, TritonAttention(cfg.head_dim ** -0.5,
+                                                                    fuse_rotary=fuse)), c))
+    close(outs[1][0], outs[0][0], torch.float32, scale=10)
+    close(outs[1][1], outs[0][1], torch.float32, scale=10)

@@ -1,0 +1,114 @@
+"""What tracing costs: the same serving workload on two identical 1P1D clusters (real processes,
+real Redis, KV over tcp), one with tracing off and one exporting every span over OTLP/gRPC to
+a collector in this process (pdserve.otlp_receiver), sampler always_on.
+
+    python bench/tracing_overhead_cpu.py --out bench/results/tracing_overhead_cpu.json
+
+Both clusters run at once; trials alternate off, on, off, on, ... so slow drifts of a shared,
+noisy machine hit both alike. One trial: --streams closed-loop streams each send --rounds
+requests back to back (greedy, EOS ignored, --max-tokens new tokens, prompts of 64-192 random
+token ids). Reported: output tok/s of every trial, the ratio on/off of each adjacent pair, and
+their median and spread. Target: tracing on keeps >= 97% of the throughput.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench.serving_cpu import drive, summarize  # noqa: E402
+
+
+def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import random
+    rng = random.Random(seed)
+    hi = min(vocab - 1, 40000)
+    return [[rng.randrange(min(100, hi // 2), hi) for _ in range(rng.randrange(64, 193))]
+            for _ in range(n)]
+
+
+async def trial(address, prompts, args, tag):
+    from pdserve import client
+    from protos.pdserve.v1 import gateway_pb2_grpc
+    async with client.channel(address) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+
+        async def submit(rid, p):
+            comp = await client.generate(stub, client.make_request(
+                token_ids=p, request_id=f"{tag}-{rid}", max_tokens=args.max_tokens,
+                temperature=0.0, ignore_eos=True), timeout=600)
+            return {"ttft": comp.ttft_s, "tokens": comp.completion_tokens}
+        res, wall = await drive(submit, prompts, args.streams, args.rounds)
+    return summarize(res, wall)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="dummy:tiny")
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--pairs", type=int, default=6, help="off/on trial pairs")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--out", default=os.path.join(REPO, "bench/results/tracing_overhead_cpu.json"))
+    a = ap.parse_args()
+
+    from pdserve.cluster import LocalCluster
+    from pdserve.otlp_receiver import OtlpReceiver
+    from engine.loader import load_config
+    prompts = make_prompts(a.streams * a.rounds, load_config(a.model).vocab_size)
+    doc = {"command": "python bench/tracing_overhead_cpu.py " + " ".join(sys.argv[1:]),
+           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
+           "load_avg_start": os.getloadavg(), "config": vars(a)}
+    wargs = ("--num-threads", str(a.threads))
+    off_env = {"OTEL_TRACES_EXPORTER": "none"}
+    with OtlpReceiver() as rx:
+        on_env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint,
+                  "OTEL_TRACES_SAMPLER": "always_on"}
+        with LocalCluster(a.model, prefill=1, decode=1, env=off_env, worker_args=wargs) as off, \
+                LocalCluster(a.model, prefill=1, decode=1, env=on_env, worker_args=wargs) as on:
+            for c, tag in ((off, "warm-off"), (on, "warm-on")):
+                asyncio.run(trial(c.address, prompts[:4], argparse.Namespace(
+                    **{**vars(a), "streams": 2, "rounds": 1}), tag))
+            trials = []
+            for i in range(a.pairs):
+                order = ((off, "off"), (on, "on")) if i % 2 == 0 else ((on, "on"), (off, "off"))
+                pair = {}
+                for c, tag in order:
+                    pair[tag] = asyncio.run(trial(c.address, prompts, a, f"{tag}{i}"))
+                ratio = pair["on"]["output_tok_s"] / pair["off"]["output_tok_s"]
+                print(f"pair {i}: off {pair['off']['output_tok_s']:.1f} tok/s, on "
+                      f"{pair['on']['output_tok_s']:.1f} tok/s, ratio {ratio:.3f}", flush=True)
+                trials.append({"off": pair["off"], "on": pair["on"], "ratio_on_off": ratio})
+            time.sleep(1.0)  # let the last batch of spans arrive
+        spans = rx.snapshot()
+    ratios = [t["ratio_on_off"] for t in trials]
+    off_tps = [t["off"]["output_tok_s"] for t in trials]
+    on_tps = [t["on"]["output_tok_s"] for t in trials]
+    traced_requests = len({s.trace_id for s in spans if s.name == "gateway.Generate"})
+    doc["trials"] = trials
+    doc["load_avg_end"] = os.getloadavg()
+    doc["summary"] = {
+        "median_ratio_on_off": statistics.median(ratios),
+        "min_ratio": min(ratios), "max_ratio": max(ratios),
+        "ratio_of_totals": sum(on_tps) / sum(off_tps),
+        "off_tok_s_median": statistics.median(off_tps), "on_tok_s_median": statistics.median(on_tps),
+        "off_tok_s_range": [min(off_tps), max(off_tps)], "on_tok_s_range": [min(on_tps), max(on_tps)],
+        "spans_received": len(spans), "traces_received": traced_requests,
+        "target": "median_ratio_on_off >= 0.97",
+    }
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(json.dumps(doc["summary"], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""GEMV for decode at batch 1: y = prologue(x) @ W.T (+ bias), W [N, K] as nn.Linear stores it.
+
+At one token per step a projection is a pure weight stream (M = 1 leaves the matrix units
+idle), so the kernel is built for bandwidth: each program owns BLOCK_N output rows and walks
+the whole of K in [BLOCK_N, BLOCK_K] tiles of wide, contiguous loads, keeping a 2-D fp32
+accumulator that is reduced once at the end. No split-K, so no second reduce launch.
+
+Optional prologues fold the neighbouring row-wise kernel into the GEMV (each program
+recomputes it from the small input vector, which stays in L2):
+
+* ``"rmsnorm"``: x -> rmsnorm(x) * norm_weight (rounded to x.dtype, as the separate kernel does);
+* ``"add_rmsnorm"``: s = round(x + residual); x -> rmsnorm(s) * norm_weight; program 0 also
+  writes s as the new residual;
+* ``"silu_mul"``: x = [gate | up] of width 2K -> round(silu(gate) * up).
+
+Rows of a multi-row x are handled by a second grid axis (each row re-reads W: correct, but
+meant for M = 1). The choice between this kernel and cuBLAS is made per shape by the caller
+(engine.kernels.gemv_tune), once per process.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
+
+PROLOGUES = {"none": 0, "rmsnorm": 1, "add_rmsnorm": 2, "silu_mul": 3}
+
+
+@triton.jit
+def _load_x(x_ptr, res_ptr, nw_ptr, kk, km, K, inv, PRO: tl.constexpr):
+    """The prologue's value of x at columns kk, fp32 (rounded through x's dtype)."""
+    dt = x_ptr.dtype.element_ty
+    if PRO == 3:
+        g = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + K + kk, mask=km, other=0.0).to(tl.float32)
+        xv = (g / (1.0 + tl.exp(-g)) * u).to(dt).to(tl.float32)
+    else:
+        xv = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        if PRO == 2:
+            r = tl.load(res_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            xv = (xv + r).to(dt).to(tl.float32)
+        if PRO == 1 or PRO == 2:
+            nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            xv = (xv * inv * nw).to(dt).to(tl.float32)
+    return xv
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, new_res_ptr, N, K, eps,
+                 stride_xm, stride_rm, stride_w, stride_ym, stride_nrm,
+                 PRO: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    x_ptr += m * stride_xm
+    res_ptr += m * stride_rm
+    new_res_ptr += m * stride_nrm
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < N
+    ks = tl.arange(0, BLOCK_K)
+    inv = 1.0
+    if PRO == 1 or PRO == 2:
+        ss = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            km = kk < K
+            xv = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            if PRO == 2:
+                r = tl.load(res_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                s = (xv + r).to(new_res_ptr.dtype.element_ty)
+                tl.store(new_res_ptr + kk, s, mask=km & (pid == 0))
+                xv = s.to(tl.float32)
+            ss += xv * xv
+        inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        km = kk < K
+        xv = _load_x(x_ptr, res_ptr, nw_ptr, kk, km, K, inv, PRO)
+        if EVEN:
+            w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & km[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        acc += w.to(tl.float32) * xv[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         prologue: str = "none", residual: torch.Tensor | None = None,
+         norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+         block_n: int = 8, block_k: int = 1024, num_warps: int = 4):
+    """x [M, K] (or [M, 2K] for silu_mul), weight [N, K] -> y [M, N] in x.dtype.
+
+    With prologue "add_rmsnorm" returns (y, x + residual); with "rmsnorm" returns (y, x);
+    otherwise y. The last dims must be contiguous."""
+    pro = PROLOGUES[prologue]
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device)
+    n, k = weight.shape
+    check_shape("x", x, (None, 2 * k if pro == 3 else k))
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need a contiguous last dim")
+    m = x.shape[0]
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=x.device)
+        check_shape("bias", bias, (n,))
+    res = new_res = nw = x
+    stride_rm = stride_nrm = 0
+    if pro in (1, 2):
+        if norm_weight is None:
+            raise ValueError(f"prologue {prologue!r} needs norm_weight")
+        check_tensor("norm_weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
+        check_shape("norm_weight", norm_weight, (k,))
+        nw = norm_weight
+    if pro == 2:
+        if residual is None:
+            raise ValueError("prologue 'add_rmsnorm' needs residual")
+        check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), device=x.device)
+        check_shape("residual", residual, tuple(x.shape))
+        res = residual
+        new_res = torch.empty_like(x, memory_format=torch.contiguous_format)
+        stride_rm, stride_nrm = residual.stride(0), new_res.stride(0)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m and n:
+        even = n % block_n == 0 and k % block_k == 0
+        _gemv_kernel[(triton.cdiv(n, block_n), m)](
+            x, res, nw, weight, bias if bias is not None else x, y, new_res, n, k, float(eps),
+            x.stride(0), stride_rm, weight.stride(0), y.stride(0), stride_nrm,
+            PRO=pro, HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=num_warps)
+    if pro == 2:
+        return y, new_res
+    if pro == 1:
+        return y, x
+    return y
