@@ -38,6 +38,20 @@ def make_attention_backend(config: EngineConfig, mc: ModelConfig) -> AttentionBa
     return TorchAttention(scale)
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU the pages come from calloc'd memory and are only backed
+    once written, so a large KV cache costs resident memory only as blocks are used (zeros
+    matter: masked attention positions multiply stale values by 0, which must not be NaN)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+    n = 1
+    for d in shape:
+        n *= d
+    raw = torch.from_numpy(np.zeros(n * dtype.itemsize, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, mc: ModelConfig, weights: dict[str, torch.Tensor]):
         self.config = config
@@ -62,8 +76,8 @@ class ModelRunner:
         bb = kv_block_bytes(mc, self.block_size, kv_dtype)
         n = config.cache.num_blocks or max(1, config.cache.kv_cache_memory_bytes // bb)
         self.num_blocks = int(n)
-        self.kv_cache = torch.zeros(self.num_blocks, mc.num_layers, 2, self.block_size,
-                                    mc.num_kv_heads, mc.head_dim, dtype=kv_dtype, device=self.device)
+        shape = (self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_cache = _zeros(shape, kv_dtype, self.device)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
                     self.block_size, self.kv_cache.numel() * kv_dtype.itemsize / 2**20)
         self.shared_gen = torch.Generator(device=self.device)

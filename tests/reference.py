@@ -48,7 +48,7 @@ def hf_model_from_loaded(loaded: LoadedModel):
     with no_init_weights():  # every parameter is overwritten below: skip random init
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     state = {k: v.detach().to("cpu", torch.float32) for k, v in loaded.weights.items()}
-    result = model.load_state_dict(state, strict=False)
+    result = model.load_state_dict(state, strict=False)  # copies: independent of `loaded`
     missing = set(result.missing_keys)
     if loaded.config.tie_word_embeddings:
         missing.discard("lm_head.weight")
@@ -56,6 +56,7 @@ def hf_model_from_loaded(loaded: LoadedModel):
         raise ValueError(f"weights do not match the transformers model: missing "
                          f"{sorted(missing)}, unexpected {sorted(result.unexpected_keys)}")
     if loaded.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     return model.eval()
 
