@@ -8,7 +8,9 @@ Both clusters run at once; trials alternate off, on, off, on, ... so slow drifts
 noisy machine hit both alike. One trial: --streams closed-loop streams each send --rounds
 requests back to back (greedy, EOS ignored, --max-tokens new tokens, prompts of 64-192 random
 token ids). Reported: output tok/s of every trial, the ratio on/off of each adjacent pair, and
-their median and spread. Target: tracing on keeps >= 97% of the throughput.
+their median and spread; and, much less noisy on a shared machine, the CPU time the services
+(gateway + workers, read from /proc) spent per request with tracing off and on. Target: tracing
+on keeps >= 97% of the throughput.
 """
 from __future__ import annotations
 
@@ -32,6 +34,25 @@ def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     hi = min(vocab - 1, 40000)
     return [[rng.randrange(min(100, hi // 2), hi) for _ in range(rng.randrange(64, 193))]
             for _ in range(n)]
+
+
+def cluster_cpu_s(cluster) -> float:
+    """CPU seconds (user + system, all threads) used so far by the cluster's services."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for svc in [cluster.gateway, *cluster.workers]:
+        with open(f"/proc/{svc.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
+def timed_trial(cluster, prompts, args, tag) -> dict:
+    cpu0 = cluster_cpu_s(cluster)
+    res = asyncio.run(trial(cluster.address, prompts, args, tag))
+    res["service_cpu_s"] = cluster_cpu_s(cluster) - cpu0
+    res["service_cpu_ms_per_request"] = 1000 * res["service_cpu_s"] / res["requests"]
+    return res
 
 
 async def trial(address, prompts, args, tag):
@@ -82,16 +103,21 @@ def main():
                 order = ((off, "off"), (on, "on")) if i % 2 == 0 else ((on, "on"), (off, "off"))
                 pair = {}
                 for c, tag in order:
-                    pair[tag] = asyncio.run(trial(c.address, prompts, a, f"{tag}{i}"))
+                    pair[tag] = timed_trial(c, prompts, a, f"{tag}{i}")
                 ratio = pair["on"]["output_tok_s"] / pair["off"]["output_tok_s"]
-                print(f"pair {i}: off {pair['off']['output_tok_s']:.1f} tok/s, on "
-                      f"{pair['on']['output_tok_s']:.1f} tok/s, ratio {ratio:.3f}", flush=True)
+                print(f"pair {i}: off {pair['off']['output_tok_s']:.1f} tok/s "
+                      f"{pair['off']['service_cpu_ms_per_request']:.1f} cpu-ms/req, on "
+                      f"{pair['on']['output_tok_s']:.1f} tok/s "
+                      f"{pair['on']['service_cpu_ms_per_request']:.1f} cpu-ms/req, "
+                      f"ratio {ratio:.3f}", flush=True)
                 trials.append({"off": pair["off"], "on": pair["on"], "ratio_on_off": ratio})
             time.sleep(1.0)  # let the last batch of spans arrive
         spans = rx.snapshot()
     ratios = [t["ratio_on_off"] for t in trials]
     off_tps = [t["off"]["output_tok_s"] for t in trials]
     on_tps = [t["on"]["output_tok_s"] for t in trials]
+    cpu_off = [t["off"]["service_cpu_ms_per_request"] for t in trials]
+    cpu_on = [t["on"]["service_cpu_ms_per_request"] for t in trials]
     traced_requests = len({s.trace_id for s in spans if s.name == "gateway.Generate"})
     doc["trials"] = trials
     doc["load_avg_end"] = os.getloadavg()
@@ -101,6 +127,9 @@ def main():
         "ratio_of_totals": sum(on_tps) / sum(off_tps),
         "off_tok_s_median": statistics.median(off_tps), "on_tok_s_median": statistics.median(on_tps),
         "off_tok_s_range": [min(off_tps), max(off_tps)], "on_tok_s_range": [min(on_tps), max(on_tps)],
+        "service_cpu_ms_per_request_off_median": statistics.median(cpu_off),
+        "service_cpu_ms_per_request_on_median": statistics.median(cpu_on),
+        "service_cpu_overhead": statistics.median(cpu_on) / statistics.median(cpu_off) - 1,
         "spans_received": len(spans), "traces_received": traced_requests,
         "target": "median_ratio_on_off >= 0.97",
     }

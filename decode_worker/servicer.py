@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 import grpc
 
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services import telemetry
 from services.grpc_server import grpc_options
 from services.logging_setup import request_context
+from services.metrics import WorkerMetrics
 from services.protocol import response_from_output, sampling_from_proto, sampling_to_proto
 
 from prefill_worker.servicer import layout_to_proto
@@ -33,7 +36,7 @@ class PrefillFailed(Exception):
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, aengine, runtime, receiver, layout, kv_backend: str,
-                 transfer_timeout_s: float, allow_local_prefill: bool = True):
+                 transfer_timeout_s: float, allow_local_prefill: bool = True, metrics=None):
         self.aengine = aengine
         self.runtime = runtime
         self.receiver = receiver
@@ -41,6 +44,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.kv_backend = kv_backend
         self.transfer_timeout_s = transfer_timeout_s
         self.allow_local_prefill = allow_local_prefill
+        self.metrics = metrics or WorkerMetrics("decode")
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
@@ -57,55 +61,83 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Generate(self, request: worker_pb2.DecodeRequest, context):
         rid = request.request_id or uuid.uuid4().hex
-        with request_context(rid):
+        span = telemetry.server_span("decode.generate", context, {
+            "pdserve.request_id": rid, "pdserve.prompt_tokens": len(request.prompt_token_ids),
+            "pdserve.worker": self.runtime.worker_id,
+            "pdserve.prefill_address": request.prefill_address})
+        kind, outcome = "decode_local", "error"
+        with request_context(rid, telemetry.trace_id(span, context)):
             try:
                 sp = sampling_from_proto(request.sampling)
             except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                await _abort(span, context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             if request.model and request.model != self.runtime.model_id:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"this worker serves {self.runtime.model_id!r}, not {request.model!r}")
+                await _abort(span, context, grpc.StatusCode.INVALID_ARGUMENT,
+                             f"this worker serves {self.runtime.model_id!r}, not {request.model!r}")
             ids = list(request.prompt_token_ids)
             if not ids:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+                await _abort(span, context, grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
             stream = None
             if request.prefill_address:
                 try:
-                    stream = await self._remote_prefill(rid, ids, sp, request.prefill_address, context)
+                    stream = await self._remote_prefill(rid, ids, sp, request.prefill_address,
+                                                        context, span)
+                    kind = "decode_remote"
                 except ValueError as e:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    await _abort(span, context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 except PrefillFailed as e:
                     if not self.allow_local_prefill:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                        await _abort(span, context, grpc.StatusCode.UNAVAILABLE, str(e))
                     logger.warning("request %s: %s; prefilling locally", rid, e)
+                    span.add_event("local prefill fallback", {"reason": str(e)[:200]})
             if stream is None:
                 try:
                     stream = self.aengine.generate(rid, ids, sp)
                     first = await stream.__anext__()
                 except ValueError as e:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    await _abort(span, context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 stream = _prepend(first, stream)
             completion = 0
+            dspan = telemetry.child(span, "decode")
+            t_first = t_last = 0.0
             try:
                 async for out in stream:
-                    completion += len(out.token_ids)
+                    n = len(out.token_ids)
+                    if n:
+                        t_last = time.perf_counter()
+                        t_first = t_first or t_last
+                    completion += n
                     resp = response_from_output(out, rid)
                     if out.finished:
                         resp.usage.CopyFrom(common_pb2.Usage(
                             prompt_tokens=len(ids), completion_tokens=completion,
                             cached_tokens=out.num_cached_tokens))
+                        outcome = "ok"
                     yield resp
             finally:
                 await stream.aclose()  # a cancelled call aborts the request and frees blocks
+                self.metrics.requests.labels(kind, outcome).inc()
+                self.metrics.tokens.inc(completion)
+                if dspan.is_recording():
+                    tpot = (t_last - t_first) / (completion - 1) if completion > 1 else 0.0
+                    dspan.set_attributes({"pdserve.completion_tokens": completion,
+                                          "pdserve.tpot_ms": round(tpot * 1000, 3)})
+                    span.set_attribute("pdserve.completion_tokens", completion)
+                dspan.end()
+                telemetry.end_with_status(span, "OK" if outcome == "ok" else "CANCELLED")
 
-    async def _remote_prefill(self, rid, ids, sp, address, context):
+    async def _remote_prefill(self, rid, ids, sp, address, context, span):
         """Pre-allocate, have ``address`` prefill and send the KV; returns the token stream."""
         blocks = await self.aengine.preallocate(rid, ids, sp)  # ValueError: bad request
         if blocks is None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                "decode worker has no free KV blocks for this prompt")
+            await _abort(span, context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         "decode worker has no free KV blocks for this prompt")
         tid = f"{rid}-{uuid.uuid4().hex[:8]}"
         handle = self.receiver.expect(tid, blocks, self.transfer_timeout_s)
+        t0 = time.perf_counter()
+        kspan = telemetry.child(span, "kv.receive", {
+            "pdserve.kv.backend": self.kv_backend, "pdserve.kv.blocks": len(blocks),
+            "pdserve.kv.transfer_id": tid})
         ok = False
         try:
             req = worker_pb2.PrefillRequest(
@@ -117,18 +149,26 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     timeout_ms=int(self.transfer_timeout_s * 1000),
                     layout=layout_to_proto(self.layout)))
             timeout = context.time_remaining()
+            pspan = telemetry.child(span, "prefill.remote", {"pdserve.prefill_address": address})
             try:
                 resp = await self._stub(address).Prefill(
-                    req, timeout=timeout, metadata=_forward_metadata(context))
+                    req, timeout=timeout, metadata=telemetry.outgoing_metadata(pspan, context))
             except grpc.aio.AioRpcError as e:
+                telemetry.end_with_status(pspan, e.code().name, e.details() or "")
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ValueError(e.details()) from None
                 raise PrefillFailed(f"prefill on {address} failed: {e.code().name} {e.details()}") from None
+            pspan.set_attribute("pdserve.cached_tokens", resp.num_cached_tokens)
+            pspan.end()
             if resp.transfer.state != common_pb2.TRANSFER_STATE_DONE:
                 raise PrefillFailed(f"KV transfer {common_pb2.TransferState.Name(resp.transfer.state)}: "
                                     f"{resp.transfer.error}")
             if resp.transfer.num_blocks:
                 result = await handle.wait()
+                self.metrics.transfer("received", result.state.value, result.num_bytes,
+                                      time.perf_counter() - t0)
+                kspan.set_attributes({"pdserve.kv.bytes": result.num_bytes,
+                                      "pdserve.kv.state": result.state.value})
                 if not result.ok:
                     raise PrefillFailed(f"KV transfer {result.state.value}: {result.error}")
             ok = True
@@ -136,6 +176,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if not ok:
                 self.receiver.cancel(tid)
                 await _quiet(self.aengine.abort(rid))
+            telemetry.end_with_status(kspan, "OK" if ok else "UNAVAILABLE")
         lp = resp.first_logprob if resp.HasField("first_logprob") else None
         if not resp.transfer.num_blocks:
             self.receiver.cancel(tid)
@@ -149,10 +190,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return common_pb2.AbortResponse(found=found)
 
 
-def _forward_metadata(context):
-    """Carry tracing headers to the prefill worker."""
-    keep = ("traceparent", "tracestate")
-    return tuple((k, v) for k, v in (context.invocation_metadata() or ()) if k in keep)
+async def _abort(span, context, code: grpc.StatusCode, message: str):
+    telemetry.end_with_status(span, code.name, message)
+    await context.abort(code, message)
 
 
 async def _prepend(first, stream):

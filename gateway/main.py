@@ -17,6 +17,7 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     from protos.pdserve.v1 import gateway_pb2_grpc
     from services.block_hash import BlockHasher
     from services.grpc_server import GATEWAY_SERVICE, GrpcServer
+    from services.metrics import GatewayMetrics, serve_metrics
     from services.prefix_index import PrefixIndex
     from services.registry import WorkerRegistry
 
@@ -32,10 +33,12 @@ async def serve_gateway(settings: GatewaySettings) -> None:
                     prefix_weight=settings.prefix_weight, registry=registry, index=index,
                     static_prefill=settings.prefill_addrs, static_decode=settings.decode_addrs)
     await router.refresh()
+    metrics = GatewayMetrics()
+    metrics.watch_router(router)
     servicer = GatewayServicer(router, tokenizer, model=model_id, vocab_size=mc.vocab_size,
                                max_model_len=mc.max_position,
                                hasher=BlockHasher(settings.hash_seed, model_id, settings.block_size),
-                               request_timeout_s=settings.request_timeout_s)
+                               request_timeout_s=settings.request_timeout_s, metrics=metrics)
     srv = GrpcServer([GATEWAY_SERVICE], host=settings.host, port=settings.port,
                      max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s,
                      drain_delay_s=settings.drain_delay_s)
@@ -45,7 +48,9 @@ async def serve_gateway(settings: GatewaySettings) -> None:
         tasks.append(asyncio.create_task(index.run_reaper(settings.reaper_interval_s)))
     port = await srv.start()
     srv.install_signal_handlers()
-    print(f"READY gateway {settings.host}:{port}", flush=True)
+    mport = serve_metrics(metrics.registry, settings.metrics_port, settings.host)
+    print(f"READY gateway {settings.host}:{port}" + (f" metrics={mport}" if mport else ""),
+          flush=True)
     try:
         await srv.wait_stopped()
     finally:
@@ -61,11 +66,16 @@ def main(argv=None) -> int:
     from services.config import ConfigError, gateway_settings
     from services.grpc_server import run
     from services.logging_setup import setup_logging
+    from services.telemetry import setup_tracing, shutdown_tracing
     try:
         settings = gateway_settings(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging("gateway", settings.log_level, settings.log_format)
-    run(serve_gateway(settings))
+    setup_tracing("gateway")
+    try:
+        run(serve_gateway(settings))
+    finally:
+        shutdown_tracing()
     return 0

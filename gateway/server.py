@@ -6,6 +6,7 @@ work itself on the workers. Imports no torch.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 import logging
 import uuid
 
@@ -13,9 +14,11 @@ import grpc
 
 from gateway.router import NoWorkers, OverCapacity, Route, Router
 from protos.pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services import telemetry
 from services.block_hash import BlockHasher
 from services.grpc_server import grpc_options
 from services.logging_setup import request_context
+from services.metrics import GatewayMetrics, RequestTimer, route_mode
 from services.protocol import sampling_from_proto, sampling_to_proto
 
 logger = logging.getLogger(__name__)
@@ -26,7 +29,8 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, router: Router, tokenizer, *, model: str, vocab_size: int,
-                 max_model_len: int, hasher: BlockHasher, request_timeout_s: float):
+                 max_model_len: int, hasher: BlockHasher, request_timeout_s: float,
+                 metrics: GatewayMetrics | None = None):
         self.router = router
         self.tokenizer = tokenizer
         self.model = model
@@ -35,7 +39,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.hasher = hasher
         self.request_timeout_s = request_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self.status_counts: dict[str, int] = {}
+        self.metrics = metrics or GatewayMetrics()
 
     def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         ch = self._channels.get(address)
@@ -83,70 +87,106 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                              f"{self.max_model_len} (prompt + at least one new token)")
         return ids
 
-    def _count(self, code: grpc.StatusCode) -> None:
-        self.status_counts[code.name] = self.status_counts.get(code.name, 0) + 1
+    async def _abort(self, context, outcome: "_Outcome", code: grpc.StatusCode, msg: str):
+        outcome.code, outcome.message = code.name, msg
+        await context.abort(code, msg)
 
     # --------------------------------------------------------------- Generate
     async def Generate(self, request: gateway_pb2.GenerateRequest, context):
         rid = request.request_id or uuid.uuid4().hex
-        with request_context(rid):
+        span = telemetry.server_span("gateway.Generate", context, {"pdserve.request_id": rid})
+        outcome = _Outcome()
+        with request_context(rid, telemetry.trace_id(span, context)):
             try:
-                ids = self.prompt_ids(request)
-                sp = sampling_from_proto(request.sampling)
-            except ValueError as e:
-                self._count(grpc.StatusCode.INVALID_ARGUMENT)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            hashes = self.hasher.hash_blocks(ids)
-            remaining = context.time_remaining()
-            timeout = min(remaining, self.request_timeout_s) if remaining else self.request_timeout_s
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout
-            for attempt in range(3):
+                async for resp in self._generate(rid, request, context, span, outcome):
+                    yield resp
+            except asyncio.CancelledError:
+                if outcome.code == "OK":
+                    outcome.code = "CANCELLED"
+                raise
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:
+                outcome.code, outcome.message = "UNKNOWN", repr(e)
+                raise
+            finally:
+                if outcome.timer is not None:
+                    outcome.timer.done(outcome.code)
+                else:
+                    self.metrics.requests.labels(outcome.code).inc()
+                if outcome.timer is not None:
+                    span.set_attribute("pdserve.completion_tokens", outcome.timer.n)
+                telemetry.end_with_status(span, outcome.code, outcome.message)
+
+    async def _generate(self, rid, request, context, span, outcome: "_Outcome"):
+        try:
+            ids = self.prompt_ids(request)
+            sp = sampling_from_proto(request.sampling)
+        except ValueError as e:
+            await self._abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        span.set_attribute("pdserve.prompt_tokens", len(ids))
+        hashes = self.hasher.hash_blocks(ids)
+        outcome.timer = self.metrics.timer(len(ids))
+        remaining = context.time_remaining()
+        timeout = min(remaining, self.request_timeout_s) if remaining else self.request_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for attempt in range(3):
+            with telemetry.child(span, "route", {"pdserve.attempt": attempt}) as rspan:
                 try:
                     route = await self.router.route(len(ids), hashes)
                 except NoWorkers as e:
-                    self._count(grpc.StatusCode.UNAVAILABLE)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                    await self._abort(context, outcome, grpc.StatusCode.UNAVAILABLE, str(e))
                 except OverCapacity as e:
-                    self._count(grpc.StatusCode.RESOURCE_EXHAUSTED)
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-                logger.debug("request %s -> prefill %s decode %s (cached %d)", rid,
-                             route.prefill.id if route.prefill else "-", route.decode.id,
-                             route.cached_tokens)
-                dreq = worker_pb2.DecodeRequest(
-                    request_id=rid, prompt_token_ids=ids, sampling=sampling_to_proto(sp),
-                    model=self.router.model,
-                    prefill_address=route.prefill.info.address if route.prefill else "")
-                started = False
-                self.router.begin(route)
-                call = self._stub(route.decode.info.address).Generate(
-                    dreq, timeout=max(deadline - loop.time(), 0.001),
-                    metadata=_trace_metadata(context))
-                try:
-                    async for resp in call:
-                        started = True
-                        yield resp
-                    self._count(grpc.StatusCode.OK)
-                    return
-                except grpc.aio.AioRpcError as e:
-                    code = e.code()
-                    if not started and code in RETRYABLE and attempt < 2 \
-                            and loop.time() < deadline:
-                        logger.warning("request %s: %s on %s; retrying elsewhere", rid,
-                                       code.name, route.decode.id)
-                        if code == grpc.StatusCode.UNAVAILABLE:
-                            self.router.mark_failed(route.decode)
-                        continue
-                    self._count(code)
-                    await context.abort(code, e.details() or code.name)
-                finally:
-                    call.cancel()  # no-op when finished; frees the workers when we are cancelled
-                    self.router.end(route)
+                    await self._abort(context, outcome, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                mode = route_mode(route)
+                if rspan.is_recording():
+                    attrs = {"pdserve.prefill_worker": route.prefill.id if route.prefill else "",
+                             "pdserve.decode_worker": route.decode.id,
+                             "pdserve.cached_tokens_predicted": route.cached_tokens,
+                             "pdserve.routing_mode": mode, "pdserve.index_ok": route.index_ok}
+                    rspan.set_attributes(attrs)
+                    span.set_attributes(attrs)
+            self.metrics.routed(route, len(ids))
+            logger.debug("request %s -> prefill %s decode %s (cached %d, %s)", rid,
+                         route.prefill.id if route.prefill else "-", route.decode.id,
+                         route.cached_tokens, mode)
+            dreq = worker_pb2.DecodeRequest(
+                request_id=rid, prompt_token_ids=ids, sampling=sampling_to_proto(sp),
+                model=self.router.model,
+                prefill_address=route.prefill.info.address if route.prefill else "")
+            started = False
+            self.router.begin(route)
+            call = self._stub(route.decode.info.address).Generate(
+                dreq, timeout=max(deadline - loop.time(), 0.001),
+                metadata=telemetry.outgoing_metadata(span, context))
+            try:
+                async for resp in call:
+                    started = True
+                    outcome.timer.tokens(len(resp.token_ids))
+                    yield resp
+                return
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if not started and code in RETRYABLE and attempt < 2 \
+                        and loop.time() < deadline:
+                    logger.warning("request %s: %s on %s; retrying elsewhere", rid,
+                                   code.name, route.decode.id)
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        self.router.mark_failed(route.decode)
+                    continue
+                await self._abort(context, outcome, code, e.details() or code.name)
+            finally:
+                call.cancel()  # no-op when finished; frees the workers when we are cancelled
+                self.router.end(route)
 
 
-def _trace_metadata(context):
-    keep = ("traceparent", "tracestate")
-    return tuple((k, v) for k, v in (context.invocation_metadata() or ()) if k in keep)
+@dataclass
+class _Outcome:
+    """How one Generate call ended (for the metrics and the span)."""
+    code: str = "OK"
+    message: str = ""
+    timer: RequestTimer | None = None
 
 
 def route_summary(route: Route) -> str:  # pragma: no cover - logging aid

@@ -88,6 +88,7 @@ class Service:
     proc: subprocess.Popen
     address: str = ""
     worker_id: str = ""
+    metrics_port: int = 0  # Prometheus /metrics port (LocalCluster(metrics=True))
     log: list[str] = field(default_factory=list)
 
     @property
@@ -109,6 +110,8 @@ def _pump(svc: Service, ready: threading.Event, echo: bool) -> None:
             for p in parts[3:]:
                 if p.startswith("worker_id="):
                     svc.worker_id = p.split("=", 1)[1]
+                elif p.startswith("metrics="):
+                    svc.metrics_port = int(p.split("=", 1)[1])
             ready.set()
 
 
@@ -117,7 +120,7 @@ class LocalCluster:
                  colocated: int = 0, gateway_port: int = 0, redis: bool = True,
                  kv_backend: str = "tcp", worker_args: tuple[str, ...] = (),
                  gateway_args: tuple[str, ...] = (), env: dict | None = None, echo: bool = False,
-                 startup_timeout_s: float = 180.0):
+                 startup_timeout_s: float = 180.0, metrics: bool = False):
         self.model = model
         self.counts = {"prefill": prefill, "decode": decode, "colocated": colocated}
         self.gateway_port = gateway_port
@@ -128,6 +131,7 @@ class LocalCluster:
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.env["PYTHONPATH"] = REPO + os.pathsep + self.env.get("PYTHONPATH", "")
         self.echo = echo
+        self.metrics = metrics  # give every service its own free --metrics-port
         self.timeout = startup_timeout_s
         self.redis: RedisProcess | None = None
         self.workers: list[Service] = []
@@ -142,6 +146,8 @@ class LocalCluster:
         return self.redis.url if self.redis else ""
 
     def _spawn(self, kind: str, args: list[str]) -> Service:
+        if self.metrics:
+            args = [*args, "--metrics-port", str(free_port())]
         cmd = [sys.executable, "-m", "pdserve.cli", kind, *args]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=self.env, cwd=REPO, start_new_session=True)

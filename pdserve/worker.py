@@ -11,6 +11,7 @@ import sys
 
 from services.config import WorkerSettings
 from services.grpc_server import DECODE_SERVICE, PREFILL_SERVICE, GrpcServer
+from services.metrics import WorkerMetrics, serve_metrics
 from services.worker_runtime import WorkerRuntime, engine_config
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,8 @@ async def serve_worker(settings: WorkerSettings) -> None:
     await aengine.start()
     cache = engine.runner.kv_cache
     layout = KVLayout.from_cache(cache, settings.block_size)
-    runtime = WorkerRuntime(settings, aengine, engine.model_id)
+    metrics = WorkerMetrics(role)
+    runtime = WorkerRuntime(settings, aengine, engine.model_id, metrics=metrics)
 
     services = []
     receiver = None
@@ -39,12 +41,13 @@ async def serve_worker(settings: WorkerSettings) -> None:
     if role in ("decode", "colocated"):
         opts = {"host": settings.kv_host or _bind_host(settings), "port": settings.kv_port} \
             if settings.kv_backend == "tcp" else {}
-        if settings.kv_backend == "tcp" and settings.advertise_host:
-            opts["advertise_host"] = settings.advertise_host
+        if settings.kv_backend == "tcp":
+            # what prefill workers dial: never a wildcard bind address (compose, Kubernetes)
+            opts["advertise_host"] = settings.advertise_address(1).rpartition(":")[0]
         receiver = make_receiver(settings.kv_backend, cache, layout, **opts)
         await receiver.start()
         decode = DecodeServicer(aengine, runtime, receiver, layout, settings.kv_backend,
-                                settings.transfer_timeout_s)
+                                settings.transfer_timeout_s, metrics=metrics)
         services.append(DECODE_SERVICE)
     if role in ("prefill", "colocated"):
         senders[settings.kv_backend] = make_sender(settings.kv_backend, cache, layout)
@@ -57,13 +60,15 @@ async def serve_worker(settings: WorkerSettings) -> None:
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, srv.server)
     if senders:
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-            PrefillServicer(aengine, runtime, senders, layout), srv.server)
+            PrefillServicer(aengine, runtime, senders, layout, metrics=metrics), srv.server)
     port = await srv.start()
     address = settings.advertise_address(port)
     await runtime.start(address, receiver.endpoint if receiver else "")
     srv.add_shutdown_hook(runtime.stop)
     srv.install_signal_handlers()
-    print(f"READY {role} {address} worker_id={runtime.worker_id}", flush=True)
+    mport = serve_metrics(metrics.registry, settings.metrics_port, settings.host)
+    print(f"READY {role} {address} worker_id={runtime.worker_id}"
+          + (f" metrics={mport}" if mport else ""), flush=True)
     logger.info("%s worker %s serving %s on %s", role, runtime.worker_id, engine.model_id, address)
     try:
         await srv.wait_stopped()
@@ -85,11 +90,16 @@ def main(argv=None, role: str = "colocated") -> int:
     from services.config import ConfigError, worker_settings
     from services.grpc_server import run
     from services.logging_setup import setup_logging
+    from services.telemetry import setup_tracing, shutdown_tracing
     try:
         settings = worker_settings(argv, role=role)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging(f"{settings.role}-worker", settings.log_level, settings.log_format)
-    run(serve_worker(settings))
+    setup_tracing(settings.role)
+    try:
+        run(serve_worker(settings))
+    finally:
+        shutdown_tracing()
     return 0

@@ -1,12 +1,13 @@
-"""Structured logs with the current request id.
+"""Structured logs with the current request id and trace id.
 
 ``setup_logging(service, level, fmt)`` configures the root logger once per process: one line per
 record, JSON (``{"ts":..., "level":..., "logger":..., "service":..., "request_id":..., "msg":...}``)
-or text (``ts LEVEL logger [service] rid=... msg``). The request id comes from a contextvar, so
-it follows asyncio tasks: set it where a request enters a service::
+or text (``ts LEVEL logger [service] rid=... trace=... msg``); JSON lines also carry ``trace_id``
+(32 hex digits, the W3C/OpenTelemetry trace of the request) when there is one. Both come from
+contextvars, so they follow asyncio tasks: set them where a request enters a service::
 
-    with request_context(request.request_id):
-        ...   # every log line in here (and in tasks created here) carries it
+    with request_context(request.request_id, trace_id):
+        ...   # every log line in here (and in tasks created here) carries them
 
 Extra fields: ``logger.info("sent", extra={"fields": {"blocks": 12}})`` adds them to the record.
 """
@@ -21,6 +22,7 @@ import sys
 import time
 
 request_id_var: ContextVar[str] = ContextVar("pdserve_request_id", default="")
+trace_id_var: ContextVar[str] = ContextVar("pdserve_trace_id", default="")
 
 
 def current_request_id() -> str:
@@ -28,11 +30,13 @@ def current_request_id() -> str:
 
 
 @contextmanager
-def request_context(request_id: str) -> Iterator[None]:
+def request_context(request_id: str, trace_id: str = "") -> Iterator[None]:
     token = request_id_var.set(request_id)
+    ttoken = trace_id_var.set(trace_id)
     try:
         yield
     finally:
+        trace_id_var.reset(ttoken)
         request_id_var.reset(token)
 
 
@@ -43,6 +47,7 @@ class _ContextFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = request_id_var.get()
+        record.trace_id = trace_id_var.get()
         record.service = self.service
         return True
 
@@ -59,6 +64,9 @@ class JsonFormatter(logging.Formatter):
         rid = getattr(record, "request_id", "")
         if rid:
             out["request_id"] = rid
+        tid = getattr(record, "trace_id", "")
+        if tid:
+            out["trace_id"] = tid
         extra = getattr(record, "fields", None)
         if isinstance(extra, dict):
             out.update(extra)
@@ -73,6 +81,9 @@ class TextFormatter(logging.Formatter):
         line = f"{_ts(record)} {record.levelname:<7} {record.name} [{getattr(record, 'service', '')}]"
         if rid:
             line += f" rid={rid}"
+        tid = getattr(record, "trace_id", "")
+        if tid:
+            line += f" trace={tid}"
         line += " " + record.getMessage()
         extra = getattr(record, "fields", None)
         if isinstance(extra, dict):

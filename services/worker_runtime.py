@@ -36,8 +36,9 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
 class WorkerRuntime:
     """Registry membership, index publishing and stats of one worker process."""
 
-    def __init__(self, settings: WorkerSettings, aengine, model_id: str):
+    def __init__(self, settings: WorkerSettings, aengine, model_id: str, metrics=None):
         self.settings = settings
+        self.metrics = metrics  # services.metrics.WorkerMetrics: gauges follow engine stats
         self.aengine = aengine
         self.model_id = model_id
         self.address = ""
@@ -100,6 +101,8 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ load
     async def _refresh_load(self) -> None:
         st = await self.aengine.stats()
+        if self.metrics is not None:
+            self.metrics.observe_engine(st)
         self._load = WorkerLoad(running=st.num_running, waiting=st.num_waiting + st.num_awaiting_kv,
                                 kv_free_blocks=st.kv_blocks_free, kv_total_blocks=st.kv_blocks_total)
 
