@@ -115,6 +115,7 @@ def test_prefix_cache_on_off_same_outputs_and_fewer_computed_tokens():
     assert all(o.num_cached_tokens == 0 for o in ref)
 
 
+@pytest.mark.slow
 def test_64_concurrent_with_preemption_equal_alone():
     tok_prompts = []
     g = torch.Generator().manual_seed(1)
