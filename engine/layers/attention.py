@@ -11,7 +11,7 @@ the scheduler never sees any of this.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,8 @@ class AttentionMetadata:
     query_lens_list: list[int]
     max_seq_len: int
     max_query_len: int
+    # derived once per step by the torch backend and reused by every layer
+    cache: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -50,10 +52,15 @@ class AttentionBackend:
 
 
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, memo: dict | None = None) -> None:
     bs = kv_cache.shape[3]
-    blk = slot_mapping // bs
-    off = slot_mapping % bs
+    if memo is not None and "blk_off" in memo:
+        blk, off = memo["blk_off"]
+    else:
+        blk = slot_mapping // bs
+        off = slot_mapping % bs
+        if memo is not None:
+            memo["blk_off"] = (blk, off)
     # view first, then index: mixing int scalars into advanced indexing is ~300x slower
     kv_cache[:, layer, 0][blk, off] = k
     kv_cache[:, layer, 1][blk, off] = v
@@ -68,7 +75,7 @@ class TorchAttention(AttentionBackend):
         self.scale = scale
 
     def forward(self, layer, q, k, v, kv_cache, meta):
-        store_kv_torch(k, v, kv_cache, layer, meta.slot_mapping)
+        store_kv_torch(k, v, kv_cache, layer, meta.slot_mapping, meta.cache)
         if meta.decode_only:
             return self._decode(layer, q, kv_cache, meta)
         out = torch.empty_like(q)
@@ -85,58 +92,62 @@ class TorchAttention(AttentionBackend):
             else:
                 nb = -(-slen // bs)
                 blocks = meta.block_tables[i, :nb].long()
-                kk = kv_cache[:, layer, 0][blocks].reshape(-1, *k.shape[1:])[:slen]
-                vv = kv_cache[:, layer, 1][blocks].reshape(-1, *v.shape[1:])[:slen]
+                kk = kv_cache[:, layer, 0].index_select(0, blocks).reshape(-1, *k.shape[1:])[:slen]
+                vv = kv_cache[:, layer, 1].index_select(0, blocks).reshape(-1, *v.shape[1:])[:slen]
                 out[start:end] = _sdpa(q[start:end], kk, vv, self.scale, causal=True,
                                        offset=slen - qlen)
             start = end
         if decode_rows:
-            rows = torch.tensor(decode_rows, dtype=torch.long)
-            loc = meta.query_start_loc.long()[rows]
-            sub = AttentionMetadata(
-                slot_mapping=meta.slot_mapping, block_tables=meta.block_tables[rows],
-                seq_lens=meta.seq_lens[rows], query_start_loc=meta.query_start_loc,
-                seq_lens_list=[meta.seq_lens_list[r] for r in decode_rows],
-                query_lens_list=[1] * len(decode_rows),
-                max_seq_len=max(meta.seq_lens_list[r] for r in decode_rows), max_query_len=1)
+            memo = meta.cache.get("mixed")
+            if memo is None:  # the decode rows of a mixed step, as their own metadata
+                rows = torch.tensor(decode_rows, dtype=torch.long, device=q.device)
+                loc = meta.query_start_loc.long()[rows]
+                sub = AttentionMetadata(
+                    slot_mapping=meta.slot_mapping, block_tables=meta.block_tables[rows],
+                    seq_lens=meta.seq_lens[rows], query_start_loc=meta.query_start_loc,
+                    seq_lens_list=[meta.seq_lens_list[r] for r in decode_rows],
+                    query_lens_list=[1] * len(decode_rows),
+                    max_seq_len=max(meta.seq_lens_list[r] for r in decode_rows), max_query_len=1)
+                memo = meta.cache["mixed"] = (loc, sub)
+            loc, sub = memo
             out[loc] = self._decode(layer, q[loc], kv_cache, sub)
         return out
 
     def _decode(self, layer, q, kv_cache, meta):
-        """One query per sequence: gather each sequence's blocks, mask past its length."""
+        """One query per sequence: gather each sequence's blocks (one row copy per block),
+        then attend with the query heads of each KV head as that head's queries, masked past
+        the sequence's length."""
         bs = kv_cache.shape[3]
         b, hq, d = q.shape
+        hk = kv_cache.shape[4]
         nb = -(-meta.max_seq_len // bs)
-        tables = meta.block_tables[:, :nb].long()
-        k = kv_cache[:, layer, 0][tables]  # [B, nb, bs, Hk, D]
-        v = kv_cache[:, layer, 1][tables]
-        hk = k.shape[-2]
-        k = k.reshape(b, nb * bs, hk, d)
-        v = v.reshape(b, nb * bs, hk, d)
-        g = hq // hk
-        qg = q.view(b, hk, g, d)
-        scores = torch.einsum("bhgd,bshd->bhgs", qg, k) * self.scale
-        pos = torch.arange(nb * bs, device=q.device)
-        mask = pos[None, :] >= meta.seq_lens.long()[:, None]  # [B, S]
-        scores.masked_fill_(mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = torch.einsum("bhgs,bshd->bhgd", probs, v)
+        memo = meta.cache.get("decode")
+        if memo is None:
+            idx = meta.block_tables[:, :nb].reshape(-1).long()
+            pos = torch.arange(nb * bs, device=q.device)
+            mask = (pos[None, :] < meta.seq_lens.long()[:, None])[:, None, None, :]  # [B,1,1,S]
+            memo = meta.cache["decode"] = (idx, mask)
+        idx, mask = memo
+        k = kv_cache[:, layer, 0].index_select(0, idx).view(b, nb * bs, hk, d).transpose(1, 2)
+        v = kv_cache[:, layer, 1].index_select(0, idx).view(b, nb * bs, hk, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.view(b, hk, hq // hk, d), k, v, attn_mask=mask,
+                                             scale=self.scale)
         return out.reshape(b, hq, d)
 
 
 def _sdpa(q, k, v, scale, causal: bool, offset: int = 0):
     """q [n, Hq, D], k/v [s, Hk, D]; query j sits at position offset + j."""
-    hq, hk = q.shape[1], k.shape[1]
-    if hq != hk:
-        k = k.repeat_interleave(hq // hk, dim=1)
-        v = v.repeat_interleave(hq // hk, dim=1)
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    gqa = q.shape[1] != k.shape[1]
+    # 4-D [1, H, n, D] views: SDPA's fused CPU/GPU kernels only take 4-D inputs
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     if not causal or (offset == 0 and q.shape[0] == k.shape[0]):
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale,
+                                           enable_gqa=gqa)
     else:
         n, s = q.shape[0], k.shape[0]
         dev = q.device
         mask = (torch.arange(s, device=dev)[None, :]
                 <= (torch.arange(n, device=dev)[:, None] + offset))
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-    return o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
+                                           enable_gqa=gqa)
+    return o.squeeze(0).transpose(0, 1)

@@ -40,6 +40,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.fused = False  # GPU: rotate q/k in place with one Triton kernel
+        self._memo = None  # (positions, dtype, cos, sin) of the current step
         inv_freq = compute_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
@@ -62,9 +63,12 @@ class RotaryEmbedding(nn.Module):
             from engine.kernels.elementwise import rotary_embedding
             rotary_embedding(positions, q, k, self.cos_sin_cache)
             return q, k
-        cos, sin = self.cos_sin(positions, q.dtype)
-        cos = cos.unsqueeze(1)
-        sin = sin.unsqueeze(1)
+        # every layer of a step passes the same positions tensor: compute cos/sin once
+        memo = self._memo
+        if memo is None or memo[0] is not positions or memo[1] != q.dtype:
+            cos, sin = self.cos_sin(positions, q.dtype)
+            memo = self._memo = (positions, q.dtype, cos.unsqueeze(1), sin.unsqueeze(1))
+        cos, sin = memo[2], memo[3]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
