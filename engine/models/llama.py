@@ -38,8 +38,9 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if rotary.fused and getattr(backend, "fuses_rotary", False):
-            # GPU: rotary + store_kv in one kernel inside the backend
+        if rotary.fused and getattr(backend, "fuses_rotary", False) and meta.decode_only:
+            # GPU decode: rotary + store_kv in one kernel inside the backend (measured to pay
+            # at decode; prefill and mixed steps keep the separate kernels)
             o = backend.forward(self.layer, q, k, v, kv_cache, meta,
                                 rope=(positions, rotary.cos_sin_cache))
         else:
