@@ -52,8 +52,10 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, loaded.config, loaded.weights)
+        self.runner = ModelRunner(config, loaded.config, loaded.weights,
+                                  packed=getattr(loaded, "packed", None))
         loaded.weights = None  # the runner owns the parameters now
+        loaded.packed = None
         bs = config.cache.block_size
         self.hasher = BlockHasher(config.cache.hash_seed, self.model_id, bs)
         self.block_manager = BlockManager(self.runner.num_blocks, bs, self.hasher,

@@ -53,7 +53,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, mc: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: EngineConfig, mc: ModelConfig, weights: dict[str, torch.Tensor],
+                 packed: dict[str, tuple] | None = None):
         self.config = config
         self.mc = mc
         self.device = torch.device(config.device)
@@ -70,6 +71,16 @@ class ModelRunner:
             torch.set_default_dtype(prev)
         self.model.load_weights(weights)
         self.model.eval()
+        self.packed_projections = 0
+        if (packed and self.device.type == "cpu" and self.dtype == torch.float32
+                and hasattr(self.model, "load_packed")):
+            # decode (<= 8 tokens per step) reads GGUF Q4_1 / Q8_0 blocks instead of fp32
+            # (PDSERVE_CPU_PACKED=auto|off); builds the C++ extension on first use
+            from engine.kernels import cpu_quant
+            if cpu_quant.available():
+                self.packed_projections = self.model.load_packed(packed)
+                logger.info("CPU packed GEMV: %d projections read GGUF blocks",
+                            self.packed_projections)
         self.backend = make_attention_backend(config, mc)
 
         kv_dtype = DTYPES[config.cache.kv_dtype] if config.cache.kv_dtype else self.dtype

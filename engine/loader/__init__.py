@@ -44,6 +44,9 @@ class LoadedModel:
     weights: dict[str, "torch.Tensor"]
     tokenizer: Tokenizer | ByteTokenizer | None
     model_id: str
+    # CPU + GGUF: Q4_1 / Q8_0 weights also in block form, HF name -> ("q4_1", qs, d, m) or
+    # ("q8_0", qs, d) (engine.kernels.cpu_quant); used by the packed GEMV for decode
+    packed: dict[str, tuple] | None = None
 
 
 def smollm2_gguf_path() -> str:
@@ -113,14 +116,18 @@ def load_tokenizer(spec: str) -> Tokenizer | ByteTokenizer:
 
 
 def load_model(spec: str, dtype: "torch.dtype | None" = None, device: str = "cpu",
-               seed: int = 0) -> LoadedModel:
-    """Config, weights (in `dtype`, default float32, on `device`), tokenizer and model id."""
+               seed: int = 0, keep_packed: bool | None = None) -> LoadedModel:
+    """Config, weights (in `dtype`, default float32, on `device`), tokenizer and model id.
+
+    keep_packed: also keep GGUF Q4_1 / Q8_0 blocks (`LoadedModel.packed`); default: on for
+    a float32 CPU load unless PDSERVE_CPU_PACKED=off."""
     import torch
 
     dtype = dtype or torch.float32
     device = str(device)
     t0 = time.perf_counter()
     kind, location, model_id = resolve_spec(spec)
+    packed = None
     if kind == "dummy":
         from engine.loader.dummy import dummy_config, random_weights
 
@@ -131,9 +138,14 @@ def load_model(spec: str, dtype: "torch.dtype | None" = None, device: str = "cpu
         from engine.loader.gguf_loader import (GGUFFile, gguf_config, gguf_tokenizer,
                                                load_gguf_weights)
 
+        if keep_packed is None:
+            from engine.kernels.cpu_quant import enabled
+
+            keep_packed = device == "cpu" and dtype == torch.float32 and enabled()
+        packed = {} if keep_packed else None
         with GGUFFile(location) as g:  # weights own copies of their bytes: safe to close
             config = gguf_config(g)
-            weights = load_gguf_weights(g, config, dtype, device)
+            weights = load_gguf_weights(g, config, dtype, device, packed=packed)
             tokenizer = gguf_tokenizer(g)
     else:
         from engine.loader.hf_loader import hf_config, hf_tokenizer, load_hf_weights
@@ -143,4 +155,5 @@ def load_model(spec: str, dtype: "torch.dtype | None" = None, device: str = "cpu
         tokenizer = hf_tokenizer(location, config)
     logger.info("loaded %s (%s, %d tensors, %s on %s) in %.2fs", model_id, kind, len(weights),
                 dtype, device, time.perf_counter() - t0)
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, model_id=model_id)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, model_id=model_id,
+                       packed=packed or None)

@@ -182,11 +182,20 @@ def unpermute_rows(w, n_heads: int):
             .reshape(w.shape))
 
 
-def load_gguf_weights(g: GGUFFile, config: ModelConfig, dtype, device: str = "cpu") -> dict:
-    """All weights, dequantized, under HF names and shapes, in `dtype` on `device`."""
+_PACKERS = {"Q4_1": "pack_q4_1", "Q8_0": "pack_q8_0"}
+
+
+def load_gguf_weights(g: GGUFFile, config: ModelConfig, dtype, device: str = "cpu",
+                      packed: dict | None = None) -> dict:
+    """All weights, dequantized, under HF names and shapes, in `dtype` on `device`.
+
+    When `packed` is a dict (CPU only), 2-D Q4_1 / Q8_0 tensors are also kept in their block
+    form there, under the same HF names (engine.kernels.cpu_quant layouts, rows permuted
+    like the dense rows): name -> ("q4_1", qs, d, m) or ("q8_0", qs, d)."""
     import torch
 
     from engine.loader.dequant import dequantize
+    from engine.loader.gguf_reader import GGML_TYPES
 
     weights: dict[str, torch.Tensor] = {}
     for name, info in g.tensors.items():
@@ -199,13 +208,26 @@ def load_gguf_weights(g: GGUFFile, config: ModelConfig, dtype, device: str = "cp
         if device != "cpu":
             raw = raw.to(device)
         w = dequantize(raw, info.ggml_type, info.shape)
-        if ".q_proj." in target:
-            w = unpermute_rows(w, config.num_heads)
-        elif ".k_proj." in target:
-            w = unpermute_rows(w, config.num_kv_heads)
+        pk = None
+        kind = GGML_TYPES[info.ggml_type][0]
+        if (packed is not None and device == "cpu" and kind in _PACKERS
+                and len(info.shape) == 2 and target.endswith(".weight")):
+            from engine.kernels import cpu_quant
+
+            pk = getattr(cpu_quant, _PACKERS[kind])(raw, info.shape)
+        heads = (config.num_heads if ".q_proj." in target
+                 else config.num_kv_heads if ".k_proj." in target else None)
+        if heads is not None:
+            w = unpermute_rows(w, heads)
+            if pk is not None:  # block rows are whole rows: the same row permutation applies
+                pk = (pk[0], *(unpermute_rows(t, heads).contiguous() for t in pk[1:]))
         weights[target] = w.to(dtype).contiguous()
+        if pk is not None:
+            packed[target] = pk
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+        if packed is not None:
+            packed.pop("lm_head.weight", None)
     return weights
 
 

@@ -15,6 +15,31 @@ from engine.layers.attention import AttentionBackend, AttentionMetadata
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
+_MAX_PACKED_TOKENS = 8  # = engine.kernels.cpu_quant.MAX_PACKED_TOKENS
+
+
+class QLinear(nn.Linear):
+    """nn.Linear that, on CPU, may also hold its weight in GGUF block form (``packed``, see
+    engine.kernels.cpu_quant): calls with at most 8 tokens (decode) then run the packed GEMV,
+    which reads ~5x fewer bytes than the dense fp32 weight and gives the same weight values.
+    Larger calls (prefill) and the GPU keep the dense weight."""
+    packed: tuple | None = None
+
+    def forward(self, x):
+        p = self.packed
+        if p is not None and x.dim() == 2 and x.shape[0] <= _MAX_PACKED_TOKENS:
+            from engine.kernels.cpu_quant import packed_gemv
+            y = packed_gemv(x, p)
+            return y if self.bias is None else y.add_(self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _packed_fits(p: tuple | None, out_features: int, in_features: int) -> bool:
+    if p is None:
+        return False
+    k = p[1].shape[1] * (2 if p[0] == "q4_1" else 1)
+    return p[1].shape[0] == out_features and k == in_features
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -22,8 +47,8 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = QLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = QLinear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, positions, rotary: RotaryEmbedding, backend: AttentionBackend,
                 kv_cache, meta: AttentionMetadata):
@@ -53,8 +78,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = QLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = QLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.fused = False  # GPU: silu(gate) * up in one Triton kernel
 
     def forward(self, x):
@@ -142,6 +167,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta,
                                       cfg.rope_scaling_dict)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_packed: tuple | None = None  # CPU: packed lm_head (or tied embedding) weight
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -169,8 +195,51 @@ class LlamaForCausalLM(nn.Module):
             layer.gemv_plan = plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if (self.lm_packed is not None and hidden.dim() == 2
+                and hidden.shape[0] <= _MAX_PACKED_TOKENS):
+            from engine.kernels.cpu_quant import packed_gemv
+            return packed_gemv(hidden, self.lm_packed)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, w)
+
+    @torch.no_grad()
+    def load_packed(self, packed: dict[str, tuple] | None) -> int:
+        """CPU: attach GGUF block-form weights (HF names, engine.kernels.cpu_quant layouts) to
+        the projections and lm_head; q/k/v and gate/up rows are concatenated like the dense
+        weights. A projection whose parts are missing or of mixed kinds stays dense. None
+        detaches everything. Returns the number of projections (incl. lm_head) now packed."""
+        packed = packed or {}
+
+        def cat(names: list[str]) -> tuple | None:
+            parts = [packed.get(n) for n in names]
+            if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+                return None
+            if len(parts) == 1:
+                return parts[0]
+            return (parts[0][0], *(torch.cat([p[i] for p in parts]).contiguous()
+                                   for i in range(1, len(parts[0]))))
+
+        count = 0
+
+        def attach(lin: QLinear, p: tuple | None) -> None:
+            nonlocal count
+            ok = _packed_fits(p, lin.out_features, lin.in_features)
+            lin.packed = p if ok else None
+            count += ok
+
+        for i, layer in enumerate(self.layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            attach(layer.self_attn.qkv_proj, cat([a + "q_proj.weight", a + "k_proj.weight",
+                                                  a + "v_proj.weight"]))
+            attach(layer.self_attn.o_proj, packed.get(a + "o_proj.weight"))
+            attach(layer.mlp.gate_up_proj, cat([m + "gate_proj.weight", m + "up_proj.weight"]))
+            attach(layer.mlp.down_proj, packed.get(m + "down_proj.weight"))
+        head = packed.get("model.embed_tokens.weight" if self.lm_head is None
+                          else "lm_head.weight")
+        cfg = self.config
+        self.lm_packed = head if _packed_fits(head, cfg.vocab_size, cfg.hidden_size) else None
+        count += self.lm_packed is not None
+        return count
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
