@@ -16,15 +16,14 @@ import torch
 
 from kvtransfer.base import (
     KVLayout,
-    KVReceiver,
     KVSender,
-    ReceiverStats,
     TransferResult,
     TransferState,
     TransferStateMachine,
 )
 from kvtransfer.blocks import block_runs, scatter
 from kvtransfer.tracking import (
+    TrackedReceiver,
     ExpectedTransfer,
     ReceiverTracker,
     SendRunner,
@@ -38,7 +37,7 @@ _ENDPOINTS: dict[str, FakeReceiver] = {}
 _NEXT = itertools.count()
 
 
-class FakeReceiver(KVReceiver):
+class FakeReceiver(TrackedReceiver):
     def __init__(self, cache: torch.Tensor, layout: KVLayout, stall: bool = False) -> None:
         layout.validate(cache)
         self._cache = cache
@@ -57,16 +56,6 @@ class FakeReceiver(KVReceiver):
         if self._endpoint is None:
             raise RuntimeError("receiver not started")
         return self._endpoint
-
-    def expect(self, transfer_id: str, dst_block_ids: list[int],
-               timeout_s: float) -> ExpectedTransfer:
-        return self._tracker.expect(transfer_id, dst_block_ids, timeout_s)
-
-    def cancel(self, transfer_id: str) -> bool:
-        return self._tracker.cancel(transfer_id)
-
-    def stats(self) -> ReceiverStats:
-        return self._tracker.stats()
 
     async def close(self) -> None:
         if self._endpoint is not None:

@@ -32,15 +32,14 @@ import torch
 from kvtransfer import protocol as proto
 from kvtransfer.base import (
     KVLayout,
-    KVReceiver,
     KVSender,
-    ReceiverStats,
     TransferResult,
     TransferState,
     TransferStateMachine,
 )
 from kvtransfer.blocks import gather, scatter
 from kvtransfer.tracking import (
+    TrackedReceiver,
     ExpectedTransfer,
     ReceiverTracker,
     SendRunner,
@@ -81,7 +80,7 @@ class _Ring:
             logger.warning("shm ring still referenced; unmapped later")
 
 
-class ShmReceiver(KVReceiver):
+class ShmReceiver(TrackedReceiver):
     def __init__(self, cache: torch.Tensor, layout: KVLayout, name: str | None = None) -> None:
         layout.validate(cache)
         self._cache = cache
@@ -106,16 +105,6 @@ class ShmReceiver(KVReceiver):
         if self._listener is None:
             raise RuntimeError("receiver not started")
         return f"shm://{self._name}"
-
-    def expect(self, transfer_id: str, dst_block_ids: list[int],
-               timeout_s: float) -> ExpectedTransfer:
-        return self._tracker.expect(transfer_id, dst_block_ids, timeout_s)
-
-    def cancel(self, transfer_id: str) -> bool:
-        return self._tracker.cancel(transfer_id)
-
-    def stats(self) -> ReceiverStats:
-        return self._tracker.stats()
 
     async def close(self) -> None:
         self._tracker.close()

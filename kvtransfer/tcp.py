@@ -18,15 +18,14 @@ import torch
 from kvtransfer import protocol as proto
 from kvtransfer.base import (
     KVLayout,
-    KVReceiver,
     KVSender,
-    ReceiverStats,
     TransferResult,
     TransferState,
     TransferStateMachine,
 )
 from kvtransfer.blocks import block_runs, byte_view
 from kvtransfer.tracking import (
+    TrackedReceiver,
     ExpectedTransfer,
     ReceiverTracker,
     SendRunner,
@@ -50,7 +49,7 @@ def _tune(sock: socket.socket) -> None:
             pass
 
 
-class TcpReceiver(KVReceiver):
+class TcpReceiver(TrackedReceiver):
     def __init__(self, cache: torch.Tensor, layout: KVLayout, host: str = "127.0.0.1",
                  port: int = 0, advertise_host: str | None = None) -> None:
         layout.validate(cache, need_contiguous_cpu=True)
@@ -81,16 +80,6 @@ class TcpReceiver(KVReceiver):
             raise RuntimeError("receiver not started")
         host = f"[{self._advertise}]" if ":" in self._advertise else self._advertise
         return f"tcp://{host}:{self._port}"
-
-    def expect(self, transfer_id: str, dst_block_ids: list[int],
-               timeout_s: float) -> ExpectedTransfer:
-        return self._tracker.expect(transfer_id, dst_block_ids, timeout_s)
-
-    def cancel(self, transfer_id: str) -> bool:
-        return self._tracker.cancel(transfer_id)
-
-    def stats(self) -> ReceiverStats:
-        return self._tracker.stats()
 
     async def close(self) -> None:
         self._tracker.close()

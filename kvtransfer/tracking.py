@@ -12,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from kvtransfer.base import (
+    KVReceiver,
     ReceiverStats,
     TransferHandle,
     TransferResult,
@@ -234,3 +235,20 @@ class SendRunner:
             return TransferState.FAILED, f"{type(exc).__name__}: {exc}"
         except (OSError, EOFError) as exc:
             return TransferState.FAILED, f"{type(exc).__name__}: {exc}"
+
+
+class TrackedReceiver(KVReceiver):
+    """A receiver whose expected transfers live in a :class:`ReceiverTracker` (``_tracker``):
+    expect / cancel / stats are the tracker's, whatever moves the bytes."""
+
+    _tracker: ReceiverTracker
+
+    def expect(self, transfer_id: str, dst_block_ids: list[int],
+               timeout_s: float) -> ExpectedTransfer:
+        return self._tracker.expect(transfer_id, dst_block_ids, timeout_s)
+
+    def cancel(self, transfer_id: str) -> bool:
+        return self._tracker.cancel(transfer_id)
+
+    def stats(self) -> ReceiverStats:
+        return self._tracker.stats()
