@@ -44,7 +44,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     matter: masked attention positions multiply stale values by 0, which must not be NaN)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
     n = 1
     for d in shape:
         n *= d

@@ -12,7 +12,7 @@ import uuid
 
 import grpc
 
-from gateway.router import NoWorkers, OverCapacity, Route, Router
+from gateway.router import NoWorkers, OverCapacity, Router
 from protos.pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services import telemetry
 from services.block_hash import BlockHasher
@@ -188,6 +188,3 @@ class _Outcome:
     message: str = ""
     timer: RequestTimer | None = None
 
-
-def route_summary(route: Route) -> str:  # pragma: no cover - logging aid
-    return f"{route.prefill.id if route.prefill else '-'} -> {route.decode.id}"
