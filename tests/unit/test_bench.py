@@ -1,6 +1,6 @@
 """pdserve bench against a gateway with known, injected latencies.
 
-A real ``grpc.aio`` Gateway server runs in a thread of the test process (its own event loop)
+A real ``grpc.aio`` Gateway server (tests/unit/injected_gateway.py) runs in its own process
 and serves each request as its prompt says: ``ttft=MS itl=MS`` (sleep before the first
 message, then between messages), ``fail=CODE`` (abort with that status), ``hang`` (never
 answer). It streams ``max_tokens`` messages of one token each, and reports
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
-import threading
+import subprocess
+import sys
 
-import grpc
 import pytest
 
 from pdserve.benchlib import metrics, workload
@@ -24,58 +25,30 @@ from pdserve.benchlib.cli import main as bench_main, parse_up
 from pdserve.benchlib.metrics import RequestResult
 from pdserve.benchlib.runner import LoadSpec, poisson_times, run_load
 from pdserve.benchlib.workload import Item, WorkloadSpec
-from protos.pdserve.v1 import common_pb2, gateway_pb2_grpc
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def close(measured_ms, want_ms, rel=0.15, abs_ms=12.0):
     return abs(measured_ms - want_ms) <= max(rel * want_ms, abs_ms)
 
 
-class InjectedGateway(gateway_pb2_grpc.GatewayServicer):
-    async def Generate(self, request, context):
-        opts = dict(w.partition("=")[::2] for w in request.prompt.split())
-        if "fail" in opts:
-            await context.abort(grpc.StatusCode[opts["fail"]], "injected failure")
-        if "hang" in opts:
-            await asyncio.sleep(3600)
-        await asyncio.sleep(float(opts.get("ttft", 0)) / 1000)
-        n = request.sampling.max_tokens
-        prompt_tokens = len(request.prompt.split())
-        for i in range(n):
-            if i:
-                await asyncio.sleep(float(opts.get("itl", 0)) / 1000)
-            last = i == n - 1
-            yield common_pb2.GenerateResponse(
-                request_id=request.request_id, token_ids=[i], text="x",
-                finish_reason="length" if last else "",
-                usage=common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=n,
-                                       cached_tokens=prompt_tokens // 2) if last else None)
-
-
 @pytest.fixture(scope="module")
 def gateway():
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    state = {}
-
-    async def serve():
-        state["stop"] = asyncio.Event()
-        server = grpc.aio.server()
-        gateway_pb2_grpc.add_GatewayServicer_to_server(InjectedGateway(), server)
-        state["port"] = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        started.set()
-        await state["stop"].wait()
-        await server.stop(0)
-
-    t = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
-    t.start()
-    assert started.wait(10)
-    address = f"127.0.0.1:{state['port']}"
-    run(address, items(["ttft=1"] * 4, max_tokens=2), concurrency=4)  # warm both sides up
-    yield address
-    loop.call_soon_threadsafe(state["stop"].set)
-    t.join(10)
+    """The latency-injecting gateway in its own process, so its timing never shares a GIL with
+    the client being measured (in a thread of the test process it added ~15 ms at random)."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "tests.unit.injected_gateway"],
+                            stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PORT "), line
+        address = f"127.0.0.1:{int(line.split()[1])}"
+        run(address, items(["ttft=1"] * 4, max_tokens=2), concurrency=4)  # warm both sides up
+        yield address
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 def items(prompts, max_tokens=6):
