@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import time
 
 DEMO_MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _cmd_up(argv) -> int:
@@ -35,8 +40,15 @@ def _cmd_up(argv) -> int:
           f"worker(s) and a gateway on :{a.port} (model {a.model}) ...", flush=True)
     cluster = LocalCluster(a.model, prefill=a.prefill, decode=a.decode, colocated=a.colocated,
                            gateway_port=a.port, kv_backend=a.kv_backend, echo=a.verbose)
+    # SIGTERM (docker stop, timeout, kill) must stop the cluster too, like Ctrl-C: the
+    # services run in their own sessions and would otherwise outlive us
+    signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.monotonic()
-    cluster.start()
+    try:
+        cluster.start()
+    except KeyboardInterrupt:
+        cluster.stop()
+        return 130
     print(f"up in {time.monotonic() - t0:.1f}s: gateway {cluster.address}, redis {cluster.redis_url}")
     for w in cluster.workers:
         print(f"  {w.kind:9s} {w.address}  {w.worker_id}")
