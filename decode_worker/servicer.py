@@ -20,7 +20,7 @@ import grpc
 
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import telemetry
-from services.grpc_server import grpc_options
+from services.grpc_server import ChannelPool
 from services.logging_setup import request_context
 from services.metrics import WorkerMetrics
 from services.protocol import response_from_output, sampling_from_proto, sampling_to_proto
@@ -45,19 +45,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.transfer_timeout_s = transfer_timeout_s
         self.allow_local_prefill = allow_local_prefill
         self.metrics = metrics or WorkerMetrics("decode")
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def _stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=grpc_options())
-            self._channels[address] = ch
-        return worker_pb2_grpc.PrefillWorkerStub(ch)
+        self._peers = ChannelPool(worker_pb2_grpc.PrefillWorkerStub)
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
+        await self._peers.close()
 
     async def Generate(self, request: worker_pb2.DecodeRequest, context):
         rid = request.request_id or uuid.uuid4().hex
@@ -151,7 +142,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             timeout = context.time_remaining()
             pspan = telemetry.child(span, "prefill.remote", {"pdserve.prefill_address": address})
             try:
-                resp = await self._stub(address).Prefill(
+                resp = await self._peers.stub(address).Prefill(
                     req, timeout=timeout, metadata=telemetry.outgoing_metadata(pspan, context))
             except grpc.aio.AioRpcError as e:
                 telemetry.end_with_status(pspan, e.code().name, e.details() or "")

@@ -16,7 +16,7 @@ from gateway.router import NoWorkers, OverCapacity, Router
 from protos.pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services import telemetry
 from services.block_hash import BlockHasher
-from services.grpc_server import grpc_options
+from services.grpc_server import ChannelPool
 from services.logging_setup import request_context
 from services.metrics import GatewayMetrics, RequestTimer, route_mode
 from services.protocol import sampling_from_proto, sampling_to_proto
@@ -38,19 +38,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.max_model_len = max_model_len
         self.hasher = hasher
         self.request_timeout_s = request_timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._peers = ChannelPool(worker_pb2_grpc.DecodeWorkerStub)
         self.metrics = metrics or GatewayMetrics()
 
-    def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=grpc_options())
-            self._channels[address] = ch
-        return worker_pb2_grpc.DecodeWorkerStub(ch)
-
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
+        await self._peers.close()
 
     # ------------------------------------------------------------ validation
     def prompt_ids(self, req: gateway_pb2.GenerateRequest) -> list[int]:
@@ -157,7 +149,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 prefill_address=route.prefill.info.address if route.prefill else "")
             started = False
             self.router.begin(route)
-            call = self._stub(route.decode.info.address).Generate(
+            call = self._peers.stub(route.decode.info.address).Generate(
                 dreq, timeout=max(deadline - loop.time(), 0.001),
                 metadata=telemetry.outgoing_metadata(span, context))
             try:

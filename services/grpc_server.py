@@ -180,3 +180,24 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         factory = None
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
+
+
+class ChannelPool:
+    """One client channel per peer address, shared by every call to that peer."""
+
+    def __init__(self, stub_cls: type, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.stub_cls = stub_cls
+        self.options = grpc_options(max_message_bytes)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, address: str):
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, options=self.options)
+            self._channels[address] = ch
+        return self.stub_cls(ch)
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            await ch.close()

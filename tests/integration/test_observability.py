@@ -63,7 +63,9 @@ def test_one_trace_per_request_across_three_services(traced):
     def complete(spans):
         done = {s.attributes.get("pdserve.request_id") for s in spans if s.name == "prefill"}
         gw = {s.attributes.get("pdserve.request_id") for s in spans if s.name == "gateway.Generate"}
-        return set(rids) <= done and set(rids) <= gw
+        # the decode worker's spans end after its stream does: wait for them too
+        dec = {s.attributes.get("pdserve.request_id") for s in spans if s.name == "decode.generate"}
+        return set(rids) <= done and set(rids) <= gw and set(rids) <= dec
     spans = rx.wait_for(complete, timeout_s=15)
     assert complete(spans), sorted({(s.service, s.name) for s in spans})
 
@@ -128,8 +130,10 @@ def test_client_traceparent_is_the_parent(traced):
                     ("traceparent", f"00-{trace_id}-{parent}-01"),)):
                 pass
     run(go())
-    spans = rx.wait_for(lambda sp: any(s.trace_id == trace_id and s.name == "prefill"
-                                       for s in sp), timeout_s=15)
+    # spans of the three services are exported independently: wait for all of them
+    want = {"prefill", "decode.generate", "gateway.Generate"}
+    spans = rx.wait_for(lambda sp: want <= {s.name for s in sp if s.trace_id == trace_id},
+                        timeout_s=15)
     g = next(s for s in spans if s.name == "gateway.Generate"
              and s.attributes.get("pdserve.request_id") == "client-traced")
     assert g.trace_id == trace_id and g.parent_span_id == parent
