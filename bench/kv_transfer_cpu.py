@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shm-slots", type=int, default=None, help="shm sender num_slots")
     p.add_argument("--patterns", default="contiguous,scattered")
     p.add_argument("--out", default=None)
+    p.add_argument("--src-device", default="cpu", help="sender cache device (e.g. cuda:0)")
+    p.add_argument("--dst-device", default="cpu", help="receiver cache device (e.g. cuda:1)")
     p.add_argument("--role", default="sender", choices=["sender", "receiver"])
     p.add_argument("--backend", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -66,7 +68,8 @@ def block_ids(pattern: str, n: int, num_blocks: int, seed: int) -> list[int]:
 async def receiver_main(args: argparse.Namespace) -> None:
     layout = layout_of(args)
     n = -(-args.tokens // args.block_size)
-    cache = torch.zeros(2 * n, *layout.block_shape, dtype=layout.torch_dtype)
+    cache = torch.zeros(2 * n, *layout.block_shape, dtype=layout.torch_dtype,
+                        device=args.dst_device)
     rx = make_receiver(args.backend, cache, layout)
     await rx.start()
     print(rx.endpoint, flush=True)
@@ -76,15 +79,23 @@ async def receiver_main(args: argparse.Namespace) -> None:
         handle = rx.expect(tid, block_ids(pattern, n, 2 * n, int(seed) + 1), timeout_s=60)
         print("ready", flush=True)
         res = await handle.wait()
+        # every source block b holds the value b % 200: check what landed where
+        dst_ids = block_ids(pattern, n, 2 * n, int(seed) + 1)
+        want = torch.tensor(block_ids(pattern, n, 2 * n, int(seed)), device=cache.device) % 200
+        got = cache[dst_ids].reshape(len(dst_ids), -1)
+        ok = bool((got == want[:, None].to(got.dtype)).all()) if res.ok else False
+        cache[dst_ids] = 0
         print(json.dumps({"state": res.state.value, "num_bytes": res.num_bytes,
-                          "error": res.error}), flush=True)
+                          "error": res.error, "verified": ok}), flush=True)
     await rx.close()
 
 
 async def bench_backend(args: argparse.Namespace, backend: str) -> dict:
     layout = layout_of(args)
     n = -(-args.tokens // args.block_size)
-    src = torch.randn(2 * n, *layout.block_shape).to(layout.torch_dtype)
+    src = (torch.arange(2 * n, device=args.src_device) % 200).to(layout.torch_dtype)
+    src = src.view(-1, *([1] * len(layout.block_shape))).expand(
+        2 * n, *layout.block_shape).contiguous()
     opts = {}
     if backend == "shm" and args.shm_chunk_mb:
         opts["chunk_bytes"] = int(args.shm_chunk_mb * 2**20)
@@ -95,7 +106,7 @@ async def bench_backend(args: argparse.Namespace, backend: str) -> dict:
         [sys.executable, __file__, "--role", "receiver", "--backend", backend,
          "--tokens", str(args.tokens), "--layers", str(args.layers), "--kv-heads",
          str(args.kv_heads), "--head-dim", str(args.head_dim), "--block-size",
-         str(args.block_size), "--dtype", args.dtype],
+         str(args.block_size), "--dtype", args.dtype, "--dst-device", args.dst_device],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     loop = asyncio.get_running_loop()
 
@@ -107,6 +118,7 @@ async def bench_backend(args: argparse.Namespace, backend: str) -> dict:
         endpoint = await readline()
         for pattern in args.patterns.split(","):
             gbps = []
+            verified = True
             for i in range(args.warmup + args.runs):
                 tid = f"{backend}-{pattern}-{i}"
                 child.stdin.write(f"expect {tid} {pattern} {i}\n")
@@ -116,9 +128,13 @@ async def bench_backend(args: argparse.Namespace, backend: str) -> dict:
                 remote = json.loads(await readline())
                 if not res.ok or remote["state"] != "done":
                     raise RuntimeError(f"{tid}: sender {res}, receiver {remote}")
+                verified = verified and remote["verified"]
+                if i == 0:  # the first transfer to a peer also sets up the pair (communicator)
+                    out.setdefault("first_transfer_s", round(res.seconds, 4))
                 if i >= args.warmup:
                     gbps.append(res.gbps)
             out[pattern] = {"median_gbps": round(statistics.median(gbps), 3),
+                            "data_verified": verified,
                             "min_gbps": round(min(gbps), 3), "max_gbps": round(max(gbps), 3),
                             "runs_gbps": [round(g, 3) for g in gbps]}
             print(f"{backend:4s} {pattern:10s} median {out[pattern]['median_gbps']:.2f} GB/s "
@@ -142,22 +158,55 @@ def memcpy_gbps(nbytes: int, runs: int) -> float:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
-async def main(args: argparse.Namespace) -> None:
+def device_copy_gbps(nbytes: int, src: str, dst: str, runs: int) -> float:
+    """One contiguous device-to-device copy of the payload (the link's ceiling for us)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+    times = []
+    for _ in range(runs + 2):
+        torch.cuda.synchronize(src)
+        torch.cuda.synchronize(dst)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize(dst)
+        torch.cuda.synchronize(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[2:]) / 1e9
+
+
+async def main(args: argparse.Namespace, script: str = __file__) -> None:
     layout = layout_of(args)
     n = -(-args.tokens // args.block_size)
     payload = n * layout.block_bytes
     print(f"KV of {args.tokens} tokens: {n} blocks x {layout.block_bytes} B = "
           f"{payload / 2**20:.1f} MiB", flush=True)
     load = [round(x, 2) for x in os.getloadavg()]  # the CI host is shared: note how busy
-    results = {b: await bench_backend(args, b) for b in args.backends.split(",")}
-    copy = memcpy_gbps(payload, args.runs)
-    print(f"in-process single-thread memcpy of the same payload: {copy:.2f} GB/s")
+    results = {}
+    for b in args.backends.split(","):
+        try:
+            results[b] = await bench_backend(args, b)
+        except Exception as exc:  # noqa: BLE001 - report the others, say why this one failed
+            print(f"{b}: FAILED: {exc!r}", flush=True)
+            results[b] = {"error": repr(exc)}
+    if args.src_device.startswith("cuda"):
+        copy = device_copy_gbps(payload, args.src_device, args.dst_device, args.runs)
+        print(f"in-process {args.src_device} -> {args.dst_device} copy of the same payload: "
+              f"{copy:.2f} GB/s")
+    else:
+        copy = memcpy_gbps(payload, args.runs)
+        print(f"in-process single-thread memcpy of the same payload: {copy:.2f} GB/s")
     report = {
-        "command": "python " + shlex.join([os.path.relpath(__file__), *sys.argv[1:]]),
+        "command": "python " + shlex.join([os.path.relpath(script), *sys.argv[1:]]),
         "layout": layout.__dict__, "tokens": args.tokens, "num_blocks": n,
         "payload_bytes": payload, "runs": args.runs, "warmup": args.warmup,
         "gbps_definition": "payload bytes / sender send() seconds (connect..ack), 1e9 B/s",
-        "results": results, "memcpy_gbps_single_process": round(copy, 3),
+        "results": results, "copy_ceiling_gbps": round(copy, 3),
+        "copy_ceiling_definition": ("one contiguous torch copy src_device -> dst_device"
+                                    if args.src_device.startswith("cuda") else
+                                    "single-thread numpy memcpy in one process"),
+        "devices": {"src": args.src_device, "dst": args.dst_device,
+                    "names": [torch.cuda.get_device_name(i)
+                              for i in range(torch.cuda.device_count())]},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "torch_threads": torch.get_num_threads(),

@@ -31,17 +31,21 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillFailed(Exception):
-    pass
+    def __init__(self, message: str, transfer: bool = False) -> None:
+        super().__init__(message)
+        self.transfer = transfer  # the prompt was computed, moving its KV failed
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, aengine, runtime, receiver, layout, kv_backend: str,
+    def __init__(self, aengine, runtime, receivers: list, layout,
                  transfer_timeout_s: float, allow_local_prefill: bool = True, metrics=None):
+        """``receivers``: ``[(backend, KVReceiver), ...]``, preferred first; a transfer that
+        fails on one is retried on the next (the prefill worker's prefix cache still holds
+        the prompt, so the retry costs little compute)."""
         self.aengine = aengine
         self.runtime = runtime
-        self.receiver = receiver
+        self.receivers = list(receivers)
         self.layout = layout
-        self.kv_backend = kv_backend
         self.transfer_timeout_s = transfer_timeout_s
         self.allow_local_prefill = allow_local_prefill
         self.metrics = metrics or WorkerMetrics("decode")
@@ -70,17 +74,28 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 await _abort(span, context, grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
             stream = None
             if request.prefill_address:
-                try:
-                    stream = await self._remote_prefill(rid, ids, sp, request.prefill_address,
-                                                        context, span)
-                    kind = "decode_remote"
-                except ValueError as e:
-                    await _abort(span, context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                except PrefillFailed as e:
-                    if not self.allow_local_prefill:
-                        await _abort(span, context, grpc.StatusCode.UNAVAILABLE, str(e))
-                    logger.warning("request %s: %s; prefilling locally", rid, e)
-                    span.add_event("local prefill fallback", {"reason": str(e)[:200]})
+                for i, (backend, receiver) in enumerate(self.receivers):
+                    try:
+                        stream = await self._remote_prefill(
+                            rid, ids, sp, request.prefill_address, context, span,
+                            backend, receiver)
+                        kind = "decode_remote"
+                        break
+                    except ValueError as e:
+                        await _abort(span, context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    except PrefillFailed as e:
+                        if e.transfer and i + 1 < len(self.receivers):
+                            nxt = self.receivers[i + 1][0]
+                            logger.warning("request %s: %s; retrying the transfer over %s",
+                                           rid, e, nxt)
+                            span.add_event("kv backend fallback",
+                                           {"reason": str(e)[:200], "next": nxt})
+                            continue
+                        if not self.allow_local_prefill:
+                            await _abort(span, context, grpc.StatusCode.UNAVAILABLE, str(e))
+                        logger.warning("request %s: %s; prefilling locally", rid, e)
+                        span.add_event("local prefill fallback", {"reason": str(e)[:200]})
+                        break
             if stream is None:
                 try:
                     stream = self.aengine.generate(rid, ids, sp)
@@ -117,17 +132,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 dspan.end()
                 telemetry.end_with_status(span, "OK" if outcome == "ok" else "CANCELLED")
 
-    async def _remote_prefill(self, rid, ids, sp, address, context, span):
+    async def _remote_prefill(self, rid, ids, sp, address, context, span, backend, receiver):
         """Pre-allocate, have ``address`` prefill and send the KV; returns the token stream."""
         blocks = await self.aengine.preallocate(rid, ids, sp)  # ValueError: bad request
         if blocks is None:
             await _abort(span, context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                          "decode worker has no free KV blocks for this prompt")
         tid = f"{rid}-{uuid.uuid4().hex[:8]}"
-        handle = self.receiver.expect(tid, blocks, self.transfer_timeout_s)
+        handle = receiver.expect(tid, blocks, self.transfer_timeout_s)
         t0 = time.perf_counter()
         kspan = telemetry.child(span, "kv.receive", {
-            "pdserve.kv.backend": self.kv_backend, "pdserve.kv.blocks": len(blocks),
+            "pdserve.kv.backend": backend, "pdserve.kv.blocks": len(blocks),
             "pdserve.kv.transfer_id": tid})
         ok = False
         try:
@@ -135,8 +150,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 request_id=rid, prompt_token_ids=ids, sampling=sampling_to_proto(sp),
                 model=self.runtime.model_id,
                 kv_transfer=common_pb2.KVTransferParams(
-                    transfer_id=tid, backend=self.kv_backend,
-                    receiver_endpoint=self.receiver.endpoint, dst_block_ids=blocks,
+                    transfer_id=tid, backend=backend,
+                    receiver_endpoint=receiver.endpoint, dst_block_ids=blocks,
                     timeout_ms=int(self.transfer_timeout_s * 1000),
                     layout=layout_to_proto(self.layout)))
             timeout = context.time_remaining()
@@ -148,12 +163,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 telemetry.end_with_status(pspan, e.code().name, e.details() or "")
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ValueError(e.details()) from None
-                raise PrefillFailed(f"prefill on {address} failed: {e.code().name} {e.details()}") from None
+                # FAILED_PRECONDITION: that worker lacks this backend / layout: try the next
+                raise PrefillFailed(
+                    f"prefill on {address} failed: {e.code().name} {e.details()}",
+                    transfer=e.code() == grpc.StatusCode.FAILED_PRECONDITION) from None
             pspan.set_attribute("pdserve.cached_tokens", resp.num_cached_tokens)
             pspan.end()
             if resp.transfer.state != common_pb2.TRANSFER_STATE_DONE:
-                raise PrefillFailed(f"KV transfer {common_pb2.TransferState.Name(resp.transfer.state)}: "
-                                    f"{resp.transfer.error}")
+                raise PrefillFailed(f"KV transfer over {backend} "
+                                    f"{common_pb2.TransferState.Name(resp.transfer.state)}: "
+                                    f"{resp.transfer.error}", transfer=True)
             if resp.transfer.num_blocks:
                 result = await handle.wait()
                 self.metrics.transfer("received", result.state.value, result.num_bytes,
@@ -161,20 +180,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 kspan.set_attributes({"pdserve.kv.bytes": result.num_bytes,
                                       "pdserve.kv.state": result.state.value})
                 if not result.ok:
-                    raise PrefillFailed(f"KV transfer {result.state.value}: {result.error}")
+                    raise PrefillFailed(f"KV transfer over {backend} {result.state.value}: "
+                                        f"{result.error}", transfer=True)
             ok = True
         finally:
             if not ok:
-                self.receiver.cancel(tid)
+                receiver.cancel(tid)
                 await _quiet(self.aengine.abort(rid))
             telemetry.end_with_status(kspan, "OK" if ok else "UNAVAILABLE")
         lp = resp.first_logprob if resp.HasField("first_logprob") else None
         if not resp.transfer.num_blocks:
-            self.receiver.cancel(tid)
+            receiver.cancel(tid)
         return self.aengine.continue_from(rid, resp.first_token_id, lp, resp.num_cached_tokens)
 
     async def Stats(self, request, context):
-        return await self.runtime.stats_proto(self.receiver)
+        return await self.runtime.stats_proto([r for _, r in self.receivers])
 
     async def Abort(self, request, context):
         found = await self.aengine.abort(request.request_id)

@@ -57,6 +57,10 @@ class ModelRunner:
         self.config = config
         self.mc = mc
         self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            # streams, CUDA graphs, Triton launches and syncs use the CURRENT device: make it
+            # ours (a worker on cuda:1 still sees cuda:0, e.g. for CUDA IPC peers)
+            torch.cuda.set_device(self.device)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
         if config.num_threads and self.device.type == "cpu":

@@ -7,6 +7,8 @@ Sender -> receiver, once per connection (one connection per transfer)::
            num_layers, num_kv_heads, head_dim, block_size, dtype, block_bytes,
            num_blocks, chunk_blocks, num_slots (shm only; 0 for tcp), len(transfer id)
 
+BLOB   !I + bytes                    backend metadata (nccl / nixl / cuda_ipc), either way
+
 Receiver -> sender::
 
     REPLY  !BIH + message (utf-8)      status, value, len(message)
@@ -32,9 +34,14 @@ MAGIC = b"PDKV"
 VERSION = 1
 KIND_TCP = 1
 KIND_SHM = 2
+KIND_NCCL = 3
+KIND_NIXL = 4
+KIND_CUDA_IPC = 5
 
 _HELLO = struct.Struct("!4sHHIIII16sQIIIH")
 _REPLY = struct.Struct("!BIH")
+_BLOB = struct.Struct("!I")
+MAX_BLOB_BYTES = 16 << 20
 HELLO_SIZE = _HELLO.size
 
 OK = 0
@@ -95,6 +102,21 @@ def layout_error(hello: Hello, mine: KVLayout) -> str | None:
 def encode_reply(status: int, value: int = 0, message: str = "") -> bytes:
     text = message.encode()[:60000]
     return _REPLY.pack(status, value, len(text)) + text
+
+
+def encode_blob(data: bytes) -> bytes:
+    """A length-prefixed opaque message (backend metadata: NCCL unique ids, NIXL agent
+    metadata, CUDA IPC handles) sent on a transfer's control connection."""
+    if len(data) > MAX_BLOB_BYTES:
+        raise ValueError(f"control message of {len(data)} bytes exceeds {MAX_BLOB_BYTES}")
+    return _BLOB.pack(len(data)) + data
+
+
+async def read_blob(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
+    (n,) = _BLOB.unpack(await recv_exact(loop, sock, _BLOB.size))
+    if n > MAX_BLOB_BYTES:
+        raise TransferError(f"control message of {n} bytes exceeds {MAX_BLOB_BYTES}")
+    return await recv_exact(loop, sock, n)
 
 
 async def recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket,

@@ -16,6 +16,11 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "tcp": ("kvtransfer.tcp", "TcpSender", "TcpReceiver"),
     "shm": ("kvtransfer.shm", "ShmSender", "ShmReceiver"),
     "fake": ("kvtransfer.fake", "FakeSender", "FakeReceiver"),
+    "nccl": ("kvtransfer.nccl", "NcclSender", "NcclReceiver"),
+    "cuda_ipc": ("kvtransfer.cuda_ipc", "CudaIpcSender", "CudaIpcReceiver"),
+    # NVIDIA NIXL (pip install nixl-cu13, not a project dependency): without it,
+    # constructing a nixl sender / receiver raises RuntimeError saying so
+    "nixl": ("kvtransfer.nixl", "NixlSender", "NixlReceiver"),
 }
 
 
@@ -32,12 +37,14 @@ def _load(backend: str, index: int) -> type:
 
 
 def make_sender(backend: str, cache: torch.Tensor, layout: KVLayout, **opts) -> KVSender:
-    """Options: shm ``chunk_bytes`` (8 MiB), ``num_slots`` (4)."""
+    """Options: shm ``chunk_bytes`` (8 MiB), ``num_slots`` (4); nixl none (the cache,
+    CPU or cuda, is registered with a NIXL agent once, here)."""
     return _load(backend, 1)(cache, layout, **opts)
 
 
 def make_receiver(backend: str, cache: torch.Tensor, layout: KVLayout, **opts) -> KVReceiver:
-    """Options: tcp ``host``, ``port``, ``advertise_host``; shm ``name``; fake ``stall``.
+    """Options: tcp / nccl / cuda_ipc / nixl ``host``, ``port``, ``advertise_host`` (their
+    control listener); shm ``name``; fake ``stall``.
 
     Call ``await receiver.start()`` before using ``endpoint`` / ``expect``.
     """

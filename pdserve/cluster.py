@@ -15,6 +15,11 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Set in every process of a cluster that uses a GPU: NVLink multicast (NVLS) must stay off on
+# the machines we run on (NCCL, torch symmetric memory and NVSHMEM would each try to use it).
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1"}
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -115,14 +120,37 @@ def _pump(svc: Service, ready: threading.Event, echo: bool) -> None:
             ready.set()
 
 
+def _check_devices(devices: dict[str, list[str]] | None, counts: dict[str, int],
+                   worker_args) -> dict[str, list[str]]:
+    devices = {role: list(ds) for role, ds in (devices or {}).items()}
+    for role, ds in devices.items():
+        if role not in counts:
+            raise ValueError(f"devices: unknown role {role!r} (one of {', '.join(counts)})")
+        if not ds or not all(isinstance(d, str) and d for d in ds):
+            raise ValueError(f"devices[{role!r}] must be a non-empty list of device names")
+    if devices and "--device" in worker_args:
+        raise ValueError("give the device either in devices or as --device in worker_args")
+    return devices
+
+
 class LocalCluster:
+    """``devices`` gives each worker its ``--device``: role -> one device per worker of that
+    role, in start order (``{"prefill": ["cuda:0"], "decode": ["cuda:1"]}``, ``{"colocated":
+    ["cuda:0", "cuda:1"]}``); workers started later with :meth:`start_worker` cycle through
+    their role's list. Every worker still sees every GPU (CUDA_VISIBLE_DEVICES is left alone:
+    GPU-to-GPU KV transfer needs both devices visible), and when any device is a GPU every
+    process gets :data:`GPU_ENV`. Roles left out (and ``devices=None``) keep the worker
+    default (CPU)."""
+
     def __init__(self, model: str = "smollm2-135m", *, prefill: int = 1, decode: int = 1,
                  colocated: int = 0, gateway_port: int = 0, redis: bool = True,
                  kv_backend: str = "tcp", worker_args: tuple[str, ...] = (),
                  gateway_args: tuple[str, ...] = (), env: dict | None = None, echo: bool = False,
-                 startup_timeout_s: float = 180.0, metrics: bool = False):
+                 startup_timeout_s: float = 180.0, metrics: bool = False,
+                 devices: dict[str, list[str]] | None = None):
         self.model = model
         self.counts = {"prefill": prefill, "decode": decode, "colocated": colocated}
+        self.devices = _check_devices(devices, self.counts, worker_args)
         self.gateway_port = gateway_port
         self.use_redis = redis
         self.kv_backend = kv_backend
@@ -130,6 +158,8 @@ class LocalCluster:
         self.gateway_args = tuple(gateway_args)
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.env["PYTHONPATH"] = REPO + os.pathsep + self.env.get("PYTHONPATH", "")
+        if any(d.startswith("cuda") for ds in self.devices.values() for d in ds):
+            self.env.update(GPU_ENV)
         self.echo = echo
         self.metrics = metrics  # give every service its own free --metrics-port
         self.timeout = startup_timeout_s
@@ -166,12 +196,21 @@ class LocalCluster:
                     self.stop()
                     raise RuntimeError(f"{svc.kind} did not start:\n{tail}")
 
-    def worker_cmd_args(self, role: str) -> list[str]:
+    def device_for(self, role: str, index: int) -> str | None:
+        """The ``--device`` of the ``index``-th worker of ``role`` (None: worker default)."""
+        ds = self.devices.get(role)
+        return ds[index % len(ds)] if ds else None
+
+    def worker_cmd_args(self, role: str, index: int = 0) -> list[str]:
+        """Flags of the ``index``-th worker of ``role`` (the index picks its device)."""
         args = ["--model", self.model, "--host", "127.0.0.1", "--port", "0",
                 "--kv-backend", self.kv_backend, "--log-format", "text",
                 "--log-level", "WARNING"]
         if self.redis:
             args += ["--redis-url", self.redis.url]
+        device = self.device_for(role, index)
+        if device is not None:
+            args += ["--device", device]
         if "--num-threads" not in self.worker_args:
             # several workers share this machine's cores: more torch threads than cores per
             # process makes OpenMP threads wait on each other (measured: 10x slower steps)
@@ -180,7 +219,8 @@ class LocalCluster:
         return args + list(self.worker_args)
 
     def start_worker(self, role: str, extra: tuple[str, ...] = (), wait: bool = True) -> Service:
-        svc = self._spawn(role, self.worker_cmd_args(role) + list(extra))
+        index = sum(w.kind == role for w in self.workers)
+        svc = self._spawn(role, self.worker_cmd_args(role, index) + list(extra))
         self.workers.append(svc)
         if wait:
             self._wait_ready([svc])
@@ -192,8 +232,8 @@ class LocalCluster:
             self.redis.start()
         new = []
         for role, n in self.counts.items():
-            for _ in range(n):
-                svc = self._spawn(role, self.worker_cmd_args(role))
+            for i in range(n):
+                svc = self._spawn(role, self.worker_cmd_args(role, i))
                 self.workers.append(svc)
                 new.append(svc)
         self._wait_ready(new)

@@ -35,22 +35,20 @@ async def serve_worker(settings: WorkerSettings) -> None:
     runtime = WorkerRuntime(settings, aengine, engine.model_id, metrics=metrics)
 
     services = []
-    receiver = None
+    receivers: list = []  # (backend, receiver), preferred first
     senders: dict = {}
     decode = None
     if role in ("decode", "colocated"):
-        opts = {"host": settings.kv_host or _bind_host(settings), "port": settings.kv_port} \
-            if settings.kv_backend == "tcp" else {}
-        if settings.kv_backend == "tcp":
-            # what prefill workers dial: never a wildcard bind address (compose, Kubernetes)
-            opts["advertise_host"] = settings.advertise_address(1).rpartition(":")[0]
-        receiver = make_receiver(settings.kv_backend, cache, layout, **opts)
-        await receiver.start()
-        decode = DecodeServicer(aengine, runtime, receiver, layout, settings.kv_backend,
+        for i, backend in enumerate(settings.kv_backends):
+            receiver = make_receiver(backend, cache, layout, **_receiver_opts(settings, backend, i))
+            await receiver.start()
+            receivers.append((backend, receiver))
+        decode = DecodeServicer(aengine, runtime, receivers, layout,
                                 settings.transfer_timeout_s, metrics=metrics)
         services.append(DECODE_SERVICE)
     if role in ("prefill", "colocated"):
-        senders[settings.kv_backend] = make_sender(settings.kv_backend, cache, layout)
+        for backend in settings.kv_backends:
+            senders[backend] = make_sender(backend, cache, layout)
         services.append(PREFILL_SERVICE)
 
     srv = GrpcServer(services, host=settings.host, port=settings.port,
@@ -63,7 +61,7 @@ async def serve_worker(settings: WorkerSettings) -> None:
             PrefillServicer(aengine, runtime, senders, layout, metrics=metrics), srv.server)
     port = await srv.start()
     address = settings.advertise_address(port)
-    await runtime.start(address, receiver.endpoint if receiver else "")
+    await runtime.start(address, receivers[0][1].endpoint if receivers else "")
     srv.add_shutdown_hook(runtime.stop)
     srv.install_signal_handlers()
     mport = serve_metrics(metrics.registry, settings.metrics_port, settings.host)
@@ -76,14 +74,23 @@ async def serve_worker(settings: WorkerSettings) -> None:
         await aengine.stop()
         if decode is not None:
             await decode.close()
-        if receiver is not None:
+        for _, receiver in receivers:
             await receiver.close()
         for s in senders.values():
             await s.close()
 
 
-def _bind_host(settings: WorkerSettings) -> str:
-    return settings.host
+_SOCKET_BACKENDS = ("tcp", "nccl", "cuda_ipc", "nixl")  # data or control over a TCP listener
+
+
+def _receiver_opts(settings: WorkerSettings, backend: str, index: int) -> dict:
+    """Listener options of the ``index``-th receiver (a fixed --kv-port counts up)."""
+    if backend not in _SOCKET_BACKENDS:
+        return {}
+    # what prefill workers dial: never a wildcard bind address (compose, Kubernetes)
+    return {"host": settings.kv_host or settings.host,
+            "port": settings.kv_port + index if settings.kv_port else 0,
+            "advertise_host": settings.advertise_address(1).rpartition(":")[0]}
 
 
 def main(argv=None, role: str = "colocated") -> int:

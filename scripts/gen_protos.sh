@@ -8,6 +8,6 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:-$root}"
 cd "$root"
 mkdir -p "$out"
-python -m grpc_tools.protoc -I . \
+"${PYTHON:-python3}" -m grpc_tools.protoc -I . \
   --python_out="$out" --grpc_python_out="$out" --pyi_out="$out" \
   protos/pdserve/v1/*.proto

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 S = TypeVar("S")
 
 ROLES = ("prefill", "decode", "colocated")
-KV_BACKENDS = ("tcp", "shm", "nccl", "nixl", "fake")
+KV_BACKENDS = ("tcp", "shm", "nccl", "cuda_ipc", "nixl", "fake")
 LOG_FORMATS = ("json", "text")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
@@ -113,7 +113,9 @@ class WorkerSettings:
     redis_timeout_s: float = _opt(0.25, "Redis connect/read timeout")
     registry_ttl_s: float = _opt(3.0, "registry key TTL")
     heartbeat_s: float = _opt(1.0, "registry heartbeat interval")
-    kv_backend: str = _opt("tcp", "KV transfer backend: tcp, shm, nccl, nixl, fake")
+    kv_backend: str = _opt("tcp", "KV transfer backend(s), preferred first: tcp, shm, nccl, "
+                                  "cuda_ipc, nixl, fake; e.g. nccl,tcp retries a failed "
+                                  "transfer over tcp")
     kv_host: str = _opt("", "KV receiver bind host (default: host)")
     kv_port: int = _opt(0, "KV receiver port (0: any free port)")
     transfer_timeout_s: float = _opt(30.0, "KV transfer timeout")
@@ -138,8 +140,10 @@ class WorkerSettings:
         _check_common(self)
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.kv_backend not in KV_BACKENDS:
-            raise ValueError(f"kv_backend must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
+        bad = [b for b in self.kv_backends if b not in KV_BACKENDS]
+        if bad or not self.kv_backends or len(set(self.kv_backends)) != len(self.kv_backends):
+            raise ValueError(f"kv_backend must be distinct names from {KV_BACKENDS}, "
+                             f"comma-separated, got {self.kv_backend!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         _check_port("kv_port", self.kv_port)
@@ -153,6 +157,11 @@ class WorkerSettings:
                      "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+
+    @property
+    def kv_backends(self) -> tuple[str, ...]:
+        """``--kv-backend nccl,tcp`` -> ``("nccl", "tcp")``: preferred first, then fallbacks."""
+        return tuple(b.strip() for b in self.kv_backend.split(",") if b.strip())
 
     def advertise_address(self, bound_port: int | None = None) -> str:
         """host:port that other processes dial (``bound_port`` when port was 0)."""

@@ -148,10 +148,10 @@ class WorkerRuntime:
             await self.index.publish_stored(self.worker_id, ev.stored)
 
     # ----------------------------------------------------------------- stats
-    async def stats_proto(self, receiver=None) -> common_pb2.StatsResponse:
+    async def stats_proto(self, receivers=()) -> common_pb2.StatsResponse:
         st = await self.aengine.stats()
         active, nbytes = self.active_transfers, self.transferred_bytes
-        if receiver is not None:
+        for receiver in receivers:
             rs = receiver.stats()
             active += rs.active_transfers
             nbytes += rs.bytes_received

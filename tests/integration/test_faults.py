@@ -75,3 +75,18 @@ def test_redis_down_keeps_serving(cluster):
     cluster.wait_workers_registered(timeout_s=TTL_S + 5)
     outs = run(gen_many(cluster.address, _reqs(4, "redis-back")))
     assert all(o.completion_tokens > 0 for o in outs)
+
+
+def test_kv_backend_fallback_to_the_next_backend():
+    """A decode worker that prefers shm, then tcp, paired with a prefill worker that has only
+    tcp: the shm attempt is refused (FAILED_PRECONDITION), the transfer is retried over tcp,
+    and the request is still served remotely (not by a local prefill)."""
+    with LocalCluster("dummy:tiny", prefill=0, decode=0) as c:
+        pre = c.start_worker("prefill", extra=("--kv-backend", "tcp"))
+        dec = c.start_worker("decode", extra=("--kv-backend", "shm,tcp"))
+        c.wait_workers_registered()
+        outs = run(gen_many(c.address, _reqs(4, "fallback")))
+        assert all(o.completion_tokens > 0 for o in outs)
+        sent = run(worker_stats(pre.address)).transferred_bytes
+        got = run(worker_stats(dec.address)).transferred_bytes
+        assert sent > 0 and got == sent, (sent, got)

@@ -23,9 +23,11 @@ from kvtransfer import (
 )
 from kvtransfer.base import TransferStateMachine
 from kvtransfer.blocks import block_runs
+from kvtransfer.nixl import nixl_available
 
 ROOT = Path(__file__).resolve().parents[2]
-BACKENDS = ["fake", "tcp", "shm"]
+# nixl (NVIDIA NIXL over UCX, on CPU caches here) runs only where nixl-cu13 is installed
+BACKENDS = ["fake", "tcp", "shm"] + (["nixl"] if nixl_available() else [])
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 BIG = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype="float32")
 # the shm ring is made small on purpose so that round trips reuse its slots
@@ -75,14 +77,15 @@ class StalledPeer:
             await self.rx.start()
             self.rx.expect("stalled", [0], 30)
             return self.rx.endpoint
-        family = socket.AF_INET if self.backend == "tcp" else socket.AF_UNIX
+        # tcp and the control-connection backends (nixl) listen on TCP, shm on a unix socket
+        family = socket.AF_UNIX if self.backend == "shm" else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         name = f"pdkv-test-stall-{os.getpid()}"
-        self.sock.bind(("127.0.0.1", 0) if self.backend == "tcp" else "\0" + name)
+        self.sock.bind("\0" + name if self.backend == "shm" else ("127.0.0.1", 0))
         self.sock.listen(8)  # never accepted: the kernel completes the connect, nobody reads
-        if self.backend == "tcp":
-            return f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
-        return f"shm://{name}"
+        if self.backend == "shm":
+            return f"shm://{name}"
+        return f"{self.backend}://127.0.0.1:{self.sock.getsockname()[1]}"
 
     async def __aexit__(self, *exc) -> None:
         if self.rx is not None:
@@ -260,7 +263,7 @@ def test_sender_without_receiver_fails_fast(backend):
     async def main():
         tx = make_sender(backend, cache(SMALL, 4, seed=6), SMALL)
         gone = {"tcp": "tcp://127.0.0.1:1", "shm": "shm://pdkv-test-nobody-here",
-                "fake": "fake://nobody"}[backend]
+                "fake": "fake://nobody", "nixl": "nixl://127.0.0.1:1"}[backend]
         res = await tx.send("x", gone, [0], timeout_s=5)
         assert res.state is TransferState.FAILED and res.seconds < 1.0, res
         await tx.close()
@@ -427,5 +430,67 @@ def test_sender_process_killed_mid_transfer(backend):
         await rx.close()
         assert open_fds() == fds
         assert memfd_mappings() == []
+
+    run(main())
+
+
+_CHILD_NIXL_MUTE = """
+import asyncio, sys, torch
+from kvtransfer import KVLayout, make_sender
+from kvtransfer import protocol as proto
+real_expect_ok = proto.expect_ok
+
+async def expect_ok(loop, sock, what):
+    if "READ" in what:  # the offer is out: go silent, never confirm the READ
+        print("offered", flush=True)
+        await asyncio.sleep(3600)
+    return await real_expect_ok(loop, sock, what)
+
+proto.expect_ok = expect_ok
+endpoint, n = sys.argv[1], int(sys.argv[2])
+layout = KVLayout(4, 4, 64, 16, "float32")
+src = torch.ones(n, *layout.block_shape)
+asyncio.run(make_sender("nixl", src, layout).send("victim", endpoint, list(range(n)), 60))
+"""
+
+
+@pytest.mark.skipif("nixl" not in BACKENDS, reason="nixl-cu13 is not installed")
+@pytest.mark.parametrize("stage", ["before_read", "after_read"])
+def test_nixl_sender_process_killed(stage):
+    """nixl READs the sender's memory, so the payload never stalls in a socket: kill the
+    sender after its offer, before the receiver used it or after the READ (before the
+    sender confirmed). The receiver must end FAILED (never DONE) promptly and leak nothing."""
+    n = 256
+
+    async def main():
+        fds = open_fds()
+        rx = make_receiver("nixl", cache(BIG, n), BIG)
+        await rx.start()
+        handle = rx.expect("victim", list(range(n)), timeout_s=60)
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD_NIXL_MUTE, rx.endpoint, str(n)],
+                                cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 20
+            while handle.state is TransferState.PENDING and time.monotonic() < deadline:
+                await asyncio.sleep(0)
+            assert handle.state is TransferState.TRANSFERRING
+            if stage == "before_read":
+                line = proc.stdout.readline()  # blocks our loop: the offer stays unread
+            else:
+                line = await asyncio.to_thread(proc.stdout.readline)
+                await asyncio.sleep(0.3)  # the receiver READs, then waits for the confirm
+            assert line.strip() == "offered"
+            proc.kill()
+            proc.wait()
+            t0 = time.monotonic()
+            res = await asyncio.wait_for(handle.wait(), 5)
+        finally:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+        assert res.state is TransferState.FAILED, res
+        assert time.monotonic() - t0 < 1.0
+        await rx.close()
+        assert open_fds() == fds
 
     run(main())

@@ -1,8 +1,10 @@
 """The committed generated code must be exactly what scripts/gen_protos.sh produces now."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 import subprocess
+import sys
 
 import pytest
 
@@ -20,7 +22,8 @@ def _generated(directory: Path) -> dict[str, bytes]:
 
 def test_generated_code_is_fresh(tmp_path):
     subprocess.run(["bash", str(ROOT / "scripts" / "gen_protos.sh"), str(tmp_path)],
-                   check=True, cwd=ROOT, capture_output=True, timeout=60)
+                   check=True, cwd=ROOT, capture_output=True, timeout=60,
+                   env=dict(os.environ, PYTHON=sys.executable))
     fresh = _generated(tmp_path / "protos" / "pdserve" / "v1")
     committed = _generated(PROTO_DIR)
     assert fresh, "gen_protos.sh produced nothing"

@@ -1,0 +1,47 @@
+"""KV transfer throughput between two GPUs of one host (issue 5): nccl, cuda_ipc, nixl.
+
+The KV of one 4096-token prompt of Llama-3-8B (32 layers, 8 KV heads, head_dim 128, bf16,
+16-token blocks: 256 blocks x 2 MiB = 512 MiB), sent by this process from cuda:0 to a
+receiver process on cuda:1, through each backend's real sender / receiver. Same method as
+bench/kv_transfer_cpu.py (whose driver this reuses): GB/s = payload / sender ``send()`` time
+(control connection, handshake, data, receiver's ack), median of ``--runs``; patterns
+``contiguous`` (one run of blocks on both sides) and ``scattered`` (random block ids on both
+sides: up to 256 separate messages); the receiver checks every landed block's contents.
+``first_transfer_s`` is the first transfer to the peer (NCCL: communicator creation).
+The ceiling is one contiguous cuda:0 -> cuda:1 copy of the same payload in one process.
+
+    PYTHONPATH=. python3 bench/kv_transfer_gpu.py --out bench/results/kv_transfer_gpu_h200.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kv_transfer_cpu as driver  # noqa: E402
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+               ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)
+
+GPU_DEFAULTS = ["--backends", "nccl,cuda_ipc,nixl", "--layers", "32", "--kv-heads", "8",
+                "--head-dim", "128", "--dtype", "bfloat16", "--src-device", "cuda:0",
+                "--dst-device", "cuda:1", "--runs", "10", "--warmup", "2"]
+
+
+def main() -> None:
+    args = driver.parse_args(GPU_DEFAULTS + sys.argv[1:])
+    if args.role == "sender" and "nixl" in args.backends.split(",") and \
+            importlib.util.find_spec("nixl_cu13") is None:
+        print("nixl_cu13 not importable: skipping the nixl backend", flush=True)
+        args.backends = ",".join(b for b in args.backends.split(",") if b != "nixl")
+    asyncio.run(driver.main(args, script=__file__))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""Backends whose payload moves outside the socket (nccl, cuda_ipc, nixl) share this skeleton.
+
+Each transfer opens one TCP *control* connection to the receiver's endpoint
+(``<scheme>://host:port``) and runs the same handshake as the tcp backend::
+
+    sender                                   receiver
+    HELLO (kind, layout, transfer id, n)  -> claim the expected transfer
+                                          <- OK (accepted) | ERROR (why)
+    ... backend-specific exchange: BLOBs with metadata, data over NVLink / NCCL / NIXL ...
+                                          <- OK (the blocks are in place) | ERROR (why)
+
+The control connection is also how each side learns that the other gave up: a side that
+times out, is cancelled or fails closes it (after an ERROR saying why when it can), and the
+peer's pending read ends at once. Subclasses implement only ``_receive_payload`` /
+``_send_payload``; timeouts, cancellation and statistics are :mod:`kvtransfer.tracking`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import torch
+
+from kvtransfer import protocol as proto
+from kvtransfer.base import (
+    KVLayout,
+    KVSender,
+    TransferState,
+    TransferStateMachine,
+    TransferResult,
+)
+from kvtransfer.tracking import (
+    ExpectedTransfer,
+    ReceiverTracker,
+    SendRunner,
+    TrackedReceiver,
+    TransferError,
+    check_block_ids,
+)
+
+logger = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 30.0
+
+
+def tune_socket(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def parse_host_port(endpoint: str, scheme: str) -> tuple[str, int]:
+    host, _, port = proto.parse_endpoint(endpoint, scheme).rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        raise TransferError(f"bad {scheme} endpoint {endpoint!r}")
+    return host, int(port)
+
+
+class ControlReceiver(TrackedReceiver):
+    """Listens for control connections; ``_receive_payload`` moves one transfer's data."""
+
+    scheme: str
+    kind: int
+
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, host: str = "127.0.0.1",
+                 port: int = 0, advertise_host: str | None = None) -> None:
+        layout.validate(cache)
+        self._cache = cache
+        self._layout = layout
+        self._host, self._port = host, port
+        self._advertise = advertise_host or host
+        self._tracker = ReceiverTracker(cache.shape[0], layout.block_bytes)
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._conns: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        sock = socket.socket(socket.AF_INET6 if ":" in self._host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self._host, self._port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self._listener = sock
+        self._port = sock.getsockname()[1]
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    @property
+    def endpoint(self) -> str:
+        if self._listener is None:
+            raise RuntimeError("receiver not started")
+        host = f"[{self._advertise}]" if ":" in self._advertise else self._advertise
+        return f"{self.scheme}://{host}:{self._port}"
+
+    async def close(self) -> None:
+        self._tracker.close()
+        tasks = [t for t in (self._accept_task, *self._conns) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self._accept_task = None
+        self._close_backend()
+
+    def _close_backend(self) -> None:
+        """Release backend resources (communicators, mapped memory). Called once by close."""
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:
+                logger.warning("%s receiver accept failed: %s", self.scheme, exc)
+                await asyncio.sleep(0.05)
+                continue
+            tune_socket(conn)
+            task = loop.create_task(self._serve(conn))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        entry: ExpectedTransfer | None = None
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                hello = await proto.read_hello(loop, conn)
+            try:
+                if hello.kind != self.kind:
+                    raise TransferError(f"{self.scheme} receiver got a kind {hello.kind} sender")
+                entry = self._tracker.claim(
+                    hello.transfer_id, hello.num_blocks,
+                    proto.layout_error(hello, self._layout), owner=asyncio.current_task())
+            except TransferError as exc:
+                await loop.sock_sendall(conn, proto.encode_reply(proto.ERROR, 0, str(exc)))
+                return
+            await loop.sock_sendall(conn, proto.encode_reply(proto.OK))
+            await self._receive_payload(loop, conn, entry)
+            entry.finish(TransferState.DONE)
+            await loop.sock_sendall(conn, proto.encode_reply(proto.OK))
+        except asyncio.CancelledError:
+            if entry is not None:
+                proto.try_send_error(conn, f"transfer {entry.transfer_id} "
+                                           f"{entry.state.value} on receiver")
+        except (OSError, EOFError, TransferError) as exc:
+            if entry is not None:
+                if entry.finish(TransferState.FAILED, f"{type(exc).__name__}: {exc}"):
+                    proto.try_send_error(conn, str(exc))
+            else:
+                logger.debug("%s receiver dropped a connection: %s", self.scheme, exc)
+        except Exception as exc:  # noqa: BLE001 - never leave a transfer hanging on a bug
+            logger.exception("%s receiver: unexpected error", self.scheme)
+            if entry is not None and entry.finish(TransferState.FAILED, f"receiver error: {exc!r}"):
+                proto.try_send_error(conn, f"receiver error: {exc!r}")
+        finally:
+            conn.close()
+
+    async def _receive_payload(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                               entry: ExpectedTransfer) -> None:
+        """Bring the transfer's blocks into ``entry.dst_block_ids``; raise to fail it.
+
+        Must not return before the data is in place (device work complete), and must
+        stop touching the blocks when cancelled.
+        """
+        raise NotImplementedError
+
+
+class ControlSender(KVSender):
+    """Opens a control connection per transfer; ``_send_payload`` moves the data."""
+
+    scheme: str
+    kind: int
+
+    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+        layout.validate(cache)
+        self._cache = cache
+        self._layout = layout
+        self._runner = SendRunner()
+
+    async def send(self, transfer_id: str, endpoint: str, src_block_ids: list[int],
+                   timeout_s: float) -> TransferResult:
+        ids = check_block_ids(src_block_ids, self._cache.shape[0], unique=False)
+
+        async def body(sm: TransferStateMachine) -> int:
+            return await self._send(sm, endpoint, ids)
+
+        return await self._runner.run(transfer_id, timeout_s, body)
+
+    def cancel(self, transfer_id: str) -> bool:
+        return self._runner.cancel(transfer_id)
+
+    async def close(self) -> None:
+        await self._runner.close()
+        self._close_backend()
+
+    def _close_backend(self) -> None:
+        """Release backend resources. Called once by close."""
+
+    async def _send(self, sm: TransferStateMachine, endpoint: str, ids: list[int]) -> int:
+        loop = asyncio.get_running_loop()
+        host, port = parse_host_port(endpoint, self.scheme)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            tune_socket(sock)
+            await loop.sock_connect(sock, (host, port))
+            await loop.sock_sendall(sock, proto.encode_hello(self.kind, self._layout,
+                                                             sm.transfer_id, len(ids)))
+            await proto.expect_ok(loop, sock, "rejected the transfer")
+            sm.advance(TransferState.TRANSFERRING)
+            await self._send_payload(loop, sock, endpoint, sm, ids)
+            sm.num_bytes = len(ids) * self._layout.block_bytes
+            return sm.num_bytes
+        finally:
+            sock.close()
+
+    async def _send_payload(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                            endpoint: str, sm: TransferStateMachine, ids: list[int]) -> None:
+        """Move the blocks ``ids`` and return once the receiver acked them (``await_ack``) and
+        this side no longer reads them. Raise TransferError / OSError to fail the transfer."""
+        raise NotImplementedError
+
+
+async def await_ack(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """The receiver's final OK: the blocks are in place on its side."""
+    await proto.expect_ok(loop, sock, "failed the transfer")
+
+
+def segments(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Cut a transfer into ``(src_start, dst_start, count)`` pieces that are contiguous on BOTH
+    sides (block-major caches: one piece is one region of ``count`` blocks in each cache).
+
+    ``segments([4, 5, 6, 9], [0, 1, 7, 8])`` -> ``[(4, 0, 2), (6, 7, 1), (9, 8, 1)]``.
+    """
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if out:
+            s0, d0, n = out[-1]
+            if s == s0 + n and d == d0 + n:
+                out[-1] = (s0, d0, n + 1)
+                continue
+        out.append((s, d, 1))
+    return out
+
+
+async def poll_until(done, *, interval_s: float = 0.0002, max_interval_s: float = 0.002,
+                     watch: socket.socket | None = None, what: str = "device work") -> None:
+    """Await until ``done()`` is true (e.g. a CUDA event completed), polling with a short
+    back-off, without blocking the event loop. With ``watch``, a control socket on which the
+    peer reports an error or hangs up first raises TransferError with the peer's reason (a
+    pending OK is left unread for its owner)."""
+    loop = asyncio.get_running_loop()
+    readable: asyncio.Event | None = None
+    if watch is not None:
+        readable = asyncio.Event()
+        loop.add_reader(watch.fileno(), readable.set)
+    try:
+        delay = interval_s
+        while not done():
+            if readable is not None and readable.is_set():
+                if _peer_failed(watch):
+                    raise TransferError(f"peer gave up during {what}: "
+                                        f"{await _peer_reason(loop, watch)}")
+                loop.remove_reader(watch.fileno())  # an OK is waiting: not our business
+                readable = None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_interval_s)
+    finally:
+        if readable is not None:
+            loop.remove_reader(watch.fileno())
+
+
+def _peer_failed(sock: socket.socket) -> bool:
+    """Peek at the control socket: closed, reset or an ERROR reply next."""
+    try:
+        head = sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return head == b"" or head[0] == proto.ERROR
+
+
+async def _peer_reason(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> str:
+    try:
+        async with asyncio.timeout(0.2):
+            status, _, message = await proto.read_reply(loop, sock)
+        return message if status == proto.ERROR else f"unexpected reply {status}"
+    except (OSError, EOFError, TransferError, TimeoutError):
+        return "connection closed"

@@ -1,0 +1,171 @@
+"""CUDA IPC backend: same-host GPU -> GPU, the receiver pulls with the copy engines.
+
+The sender exports its cache's memory once (a CUDA IPC handle, through PyTorch's storage
+sharing); per transfer it sends that handle and the source block ids on the control
+connection (see :mod:`kvtransfer.control`). The receiver maps the sender's cache once per
+sender (cached), copies each segment (runs contiguous in both caches) with a device-to-device
+copy over NVLink on its own stream, waits for the copy's event and acks; the sender's
+``send`` returns on that ack. No kernel runs on the sender's GPU and no communicator exists,
+so there is nothing to abort: a cancelled receive stops after the copies already queued
+(they only write blocks the receiver still owns, since ``cancel`` returns only after them).
+
+Requirements: both processes on one host and both GPUs visible to both processes (the
+sender's device is matched by UUID, so CUDA_VISIBLE_DEVICES orderings may differ).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+import socket
+import uuid
+
+import torch
+
+from kvtransfer import protocol as proto
+from kvtransfer.base import KVLayout, TransferStateMachine
+from kvtransfer.control import ControlReceiver, ControlSender, await_ack, poll_until, segments
+from kvtransfer.tracking import ExpectedTransfer, TransferError
+
+logger = logging.getLogger(__name__)
+
+SWEEP_INTERVAL_S = 5.0  # how often mappings of exited senders are dropped
+_LOCAL_CACHES: dict[str, torch.Tensor] = {}  # sender id -> cache, for a same-process receiver
+
+
+def _need_cuda(cache: torch.Tensor) -> None:
+    if cache.device.type != "cuda" or not cache.is_contiguous():
+        raise ValueError("the cuda_ipc backend needs a contiguous CUDA cache tensor")
+
+
+def _uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _b64(x) -> str:
+    return base64.b64encode(x if isinstance(x, bytes) else bytes(x)).decode()
+
+
+class CudaIpcSender(ControlSender):
+    scheme = "cuda_ipc"
+    kind = proto.KIND_CUDA_IPC
+
+    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+        _need_cuda(cache)
+        super().__init__(cache, layout)
+        self._id = uuid.uuid4().hex
+        _LOCAL_CACHES[self._id] = cache
+        storage = cache.untyped_storage()
+        (device, handle, size, offset, ref_handle, ref_offset, event_handle,
+         event_sync) = storage._share_cuda_()
+        self._export = {
+            "sender": self._id, "pid": os.getpid(), "device_uuid": _uuid(device),
+            "handle": _b64(handle), "size": size, "offset": offset,
+            "ref_handle": _b64(ref_handle), "ref_offset": ref_offset,
+            "event_handle": _b64(event_handle) if event_handle else "",
+            "event_sync": bool(event_sync),
+            "storage_offset": cache.storage_offset() * cache.element_size(),
+            "cache_bytes": cache.numel() * cache.element_size(),
+        }
+
+    async def _send_payload(self, loop, sock: socket.socket, endpoint: str,
+                            sm: TransferStateMachine, ids: list[int]) -> None:
+        meta = dict(self._export, src=ids)
+        await loop.sock_sendall(sock, proto.encode_blob(json.dumps(meta).encode()))
+        await await_ack(loop, sock)  # the receiver's copies are complete
+
+    def _close_backend(self) -> None:
+        _LOCAL_CACHES.pop(self._id, None)
+
+
+class CudaIpcReceiver(ControlReceiver):
+    scheme = "cuda_ipc"
+    kind = proto.KIND_CUDA_IPC
+
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, **opts) -> None:
+        _need_cuda(cache)
+        super().__init__(cache, layout, **opts)
+        self._stream = torch.cuda.Stream(cache.device)
+        self._peers: dict[str, tuple[int, torch.Tensor]] = {}  # sender id -> (pid, cache)
+        self._sweeper: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await super().start()
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            self._forget_dead_senders()
+
+    def _peer_cache(self, meta: dict) -> torch.Tensor:
+        key = meta["sender"]
+        if key in self._peers:
+            return self._peers[key][1]
+        self._forget_dead_senders()
+        if meta["pid"] == os.getpid() and key in _LOCAL_CACHES:
+            peer = _LOCAL_CACHES[key]  # same process: CUDA cannot open its own IPC handle
+        else:
+            index = next((i for i in range(torch.cuda.device_count())
+                          if _uuid(i) == meta["device_uuid"]), None)
+            if index is None:
+                raise TransferError(f"sender GPU {meta['device_uuid']} is not visible here "
+                                    "(cuda_ipc needs both GPUs visible to both processes)")
+            storage = torch.UntypedStorage._new_shared_cuda(
+                index, base64.b64decode(meta["handle"]), int(meta["size"]),
+                int(meta["offset"]), base64.b64decode(meta["ref_handle"]),
+                int(meta["ref_offset"]),
+                base64.b64decode(meta["event_handle"]) if meta["event_handle"] else None,
+                bool(meta["event_sync"]))
+            if int(meta["cache_bytes"]) + int(meta["storage_offset"]) > storage.nbytes():
+                raise TransferError("sender's exported cache is smaller than announced")
+            flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
+            flat.set_(storage, int(meta["storage_offset"]), (int(meta["cache_bytes"]),))
+            peer = flat
+        peer = peer.reshape(-1).view(torch.uint8).view(-1, self._layout.block_bytes)
+        self._peers[key] = (int(meta["pid"]), peer)
+        return peer
+
+    def _forget_dead_senders(self) -> None:
+        """Unmap the caches of sender processes that exited: a mapping keeps the dead
+        process's whole KV cache allocated on its GPU (a restarted prefill worker would
+        find its GPU full)."""
+        for key, (pid, _) in list(self._peers.items()):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                del self._peers[key]
+            except PermissionError:
+                pass
+
+    async def _receive_payload(self, loop, conn: socket.socket,
+                               entry: ExpectedTransfer) -> None:
+        try:
+            meta = json.loads(await proto.read_blob(loop, conn))
+            src = [int(i) for i in meta["src"]]
+            segs = segments(src, entry.dst_block_ids)
+            peer = self._peer_cache(meta)
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise TransferError(f"cuda_ipc: cannot map the sender's cache: {exc}") from None
+        if any(s + n > peer.shape[0] for s, _, n in segs):
+            raise TransferError("cuda_ipc: source block ids beyond the sender's cache")
+        dst = self._cache.reshape(-1).view(torch.uint8).view(-1, self._layout.block_bytes)
+        with torch.cuda.device(self._cache.device), torch.cuda.stream(self._stream):
+            for s, d, n in segs:
+                dst[d:d + n].copy_(peer[s:s + n], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        # however the transfer ends (timeout and cancel included), the queued copies finish
+        # before its waiter hears of it and may free the blocks: on_end runs before that
+        entry.on_end(event.synchronize)
+        await poll_until(event.query, watch=conn, what="CUDA IPC copy")
+        entry.add_bytes(len(src) * self._layout.block_bytes)
+
+    def _close_backend(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        self._peers.clear()

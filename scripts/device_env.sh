@@ -1,0 +1,10 @@
+# Source on the GPU machine (no package registry there): installs the wheels carried in
+# .whl/ (redis, grpcio + protobuf at the versions the generated code needs, grpc health /
+# reflection, nixl-cu13) into /tmp/site and puts the carried redis-server on PATH.
+#   source scripts/device_env.sh
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || return 1
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$PWD/.whl/bin:$PATH"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1

@@ -1,0 +1,238 @@
+"""kvtransfer conformance for the GPU backends (nccl, cuda_ipc, nixl), on two GPUs.
+
+Same contract as tests/unit/test_kvtransfer.py: data lands exactly in the expected blocks,
+concurrent transfers, mismatches fail both sides, timeouts / cancels / close end transfers,
+nothing leaks; plus two-process runs (CUDA IPC only works between processes) and a sender
+process killed after the receiver posted its receives (a dead peer must not hang the
+receiver, and the pair must work again afterwards).
+
+    python3 -m pytest -q -m gpu tests/gpu/test_kvtransfer_gpu.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+               ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)
+
+from kvtransfer import KVLayout, TransferState, make_receiver, make_sender  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                       reason="needs two CUDA GPUs"),
+]
+BACKENDS = ["nccl", "cuda_ipc"] + (["nixl"] if importlib.util.find_spec("nixl_cu13") else [])
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
+SRC, DST = "cuda:0", "cuda:1"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def cache(n: int, device: str, seed: int | None = None, layout: KVLayout = LAYOUT):
+    shape = (n, *layout.block_shape)
+    if seed is None:
+        return torch.zeros(shape, dtype=layout.torch_dtype, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=g, device=device).to(layout.torch_dtype)
+
+
+async def pair(backend, src, dst, src_layout=LAYOUT):
+    rx = make_receiver(backend, dst, LAYOUT)
+    await rx.start()
+    return rx, make_sender(backend, src, src_layout)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_round_trip_scattered_and_repeated(backend):
+    async def main():
+        src, dst = cache(64, SRC, seed=1), cache(80, DST)
+        rx, tx = await pair(backend, src, dst)
+        for rep in range(3):  # the pair (communicator / mapping) is reused
+            src_ids = [3, 4, 5, 6, 20, 0, 1, 63, 9, 10]
+            dst_ids = [79, 0, 1, 2, 17, 18, 5, 7, 8, 30 + rep]
+            handle = rx.expect(f"rt{rep}", dst_ids, timeout_s=30)
+            res = await tx.send(f"rt{rep}", rx.endpoint, src_ids, timeout_s=30)
+            got = await handle.wait()
+            assert res.state is TransferState.DONE, res.error
+            assert got.state is TransferState.DONE, got.error
+            assert res.num_bytes == got.num_bytes == len(src_ids) * LAYOUT.block_bytes
+            assert torch.equal(dst[dst_ids].cpu(), src[src_ids].cpu())
+            dst.zero_()
+        assert rx.stats().done == 3
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concurrent_transfers(backend):
+    async def main():
+        src, dst = cache(64, SRC, seed=2), cache(64, DST)
+        rx, tx = await pair(backend, src, dst)
+        jobs = [(f"c{i}", list(range(i * 8, i * 8 + 7)), list(range(63 - i * 8, 56 - i * 8, -1)))
+                for i in range(8)]
+        handles = [rx.expect(tid, d, 30) for tid, _, d in jobs]
+        results = await asyncio.gather(*(tx.send(tid, rx.endpoint, s, 30) for tid, s, _ in jobs))
+        assert [r.state for r in results] == [TransferState.DONE] * 8, [r.error for r in results]
+        for handle, (_, s, d) in zip(handles, jobs):
+            assert (await handle.wait()).ok
+            assert torch.equal(dst[d].cpu(), src[s].cpu())
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mismatches_and_unknown_ids_fail_both_sides(backend):
+    other = KVLayout(4, 2, 32, 16, "bfloat16")
+
+    async def main():
+        rx, tx = await pair(backend, cache(8, SRC, 3, other), cache(8, DST), src_layout=other)
+        h = rx.expect("lm", [0, 1], 10)
+        res = await tx.send("lm", rx.endpoint, [0, 1], 10)
+        got = await h.wait()
+        assert res.state is got.state is TransferState.FAILED
+        assert "layout mismatch" in res.error and "layout mismatch" in got.error
+        await tx.close()
+        tx = make_sender(backend, cache(8, SRC, 3), LAYOUT)
+        h = rx.expect("cnt", [0, 1, 2], 10)
+        res = await tx.send("cnt", rx.endpoint, [0, 1], 10)
+        assert res.state is TransferState.FAILED and "mismatch" in res.error
+        assert (await h.wait()).state is TransferState.FAILED
+        res = await tx.send("nobody-expects-this", rx.endpoint, [0], 10)
+        assert res.state is TransferState.FAILED and "unknown" in res.error
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_timeouts_cancel_and_close(backend):
+    async def main():
+        src, dst = cache(16, SRC, seed=4), cache(16, DST)
+        rx, tx = await pair(backend, src, dst)
+        t0 = time.monotonic()
+        res = await rx.expect("never", [0], 0.3).wait()  # nobody sends
+        assert res.state is TransferState.TIMED_OUT and time.monotonic() - t0 < 2
+        h = rx.expect("rc", [1], 30)
+        assert rx.cancel("rc")
+        assert (await h.wait()).state is TransferState.CANCELLED
+        res = await tx.send("rc", rx.endpoint, [1], 10)
+        assert res.state is TransferState.FAILED
+        # no receiver at all: the sender fails fast, not at its timeout
+        t0 = time.monotonic()
+        res = await tx.send("x", f"{backend}://127.0.0.1:1", [0], 10)
+        assert res.state is TransferState.FAILED and time.monotonic() - t0 < 5
+        # the pair still works after all of that
+        h = rx.expect("ok", [2, 3], 30)
+        assert (await tx.send("ok", rx.endpoint, [5, 6], 30)).ok
+        assert (await h.wait()).ok and torch.equal(dst[[2, 3]].cpu(), src[[5, 6]].cpu())
+        pending = rx.expect("pending", [4], 30)
+        await rx.close()
+        assert (await asyncio.wait_for(pending.wait(), 2)).state is TransferState.CANCELLED
+        await tx.close()
+
+    run(main())
+
+
+_CHILD = r"""
+import asyncio, os, sys, time, torch
+from kvtransfer import KVLayout, make_receiver, make_sender
+backend, mode = sys.argv[1], sys.argv[2]
+layout = KVLayout(4, 2, 64, 16, "bfloat16")
+n = 64
+if mode == "send":  # argv: endpoint, hang (1: freeze before queueing the data)
+    endpoint, hang = sys.argv[3], sys.argv[4] == "1"
+    src = (torch.arange(n, device="cuda:0") % 200).to(torch.bfloat16)
+    src = src.view(n, 1, 1, 1, 1, 1).expand(n, *layout.block_shape).contiguous()
+    tx = make_sender(backend, src, layout)
+    if hang:
+        import kvtransfer.nccl as nc
+        def frozen(self, *a, **k):
+            print("FROZEN", flush=True)
+            time.sleep(3600)
+        nc._Comm.post = frozen
+    res = asyncio.run(tx.send(sys.argv[5], endpoint, list(range(n)), 60))
+    print("RESULT", res.state.value, res.error, flush=True)
+"""
+
+
+def _spawn(*args):
+    return subprocess.Popen([sys.executable, "-c", _CHILD, *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_processes_round_trip(backend):
+    """Sender in another process on cuda:0, receiver here on cuda:1 (the deployment shape)."""
+    async def main():
+        dst = cache(80, DST)
+        rx = make_receiver(backend, dst, LAYOUT)
+        await rx.start()
+        for rep in range(2):
+            ids = list(range(79, 15, -1))  # reversed: 64 one-block segments
+            h = rx.expect(f"p{rep}", ids, 60)
+            proc = _spawn(backend, "send", rx.endpoint, "0", f"p{rep}")
+            res = await h.wait()
+            out = await asyncio.get_running_loop().run_in_executor(None, proc.communicate)
+            assert res.state is TransferState.DONE, (res, out[0][-2000:])
+            want = (torch.arange(64, device=DST) % 200).to(torch.bfloat16)
+            assert torch.equal(dst[ids].reshape(64, -1)[:, 0], want)
+            assert (dst[ids].reshape(64, -1) == want[:, None]).all()
+            dst.zero_()
+        await rx.close()
+
+    run(main())
+
+
+def test_nccl_dead_sender_does_not_hang_the_receiver():
+    """The sender process freezes after the receiver posted its receives, then is killed:
+    the receiver must fail the transfer within a second (not at its 60 s timeout), abort the
+    communicator, and serve a new sender afterwards."""
+    async def main():
+        dst = cache(80, DST)
+        rx = make_receiver("nccl", dst, LAYOUT)
+        await rx.start()
+        h = rx.expect("victim", list(range(64)), 60)
+        proc = _spawn("nccl", "send", rx.endpoint, "1", "victim")
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + 60
+        while h.state is TransferState.PENDING and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        line = await loop.run_in_executor(None, proc.stdout.readline)
+        assert "FROZEN" in line, line
+        await asyncio.sleep(0.5)  # receives are queued on the receiver's stream by now
+        proc.kill()
+        proc.wait()
+        t0 = time.monotonic()
+        res = await asyncio.wait_for(h.wait(), 10)
+        assert res.state is TransferState.FAILED, res
+        assert time.monotonic() - t0 < 2.0
+        assert not rx._comms, "the dead pair's communicator was not dropped"
+        h = rx.expect("after", list(range(64)), 60)
+        proc = _spawn("nccl", "send", rx.endpoint, "0", "after")
+        res = await h.wait()
+        out = await loop.run_in_executor(None, proc.communicate)
+        assert res.ok, (res, out[0][-2000:])
+        await rx.close()
+
+    run(main())

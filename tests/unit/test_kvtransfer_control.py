@@ -1,0 +1,172 @@
+"""The control-connection skeleton that the GPU backends (nccl, cuda_ipc, nixl) share.
+
+The GPU backends themselves run in tests/gpu/test_kvtransfer_gpu.py on two GPUs. Here the
+skeleton runs with a minimal in-process backend whose "device work" is a CPU copy that
+completes when the test says so, so handshake, segment matching, peer-failure detection and
+timeouts are checked on any machine. Also: the GPU backends refuse CPU caches clearly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+import torch
+
+from kvtransfer import KVLayout, TransferState, make_receiver, make_sender
+from kvtransfer import protocol as proto
+from kvtransfer.control import (
+    ControlReceiver,
+    ControlSender,
+    await_ack,
+    poll_until,
+    segments,
+)
+from kvtransfer.tracking import TransferError
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+_SOURCES: dict[str, torch.Tensor] = {}
+
+
+class LoopbackSender(ControlSender):
+    scheme, kind = "loop", 99
+
+    def __init__(self, cache, layout, die_after_blob: bool = False):
+        super().__init__(cache, layout)
+        self.key = f"s{id(self)}"
+        _SOURCES[self.key] = cache
+        self.die_after_blob = die_after_blob
+
+    async def _send_payload(self, loop, sock, endpoint, sm, ids):
+        await loop.sock_sendall(sock, proto.encode_blob(
+            json.dumps({"sender": self.key, "src": ids}).encode()))
+        if self.die_after_blob:
+            sock.close()  # the "process" is gone
+            raise TransferError("sender died")
+        await await_ack(loop, sock)
+
+
+class LoopbackReceiver(ControlReceiver):
+    scheme, kind = "loop", 99
+
+    def __init__(self, cache, layout, **opts):
+        super().__init__(cache, layout, **opts)
+        self.release = asyncio.Event()  # the "device work" completes when set
+        self.release.set()
+
+    async def _receive_payload(self, loop, conn, entry):
+        meta = json.loads(await proto.read_blob(loop, conn))
+        src = _SOURCES[meta["sender"]]
+        segs = segments(meta["src"], entry.dst_block_ids)
+        for s, d, n in segs:
+            self._cache[d:d + n] = src[s:s + n]
+        await poll_until(self.release.is_set, watch=conn, what="copy")
+        entry.add_bytes(len(meta["src"]) * self._layout.block_bytes)
+
+
+def cache(n, seed=None):
+    shape = (n, *LAYOUT.block_shape)
+    return torch.zeros(shape) if seed is None else torch.randn(
+        shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_segments_are_contiguous_on_both_sides():
+    assert segments([4, 5, 6, 9], [0, 1, 7, 8]) == [(4, 0, 2), (6, 7, 1), (9, 8, 1)]
+    assert segments(list(range(10, 20)), list(range(100, 110))) == [(10, 100, 10)]
+    assert segments([3, 2, 1], [0, 1, 2]) == [(3, 0, 1), (2, 1, 1), (1, 2, 1)]
+    with pytest.raises(ValueError):
+        segments([1, 2], [1])
+
+
+def test_loopback_round_trip_and_errors():
+    async def main():
+        src, dst = cache(32, seed=1), cache(40)
+        rx = LoopbackReceiver(dst, LAYOUT)
+        await rx.start()
+        assert rx.endpoint.startswith("loop://127.0.0.1:")
+        tx = LoopbackSender(src, LAYOUT)
+        src_ids, dst_ids = [3, 4, 5, 20, 0, 1, 31], [39, 0, 1, 2, 17, 18, 5]
+        h = rx.expect("a", dst_ids, 5)
+        res = await tx.send("a", rx.endpoint, src_ids, 5)
+        assert res.ok and (await h.wait()).ok, res.error
+        assert torch.equal(dst[dst_ids], src[src_ids])
+        assert res.num_bytes == len(src_ids) * LAYOUT.block_bytes
+        # unknown id, count mismatch, wrong scheme
+        assert "unknown" in (await tx.send("zz", rx.endpoint, [0], 5)).error
+        h = rx.expect("b", [0, 1], 5)
+        res = await tx.send("b", rx.endpoint, [0], 5)
+        assert res.state is TransferState.FAILED and "mismatch" in res.error
+        assert (await h.wait()).state is TransferState.FAILED
+        res = await tx.send("c", "tcp://127.0.0.1:1", [0], 5)
+        assert res.state is TransferState.FAILED and "not a loop://" in res.error
+        await tx.close()
+        await rx.close()
+
+    asyncio.run(main())
+
+
+def test_peer_hanging_up_during_device_work_fails_fast():
+    """The receiver waits on its device work; the sender goes away: the receiver must notice
+    through the control socket at once, not at its timeout."""
+    async def main():
+        rx = LoopbackReceiver(cache(8), LAYOUT)
+        await rx.start()
+        rx.release.clear()  # device work never completes on its own
+        tx = LoopbackSender(cache(8, seed=2), LAYOUT, die_after_blob=True)
+        h = rx.expect("d", [0, 1], 30)
+        res = await tx.send("d", rx.endpoint, [2, 3], 30)
+        assert res.state is TransferState.FAILED
+        got = await asyncio.wait_for(h.wait(), 2)
+        assert got.state is TransferState.FAILED and "peer gave up" in got.error, got
+        await rx.close()
+
+    asyncio.run(main())
+
+
+def test_receiver_timeout_reaches_the_sender_with_a_reason():
+    async def main():
+        rx = LoopbackReceiver(cache(8), LAYOUT)
+        await rx.start()
+        rx.release.clear()
+        tx = LoopbackSender(cache(8, seed=3), LAYOUT)
+        h = rx.expect("t", [0], 0.3)
+        res = await tx.send("t", rx.endpoint, [1], 30)
+        assert (await h.wait()).state is TransferState.TIMED_OUT
+        assert res.state is TransferState.FAILED and "timed_out" in res.error, res
+        await tx.close()
+        await rx.close()
+
+    asyncio.run(main())
+
+
+def test_poll_until_leaves_a_pending_ok_for_its_owner():
+    async def main():
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.sendall(proto.encode_reply(proto.OK))
+        flag = {"n": 0}
+
+        def done():
+            flag["n"] += 1
+            return flag["n"] > 20
+
+        await poll_until(done, watch=a)  # an OK waiting is not a failure
+        assert await proto.read_reply(asyncio.get_running_loop(), a) == (proto.OK, 0, "")
+        b.sendall(proto.encode_reply(proto.ERROR, 0, "boom"))
+        with pytest.raises(TransferError, match="boom"):
+            await poll_until(lambda: False, watch=a)
+        a.close()
+        b.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cuda_ipc"])
+def test_gpu_backends_refuse_cpu_caches(backend):
+    c = cache(4)
+    with pytest.raises(ValueError, match="CUDA"):
+        make_sender(backend, c, LAYOUT)
+    with pytest.raises(ValueError, match="CUDA"):
+        make_receiver(backend, c, LAYOUT)
