@@ -4,8 +4,10 @@ The sender exports its cache's memory once (a CUDA IPC handle, through PyTorch's
 sharing); per transfer it sends that handle and the source block ids on the control
 connection (see :mod:`kvtransfer.control`). The receiver maps the sender's cache once per
 sender (cached), copies each segment (runs contiguous in both caches) with a device-to-device
-copy over NVLink on its own stream, waits for the copy's event and acks; the sender's
-``send`` returns on that ack. No kernel runs on the sender's GPU and no communicator exists,
+copy over NVLink on its own stream, waits for the copy's event, says so, and counts the
+transfer DONE only once the sender confirms it is still inside ``send()`` (a sender that
+timed out may already have reused its blocks: a one-sided copy cannot tell); then it acks and
+the sender's ``send`` returns. No kernel runs on the sender's GPU and no communicator exists,
 so there is nothing to abort: a cancelled receive stops after the copies already queued
 (they only write blocks the receiver still owns, since ``cancel`` returns only after them).
 
@@ -32,6 +34,7 @@ from kvtransfer.tracking import ExpectedTransfer, TransferError
 
 logger = logging.getLogger(__name__)
 
+CONFIRM = b"pdkv-cuda-ipc-lease-held"
 SWEEP_INTERVAL_S = 5.0  # how often mappings of exited senders are dropped
 _LOCAL_CACHES: dict[str, torch.Tensor] = {}  # sender id -> cache, for a same-process receiver
 
@@ -75,7 +78,10 @@ class CudaIpcSender(ControlSender):
                             sm: TransferStateMachine, ids: list[int]) -> None:
         meta = dict(self._export, src=ids)
         await loop.sock_sendall(sock, proto.encode_blob(json.dumps(meta).encode()))
-        await await_ack(loop, sock)  # the receiver's copies are complete
+        await proto.expect_ok(loop, sock, "could not copy the blocks")  # copies complete
+        # still inside send(), so the source blocks were leased for the whole copy
+        await loop.sock_sendall(sock, proto.encode_blob(CONFIRM))
+        await await_ack(loop, sock)
 
     def _close_backend(self) -> None:
         _LOCAL_CACHES.pop(self._id, None)
@@ -162,6 +168,11 @@ class CudaIpcReceiver(ControlReceiver):
         # before its waiter hears of it and may free the blocks: on_end runs before that
         entry.on_end(event.synchronize)
         await poll_until(event.query, watch=conn, what="CUDA IPC copy")
+        # the copy is one-sided: it only counts if the sender still held its blocks
+        # (had not timed out or been cancelled) when it completed
+        await loop.sock_sendall(conn, proto.encode_reply(proto.OK, 0, "copied"))
+        if await proto.read_blob(loop, conn) != CONFIRM:
+            raise TransferError("protocol error: sender did not confirm the copy")
         entry.add_bytes(len(src) * self._layout.block_bytes)
 
     def _close_backend(self) -> None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what pdserve needs into ./.venv (idempotent; fast when already done).
 #   scripts/install.sh          runtime dependencies
-#   scripts/install.sh test     + test dependencies (transformers, triton for interpreted kernels)
+#   scripts/install.sh test     + test dependencies (transformers, triton for interpreted kernels,
+#                               nixl-cu13 for the nixl kvtransfer backend)
 # torch is pinned to a CPU build (2.13.0) so CI never downloads a multi-GB CUDA wheel; on a GPU
 # machine set PDSERVE_TORCH="" to keep the torch that is already installed.
 set -euo pipefail
@@ -25,6 +26,9 @@ torch_spec="${PDSERVE_TORCH-torch==2.13.0}"
 if [ -n "$torch_spec" ]; then $PIP "$torch_spec"; fi
 if [ "$extra" = test ]; then
   $PIP -e ".[test]" "triton==3.7.0"  # 3.9's interpreter rejects some masks our kernels use
+  # NVIDIA NIXL for the nixl kvtransfer backend (its conformance tests run on CPU memory);
+  # optional: without it those tests skip
+  $PIP --no-deps "nixl-cu13==1.5.1" || echo "nixl-cu13 not installed: nixl tests will skip"
 else
   $PIP -e .
 fi
