@@ -117,7 +117,7 @@ async def bench_backend(args: argparse.Namespace, backend: str) -> dict:
     try:
         endpoint = await readline()
         for pattern in args.patterns.split(","):
-            gbps = []
+            gbps, data_gbps = [], []
             verified = True
             for i in range(args.warmup + args.runs):
                 tid = f"{backend}-{pattern}-{i}"
@@ -133,12 +133,20 @@ async def bench_backend(args: argparse.Namespace, backend: str) -> dict:
                     out.setdefault("first_transfer_s", round(res.seconds, 4))
                 if i >= args.warmup:
                     gbps.append(res.gbps)
+                    if res.data_seconds:
+                        data_gbps.append(res.num_bytes / res.data_seconds / 1e9)
             out[pattern] = {"median_gbps": round(statistics.median(gbps), 3),
                             "data_verified": verified,
                             "min_gbps": round(min(gbps), 3), "max_gbps": round(max(gbps), 3),
                             "runs_gbps": [round(g, 3) for g in gbps]}
+            if data_gbps:  # the data movement alone (device copy / NCCL / NIXL READ)
+                out[pattern]["data_median_gbps"] = round(statistics.median(data_gbps), 3)
+                out[pattern]["data_runs_gbps"] = [round(g, 3) for g in data_gbps]
+            data = (f"; data movement alone {out[pattern]['data_median_gbps']:.1f} GB/s"
+                    if data_gbps else "")
             print(f"{backend:4s} {pattern:10s} median {out[pattern]['median_gbps']:.2f} GB/s "
-                  f"(min {min(gbps):.2f}, max {max(gbps):.2f}, {len(gbps)} runs)", flush=True)
+                  f"(min {min(gbps):.2f}, max {max(gbps):.2f}, {len(gbps)} runs){data}",
+                  flush=True)
     finally:
         child.stdin.close()
         child.wait(timeout=30)
@@ -200,6 +208,10 @@ async def main(args: argparse.Namespace, script: str = __file__) -> None:
         "layout": layout.__dict__, "tokens": args.tokens, "num_blocks": n,
         "payload_bytes": payload, "runs": args.runs, "warmup": args.warmup,
         "gbps_definition": "payload bytes / sender send() seconds (connect..ack), 1e9 B/s",
+        "data_gbps_definition": ("GPU backends: payload / the data movement alone (nccl: "
+                                 "CUDA events around the sender's NCCL group; cuda_ipc: "
+                                 "events around the receiver's copies; nixl: READ post to "
+                                 "completion on the receiver), without the handshake"),
         "results": results, "copy_ceiling_gbps": round(copy, 3),
         "copy_ceiling_definition": ("one contiguous torch copy src_device -> dst_device"
                                     if args.src_device.startswith("cuda") else

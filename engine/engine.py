@@ -199,6 +199,8 @@ class LLMEngine:
             # prefill role: one token, then hold the blocks for the KV transfer
             out.finished = True
             self.scheduler.finish(seq, FinishReason.LENGTH, hold=True)
+        if seq.prefill_only:
+            out.held_block_ids = list(seq.block_table)  # no extra engine round trip to ask
         return out
 
     # ----------------------------------------------------------------- stats

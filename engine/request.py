@@ -74,3 +74,4 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     logprobs: list[float] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (or transferred)
+    held_block_ids: list[int] | None = None  # prefill role: the HELD blocks, in prompt order

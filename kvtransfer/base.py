@@ -145,6 +145,7 @@ class TransferStateMachine:
         self.side = side
         self.state = TransferState.PENDING
         self.num_bytes = 0  # payload bytes moved so far
+        self.data_seconds: float | None = None  # the data movement alone, where measured
         logger.debug("%s transfer %s: pending", side, transfer_id)
 
     def advance(self, new: TransferState, reason: str | None = None) -> None:
@@ -166,6 +167,9 @@ class TransferResult:
     num_bytes: int
     seconds: float
     error: str | None = None
+    # GPU backends: the data movement alone (device copy / NCCL kernels / NIXL READ), without
+    # the control-connection handshake that ``seconds`` includes
+    data_seconds: float | None = None
 
     @property
     def ok(self) -> bool:

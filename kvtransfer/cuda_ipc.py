@@ -78,7 +78,8 @@ class CudaIpcSender(ControlSender):
                             sm: TransferStateMachine, ids: list[int]) -> None:
         meta = dict(self._export, src=ids)
         await loop.sock_sendall(sock, proto.encode_blob(json.dumps(meta).encode()))
-        await proto.expect_ok(loop, sock, "could not copy the blocks")  # copies complete
+        done = await proto.expect_ok(loop, sock, "could not copy the blocks")  # copies complete
+        sm.data_seconds = proto.parse_data_seconds(done)
         # still inside send(), so the source blocks were leased for the whole copy
         await loop.sock_sendall(sock, proto.encode_blob(CONFIRM))
         await await_ack(loop, sock)
@@ -160,9 +161,11 @@ class CudaIpcReceiver(ControlReceiver):
             raise TransferError("cuda_ipc: source block ids beyond the sender's cache")
         dst = self._cache.reshape(-1).view(torch.uint8).view(-1, self._layout.block_bytes)
         with torch.cuda.device(self._cache.device), torch.cuda.stream(self._stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self._stream)
             for s, d, n in segs:
                 dst[d:d + n].copy_(peer[s:s + n], non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record(self._stream)
         # however the transfer ends (timeout and cancel included), the queued copies finish
         # before its waiter hears of it and may free the blocks: on_end runs before that
@@ -170,7 +173,8 @@ class CudaIpcReceiver(ControlReceiver):
         await poll_until(event.query, watch=conn, what="CUDA IPC copy")
         # the copy is one-sided: it only counts if the sender still held its blocks
         # (had not timed out or been cancelled) when it completed
-        await loop.sock_sendall(conn, proto.encode_reply(proto.OK, 0, "copied"))
+        await loop.sock_sendall(conn, proto.encode_reply(proto.OK, 0, proto.data_seconds_message(
+            "copied", start.elapsed_time(event) / 1000.0)))
         if await proto.read_blob(loop, conn) != CONFIRM:
             raise TransferError("protocol error: sender did not confirm the copy")
         entry.add_bytes(len(src) * self._layout.block_bytes)

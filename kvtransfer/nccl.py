@@ -85,7 +85,7 @@ class _Comm:
     async def queued(self, watch: socket.socket | None) -> torch.cuda.Event:
         """Wait until the posted group is on the stream; returns an event completing with it."""
         await self.wait_idle(watch, "NCCL enqueue")
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record(self.stream)
         return event
 
@@ -226,11 +226,14 @@ class NcclSender(ControlSender):
                 if not comm.ready:
                     await comm.wait_idle(sock, "NCCL communicator init")
                     comm.ready = True
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(comm.stream)
                 comm.post(_ops(self._cache, self._layout, segs, "send", 0), peer=1)
                 event = await comm.queued(watch=sock)
             await await_ack(loop, sock)
             await poll_until(event.query, what="NCCL send")
             comm.check()
+            sm.data_seconds = start.elapsed_time(event) / 1000.0
         except BaseException:
             if comm is not None:  # abort, then let the aborted kernels drain: the caller
                 self._drop(endpoint, comm)  # frees the source blocks when send() returns

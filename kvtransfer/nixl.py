@@ -365,6 +365,7 @@ class NixlReceiver(ControlReceiver):
         read = _Read(self._nixl.agent)
         entry.on_end(read.abort)  # runs when the transfer ends, before handle.wait() returns
         try:
+            t_post = time.perf_counter()
             read.post(local, remote, offer.agent)
             try:
                 await poll_until(read.done, interval_s=0.0001, max_interval_s=0.001,
@@ -374,7 +375,8 @@ class NixlReceiver(ControlReceiver):
                 raise
             read.abort()  # done: just releases the handle
             entry.add_bytes(len(entry.dst_block_ids) * bb)
-            await loop.sock_sendall(conn, proto.encode_reply(proto.OK, 0, "read done"))
+            await loop.sock_sendall(conn, proto.encode_reply(proto.OK, 0, proto.data_seconds_message(
+                "read done", time.perf_counter() - t_post)))
             if await proto.read_blob(loop, conn) != CONFIRM:
                 raise TransferError("protocol error: bad nixl confirmation")
         finally:
@@ -475,7 +477,8 @@ class NixlSender(ControlSender):
         offer = _Offer(nixl.name, nixl.metadata, nixl.mem, nixl.dev, nixl.base,
                        self._layout.block_bytes, self._cache.shape[0], np.asarray(ids))
         await loop.sock_sendall(sock, proto.encode_blob(offer.encode()))
-        await proto.expect_ok(loop, sock, "failed the nixl READ")
+        done = await proto.expect_ok(loop, sock, "failed the nixl READ")
+        sm.data_seconds = proto.parse_data_seconds(done)
         # still inside send(): the source blocks were leased for the whole READ
         await loop.sock_sendall(sock, proto.encode_blob(CONFIRM))
         await await_ack(loop, sock)

@@ -153,12 +153,26 @@ async def read_reply(loop: asyncio.AbstractEventLoop,
     return status, value, (await recv_exact(loop, sock, n)).decode(errors="replace")
 
 
-async def expect_ok(loop: asyncio.AbstractEventLoop, sock: socket.socket, what: str) -> None:
+async def expect_ok(loop: asyncio.AbstractEventLoop, sock: socket.socket, what: str) -> str:
+    """Read a reply; return an OK's message, raise TransferError for anything else."""
     status, _, message = await read_reply(loop, sock)
     if status == ERROR:
         raise TransferError(f"receiver {what}: {message}")
     if status != OK:
         raise TransferError(f"protocol error: unexpected reply status {status} ({what})")
+    return message
+
+
+def data_seconds_message(what: str, seconds: float) -> str:
+    """An OK message that carries how long the data movement itself took (``what <s>``)."""
+    return f"{what} {seconds:.9f}"
+
+
+def parse_data_seconds(message: str) -> float | None:
+    try:
+        return float(message.rsplit(" ", 1)[1])
+    except (IndexError, ValueError):
+        return None
 
 
 def try_send_error(sock: socket.socket, message: str) -> None:

@@ -204,7 +204,8 @@ class SendRunner:
             self._tasks.pop(transfer_id, None)
             self._cancel_requested.discard(transfer_id)
         sm.advance(state, error)
-        return TransferResult(transfer_id, state, sm.num_bytes, time.monotonic() - t0, error)
+        return TransferResult(transfer_id, state, sm.num_bytes, time.monotonic() - t0, error,
+                              sm.data_seconds)
 
     def cancel(self, transfer_id: str) -> bool:
         task = self._tasks.get(transfer_id)

@@ -56,9 +56,10 @@ async def serve_worker(settings: WorkerSettings) -> None:
                      drain_delay_s=settings.drain_delay_s)
     if decode is not None:
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, srv.server)
+    prefill = None
     if senders:
-        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-            PrefillServicer(aengine, runtime, senders, layout, metrics=metrics), srv.server)
+        prefill = PrefillServicer(aengine, runtime, senders, layout, metrics=metrics)
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, srv.server)
     port = await srv.start()
     address = settings.advertise_address(port)
     await runtime.start(address, receivers[0][1].endpoint if receivers else "")
@@ -71,6 +72,8 @@ async def serve_worker(settings: WorkerSettings) -> None:
     try:
         await srv.wait_stopped()
     finally:
+        if prefill is not None:
+            await prefill.drain()
         await aengine.stop()
         if decode is not None:
             await decode.close()

@@ -50,6 +50,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.layout = layout
         self.metrics = metrics or WorkerMetrics("prefill")
         self.clock = telemetry.StepClock(aengine) if telemetry.ENABLED else None
+        self._releases: set[asyncio.Task] = set()
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context):
         rid = request.request_id
@@ -105,7 +106,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             result = await self._send(rid, kv, first, sender, span)
         finally:
-            await _shielded(self.aengine.release(rid))
+            # the lease ends with send(); answering need not wait for the engine thread
+            # (busy with a step under load) to take the blocks back
+            self._release_later(rid)
         resp = worker_pb2.PrefillResponse(
             request_id=rid, first_token_id=first.token_ids[0],
             num_cached_tokens=first.num_cached_tokens, transfer=result)
@@ -117,7 +120,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def _send(self, rid, kv, first, sender, span) -> common_pb2.KVTransferResult:
         dst = list(kv.dst_block_ids)
-        blocks = await self.aengine.call(lambda e: e.held_blocks(rid))
+        blocks = first.held_block_ids
+        if blocks is None:
+            blocks = await self.aengine.call(lambda e: e.held_blocks(rid))
         src = blocks[kv.skip_blocks:kv.skip_blocks + len(dst)]
         if first.finish_reason is not None:
             # the first token already ended the request: nothing to decode, nothing to send
@@ -150,7 +155,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             transfer_id=kv.transfer_id, state=STATE_PB[res.state], error=res.error or "",
             num_blocks=len(src), num_bytes=res.num_bytes, duration_ms=res.seconds * 1000)
 
+    def _release_later(self, rid: str) -> None:
+        task = asyncio.ensure_future(_shielded(self.aengine.release(rid)))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def drain(self) -> None:
+        """Wait for pending block releases (shutdown)."""
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
+
     async def Stats(self, request, context):
+        await self.drain()  # a Stats answer never shows blocks whose release is in flight
         return await self.runtime.stats_proto()
 
     async def Abort(self, request, context):

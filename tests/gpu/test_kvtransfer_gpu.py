@@ -178,7 +178,8 @@ if mode == "send":  # argv: endpoint, hang (1: freeze before queueing the data)
 def _spawn(*args):
     return subprocess.Popen([sys.executable, "-c", _CHILD, *args], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
