@@ -216,6 +216,10 @@ DEPLOYMENTS = {
                  gpu={"prefill": ["cuda:0"], "decode": ["cuda:1"]}),
     "colocated": dict(counts=dict(prefill=0, decode=0, colocated=2),
                       gpu={"colocated": ["cuda:0", "cuda:1"]}),
+    # the same colocated deployment again: a control for the agreement under load (how many
+    # greedy tokens differ between two runs of ONE deployment, from batching alone)
+    "colocated_rerun": dict(counts=dict(prefill=0, decode=0, colocated=2),
+                            gpu={"colocated": ["cuda:0", "cuda:1"]}),
 }
 
 
@@ -526,8 +530,9 @@ def token_agreement(ta: dict, tb: dict, ids: list[str], detail: bool = False) ->
 def compare(doc: dict) -> dict | None:
     deps = doc["deployments"]
     p, c = deps.get("1p1d"), deps.get("colocated")
-    if not p or not c:
+    if not c:
         return None
+    p = p or {}
     out: dict = {"a": "1p1d", "b": "colocated", "targets": TARGETS}
     if "ttft" in p and "ttft" in c:
         pm, cm = p["ttft"]["ttft_ms"]["p50"], c["ttft"]["ttft_ms"]["p50"]
@@ -576,6 +581,15 @@ def compare(doc: dict) -> dict | None:
         tot["token_agreement"] = round(tot["tokens_before_divergence"] / tot["tokens_compared"],
                                        4) if tot["tokens_compared"] else None
         out["agreement_under_load"] = {"per_rate": under_load, "total": tot}
+    rerun = []  # control: colocated against a second run of itself
+    for k in range(len(c.get("mixed", []))):
+        ta, tb = MIXED_TOKENS.get(("colocated", k)), MIXED_TOKENS.get(("colocated_rerun", k))
+        if ta is not None and tb is not None:
+            ag = token_agreement(ta, tb, list(ta))
+            ag["rate"] = c["mixed"][k]["rate"]
+            rerun.append(ag)
+    if rerun:
+        out["agreement_under_load_colocated_vs_rerun"] = rerun
     out["pass"] = {
         "ttft_added": out.get("ttft", {}).get("pass"),
         "exact_sequential": out.get("exact_sequential", {}).get("all_identical"),

@@ -247,7 +247,7 @@ def segments(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int
     return out
 
 
-async def poll_until(done, *, interval_s: float = 0.00005, max_interval_s: float = 0.0005,
+async def poll_until(done, *, interval_s: float = 0.00005, max_interval_s: float = 0.0002,
                      watch: socket.socket | None = None, what: str = "device work") -> None:
     """Await until ``done()`` is true (e.g. a CUDA event completed), polling with a short
     back-off, without blocking the event loop. With ``watch``, a control socket on which the
