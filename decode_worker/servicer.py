@@ -4,8 +4,10 @@ Lifecycle of one disaggregated request here:
   Generate RPC -> pre-allocate blocks for the prompt (RESOURCE_EXHAUSTED if none) -> expect a
   transfer into them -> PrefillWorker.Prefill on the worker the gateway chose -> wait for the
   KV to land -> prompt counted as computed, first token emitted -> joins the running batch ->
-  tokens stream back. Any failure before the first token frees the blocks and falls back to
-  prefilling locally; a cancelled or expired call aborts the request and frees its blocks.
+  tokens stream back. A failed transfer frees the blocks and is retried once per remaining KV
+  backend (``--kv-backend nccl,cuda_ipc``); any other failure before the first token falls
+  back to prefilling locally; a cancelled or expired call aborts the request and frees its
+  blocks.
 
 A colocated worker (or a request without a prefill address) prefills locally.
 """

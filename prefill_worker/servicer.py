@@ -2,8 +2,9 @@
 
 Lifecycle of one request here:
   Prefill RPC -> engine computes the prompt (reusing its prefix cache) and samples the first
-  token -> blocks HELD -> KV sent to the decode worker's receiver -> blocks released (on DONE,
-  FAILED, TIMED_OUT, cancellation or any error: the lease always ends) -> response.
+  token -> blocks HELD -> KV sent to the decode worker's receiver -> response; the blocks are
+  released in the background as soon as the send ended (on DONE, FAILED, TIMED_OUT,
+  cancellation or any error: the lease always ends; Stats and shutdown wait for releases).
 """
 from __future__ import annotations
 
