@@ -51,6 +51,7 @@ COMPOSE_SCHEMA = {
             "environment": _ENV,
             "ports": _STR_LIST, "expose": _STR_LIST, "volumes": _STR_LIST,
             "profiles": _STR_LIST,
+            "ipc": {"type": "string", "pattern": r"^(host|private|shareable|service:.+)$"},
             "restart": {"enum": ["no", "always", "on-failure", "unless-stopped"]},
             "healthcheck": _HEALTH,
             "depends_on": {"type": "object", "additionalProperties": {
@@ -273,3 +274,15 @@ def test_schemas_reject_mistakes():
     schema = {"type": "object", **K8S_SCHEMAS[("apps/v1", "Deployment")]}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(dep, schema)
+
+
+def test_gpu_workers_use_a_gpu_kv_backend_with_multicast_off():
+    """tcp / shm need a CPU cache: a GPU worker configured with them would not start."""
+    with open(os.path.join(REPO, "docker-compose.yml")) as f:
+        services = yaml.safe_load(f)["services"]
+    gpu_workers = [s for n, s in services.items() if n in ("prefill-gpu", "decode-gpu")]
+    assert len(gpu_workers) == 2
+    for svc in gpu_workers:
+        env = svc["environment"]
+        assert env["PDSERVE_KV_BACKEND"].split(",")[0] in ("nccl", "cuda_ipc", "nixl")
+        assert env["NCCL_NVLS_ENABLE"] == "0" and env["NVSHMEM_DISABLE_NVLS"] == "1"
