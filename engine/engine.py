@@ -68,6 +68,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.steps = 0
         self.num_preemptions = 0
+        self.last_scheduled_ids: list[str] = []  # request ids of the last step (tracing)
 
     # ------------------------------------------------------------ validation
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -156,6 +157,7 @@ class LLMEngine:
         self.num_preemptions += len(sched.preempted)
         if not sched:
             return []
+        self.last_scheduled_ids = [item.seq.request_id for item in sched.scheduled]
         tokens, logprobs = self.runner.execute(sched)
         self.scheduler.update(sched, tokens)
         self.steps += 1

@@ -198,13 +198,15 @@ def end_with_status(span, code_name: str, message: str = "") -> None:
 
 
 class StepClock:
-    """When the engine step that produced a request's output began and ended (wall clock ns),
-    for splitting a prefill into ``queue`` and ``prefill.compute`` spans. Registered as an
-    ``AsyncEngine.step_listener`` only while tracing is on; ``watch`` before submitting."""
+    """When the first engine step that scheduled a request began, and when the step that
+    produced its output ended (wall clock ns), for splitting a prefill into ``queue`` and
+    ``prefill.compute`` spans (a chunked prefill's compute covers all its chunks). Registered
+    as an ``AsyncEngine.step_listener`` only while tracing is on; ``watch`` before
+    submitting."""
 
     def __init__(self, aengine):
         self.aengine = aengine
-        self._times: dict[str, tuple[int, int] | None] = {}
+        self._times: dict[str, list[int | None]] = {}  # rid -> [first step start, end]
         aengine.step_listeners.append(self._on_step)
 
     def _on_step(self, outs) -> None:  # engine thread
@@ -212,12 +214,21 @@ class StepClock:
         if not times:
             return
         now = time.time_ns()
+        started = self.aengine.step_started_ns
+        for rid in getattr(self.aengine.engine, "last_scheduled_ids", ()):
+            t = times.get(rid)
+            if t is not None and t[0] is None:
+                t[0] = started
         for out in outs:
-            if out.request_id in times and times[out.request_id] is None:
-                times[out.request_id] = (self.aengine.step_started_ns, now)
+            t = times.get(out.request_id)
+            if t is not None and t[1] is None:
+                t[1] = now
+                if t[0] is None:
+                    t[0] = started
 
     def watch(self, rid: str) -> None:
-        self._times[rid] = None
+        self._times[rid] = [None, None]
 
     def pop(self, rid: str) -> tuple[int, int] | None:
-        return self._times.pop(rid, None)
+        t = self._times.pop(rid, None)
+        return (t[0], t[1]) if t is not None and t[1] is not None else None
