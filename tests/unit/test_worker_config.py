@@ -1,0 +1,36 @@
+"""Worker settings: the KV backend list and the device it must suit, refused at startup."""
+from __future__ import annotations
+
+import pytest
+
+from services.config import ConfigError, worker_settings
+
+
+@pytest.mark.parametrize("argv, backends", [
+    (["--kv-backend", "tcp"], ("tcp",)),
+    (["--kv-backend", "shm,tcp"], ("shm", "tcp")),
+    (["--device", "cuda:1", "--kv-backend", "nccl,cuda_ipc"], ("nccl", "cuda_ipc")),
+    (["--device", "cuda", "--kv-backend", "nixl"], ("nixl",)),
+    (["--kv-backend", "nixl, tcp"], ("nixl", "tcp")),
+])
+def test_backend_lists(argv, backends):
+    assert worker_settings(argv, env={}).kv_backends == backends
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-backend", "nccl"], "need a cuda device"),
+    (["--kv-backend", "tcp,cuda_ipc"], "cuda_ipc cannot move"),
+    (["--device", "cuda:0", "--kv-backend", "tcp"], "tcp cannot move"),
+    (["--device", "cuda:0", "--kv-backend", "nccl,shm"], "shm cannot move"),
+    (["--kv-backend", "tcp,tcp"], "distinct"),
+    (["--kv-backend", "carrier-pigeon"], "distinct names"),
+    (["--kv-backend", ","], "distinct names"),
+])
+def test_bad_backend_lists_are_refused_with_a_reason(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        worker_settings(argv, env={})
+
+
+def test_env_var_sets_the_list():
+    s = worker_settings([], env={"PDSERVE_KV_BACKEND": "nccl,cuda_ipc", "PDSERVE_DEVICE": "cuda"})
+    assert s.kv_backends == ("nccl", "cuda_ipc")
