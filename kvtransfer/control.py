@@ -1,7 +1,8 @@
-"""Backends whose payload moves outside the socket (nccl, cuda_ipc, nixl) share this skeleton.
+"""The connection skeleton every TCP-connected backend shares (tcp, nccl, cuda_ipc, nixl).
 
-Each transfer opens one TCP *control* connection to the receiver's endpoint
-(``<scheme>://host:port``) and runs the same handshake as the tcp backend::
+Each transfer opens one TCP connection to the receiver's endpoint (``<scheme>://host:port``):
+for tcp it carries the payload too, for the GPU backends it is the *control* connection
+while the data moves over NVLink / NCCL / NIXL::
 
     sender                                   receiver
     HELLO (kind, layout, transfer id, n)  -> claim the expected transfer
@@ -108,6 +109,8 @@ class ControlReceiver(TrackedReceiver):
     def _close_backend(self) -> None:
         """Release backend resources (communicators, mapped memory). Called once by close."""
 
+    _tune = staticmethod(tune_socket)
+
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -117,7 +120,7 @@ class ControlReceiver(TrackedReceiver):
                 logger.warning("%s receiver accept failed: %s", self.scheme, exc)
                 await asyncio.sleep(0.05)
                 continue
-            tune_socket(conn)
+            self._tune(conn)
             task = loop.create_task(self._serve(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
@@ -199,12 +202,14 @@ class ControlSender(KVSender):
     def _close_backend(self) -> None:
         """Release backend resources. Called once by close."""
 
+    _tune = staticmethod(tune_socket)
+
     async def _send(self, sm: TransferStateMachine, endpoint: str, ids: list[int]) -> int:
         loop = asyncio.get_running_loop()
         host, port = parse_host_port(endpoint, self.scheme)
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         try:
-            tune_socket(sock)
+            self._tune(sock)
             await loop.sock_connect(sock, (host, port))
             await loop.sock_sendall(sock, proto.encode_hello(self.kind, self._layout,
                                                              sm.transfer_id, len(ids)))
