@@ -27,18 +27,15 @@ import torch
 from kvtransfer import protocol as proto
 from kvtransfer.base import (
     KVLayout,
-    KVSender,
     TransferState,
     TransferStateMachine,
-    TransferResult,
 )
 from kvtransfer.tracking import (
     ExpectedTransfer,
     ReceiverTracker,
-    SendRunner,
+    RunnerSender,
     TrackedReceiver,
     TransferError,
-    check_block_ids,
 )
 
 logger = logging.getLogger(__name__)
@@ -171,36 +168,11 @@ class ControlReceiver(TrackedReceiver):
         raise NotImplementedError
 
 
-class ControlSender(KVSender):
+class ControlSender(RunnerSender):
     """Opens a control connection per transfer; ``_send_payload`` moves the data."""
 
     scheme: str
     kind: int
-
-    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
-        layout.validate(cache)
-        self._cache = cache
-        self._layout = layout
-        self._runner = SendRunner()
-
-    async def send(self, transfer_id: str, endpoint: str, src_block_ids: list[int],
-                   timeout_s: float) -> TransferResult:
-        ids = check_block_ids(src_block_ids, self._cache.shape[0], unique=False)
-
-        async def body(sm: TransferStateMachine) -> int:
-            return await self._send(sm, endpoint, ids)
-
-        return await self._runner.run(transfer_id, timeout_s, body)
-
-    def cancel(self, transfer_id: str) -> bool:
-        return self._runner.cancel(transfer_id)
-
-    async def close(self) -> None:
-        await self._runner.close()
-        self._close_backend()
-
-    def _close_backend(self) -> None:
-        """Release backend resources. Called once by close."""
 
     _tune = staticmethod(tune_socket)
 

@@ -16,8 +16,6 @@ import torch
 
 from kvtransfer.base import (
     KVLayout,
-    KVSender,
-    TransferResult,
     TransferState,
     TransferStateMachine,
 )
@@ -26,9 +24,8 @@ from kvtransfer.tracking import (
     TrackedReceiver,
     ExpectedTransfer,
     ReceiverTracker,
-    SendRunner,
+    RunnerSender,
     TransferError,
-    check_block_ids,
 )
 
 logger = logging.getLogger(__name__)
@@ -90,37 +87,19 @@ class FakeReceiver(TrackedReceiver):
         return task
 
 
-class FakeSender(KVSender):
-    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
-        layout.validate(cache)
-        self._cache = cache
-        self._layout = layout
-        self._runner = SendRunner()
-
-    async def send(self, transfer_id: str, endpoint: str, src_block_ids: list[int],
-                   timeout_s: float) -> TransferResult:
-        ids = check_block_ids(src_block_ids, self._cache.shape[0], unique=False)
-
-        async def body(sm: TransferStateMachine) -> int:
-            receiver = _ENDPOINTS.get(endpoint)
-            if receiver is None:
-                raise TransferError(f"no fake receiver at {endpoint!r}")
-            blocks = torch.cat([self._cache[r.start:r.start + r.count] for r in block_runs(ids)])
-            sm.advance(TransferState.TRANSFERRING)
-            task = receiver._spawn(receiver._deliver(sm.transfer_id, self._layout, blocks))
-            try:
-                await task
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if task.cancelled() and not (current and current.cancelling()):
-                    raise TransferError("receiver aborted the transfer") from None
-                raise
-            return blocks.numel() * blocks.element_size()
-
-        return await self._runner.run(transfer_id, timeout_s, body)
-
-    def cancel(self, transfer_id: str) -> bool:
-        return self._runner.cancel(transfer_id)
-
-    async def close(self) -> None:
-        await self._runner.close()
+class FakeSender(RunnerSender):
+    async def _send(self, sm: TransferStateMachine, endpoint: str, ids: list[int]) -> int:
+        receiver = _ENDPOINTS.get(endpoint)
+        if receiver is None:
+            raise TransferError(f"no fake receiver at {endpoint!r}")
+        blocks = torch.cat([self._cache[r.start:r.start + r.count] for r in block_runs(ids)])
+        sm.advance(TransferState.TRANSFERRING)
+        task = receiver._spawn(receiver._deliver(sm.transfer_id, self._layout, blocks))
+        try:
+            await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and not (current and current.cancelling()):
+                raise TransferError("receiver aborted the transfer") from None
+            raise
+        return blocks.numel() * blocks.element_size()

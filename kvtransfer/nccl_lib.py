@@ -65,6 +65,7 @@ def _candidates() -> list[str]:
 class NcclLib:
     def __init__(self) -> None:
         import torch  # noqa: F401 - loads torch's libnccl first, so the soname resolves to it
+        del torch
 
         errors = []
         for path in _candidates():

@@ -32,8 +32,6 @@ import torch
 from kvtransfer import protocol as proto
 from kvtransfer.base import (
     KVLayout,
-    KVSender,
-    TransferResult,
     TransferState,
     TransferStateMachine,
 )
@@ -42,9 +40,8 @@ from kvtransfer.tracking import (
     TrackedReceiver,
     ExpectedTransfer,
     ReceiverTracker,
-    SendRunner,
+    RunnerSender,
     TransferError,
-    check_block_ids,
 )
 
 logger = logging.getLogger(__name__)
@@ -217,33 +214,17 @@ class ShmReceiver(TrackedReceiver):
             conn.close()
 
 
-class ShmSender(KVSender):
+class ShmSender(RunnerSender):
     def __init__(self, cache: torch.Tensor, layout: KVLayout, chunk_bytes: int = 8 << 20,
                  num_slots: int = 4) -> None:
-        layout.validate(cache)
+        super().__init__(cache, layout)
         if chunk_bytes <= 0 or num_slots <= 0:
             raise ValueError("chunk_bytes and num_slots must be positive")
-        self._cache = cache
-        self._layout = layout
         self._chunk_blocks = max(1, chunk_bytes // layout.block_bytes)
         self._num_slots = num_slots
-        self._runner = SendRunner()
         self._idle: list[tuple[int, _Ring]] = []  # (memfd, mapping) kept for reuse
 
-    async def send(self, transfer_id: str, endpoint: str, src_block_ids: list[int],
-                   timeout_s: float) -> TransferResult:
-        ids = check_block_ids(src_block_ids, self._cache.shape[0], unique=False)
-
-        async def body(sm: TransferStateMachine) -> int:
-            return await self._send(sm, endpoint, ids)
-
-        return await self._runner.run(transfer_id, timeout_s, body)
-
-    def cancel(self, transfer_id: str) -> bool:
-        return self._runner.cancel(transfer_id)
-
-    async def close(self) -> None:
-        await self._runner.close()
+    def _close_backend(self) -> None:
         for fd, ring in self._idle:
             ring.close()
             os.close(fd)

@@ -12,7 +12,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 from kvtransfer.base import (
+    KVLayout,
     KVReceiver,
+    KVSender,
     ReceiverStats,
     TransferHandle,
     TransferResult,
@@ -253,3 +255,38 @@ class TrackedReceiver(KVReceiver):
 
     def stats(self) -> ReceiverStats:
         return self._tracker.stats()
+
+
+class RunnerSender(KVSender):
+    """A sender whose transfers run in a :class:`SendRunner`: send / cancel / close are the
+    runner's; a backend implements ``_send`` (the body) and, if it holds any, releases its
+    resources in ``_close_backend``."""
+
+    def __init__(self, cache, layout: KVLayout) -> None:
+        layout.validate(cache)
+        self._cache = cache
+        self._layout = layout
+        self._runner = SendRunner()
+
+    async def send(self, transfer_id: str, endpoint: str, src_block_ids: list[int],
+                   timeout_s: float) -> TransferResult:
+        ids = check_block_ids(src_block_ids, self._cache.shape[0], unique=False)
+
+        async def body(sm: TransferStateMachine) -> int:
+            return await self._send(sm, endpoint, ids)
+
+        return await self._runner.run(transfer_id, timeout_s, body)
+
+    async def _send(self, sm: TransferStateMachine, endpoint: str, ids: list[int]) -> int:
+        """Move the blocks; return the payload byte count once the receiver has them."""
+        raise NotImplementedError
+
+    def cancel(self, transfer_id: str) -> bool:
+        return self._runner.cancel(transfer_id)
+
+    async def close(self) -> None:
+        await self._runner.close()
+        self._close_backend()
+
+    def _close_backend(self) -> None:
+        """Release backend resources (rings, communicators). Called once by close."""
