@@ -57,7 +57,8 @@ c. The mixed workload at each rate of ``--rates``: Poisson arrivals for ``--dura
    long and short prompts apart; and the ratios colocated p99 ITL / 1P1D p99 ITL (target >= 3)
    and 1P1D goodput / colocated goodput (target >= 1.3).
 
-Figures are defined in pdserve.benchlib.metrics. Progress lines carry timestamps; the JSON is
+Figures are defined in pdserve.benchlib.metrics; the comparison and the printed summary live in
+bench/disagg_report.py. Progress lines carry timestamps; the JSON is
 rewritten after every phase, so a killed run leaves what it had measured.
 """
 from __future__ import annotations
@@ -67,32 +68,26 @@ import asyncio
 import json
 import math
 import os
-import platform
 import random
-import re
 import shlex
 import signal
-import subprocess
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import grpc  # noqa: E402
 
-from pdserve import client  # noqa: E402
 from pdserve.benchlib import metrics, workload  # noqa: E402
 from pdserve.benchlib.metrics import RequestResult  # noqa: E402
-from pdserve.benchlib.runner import poisson_times, to_request  # noqa: E402
+from pdserve.benchlib.runner import LoadSpec, run_load  # noqa: E402
 from pdserve.benchlib.workload import Item  # noqa: E402
 from pdserve.cluster import LocalCluster  # noqa: E402
-from protos.pdserve.v1 import gateway_pb2_grpc  # noqa: E402
+from disagg_report import compare, dumps, environment, print_summary, settings  # noqa: E402
 
 GiB = 1 << 30
 T0 = time.monotonic()
 MIXED_TOKENS: dict[tuple[str, int], dict[str, list[int]]] = {}  # (deployment, rate index)
-TARGETS = {"ttft_added_pct_max": 5.0, "itl_p99_ratio_min": 3.0, "goodput_ratio_min": 1.3}
 
 # What changes between a GPU run and the CPU smoke run (--quick): None = flag not given.
 GPU_DEFAULTS = dict(rates="4,8,16,32", duration=20.0, ttft_repeats=8, exact_prompts=8,
@@ -294,48 +289,9 @@ async def drive(address: str, items: list[Item], *, rate: float | None, timeout_
     arrivals at ``rate`` (math.inf: all at once), stopping sends at ``duration_s``. Returns
     the results in send order and each successful request's generated token ids."""
     tokens: dict[str, list[int]] = {}
-    results: list[RequestResult] = []
-    async with client.channel(address) as ch:
-        stub = gateway_pb2_grpc.GatewayStub(ch)
-        try:
-            await asyncio.wait_for(ch.channel_ready(), 10.0)
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
-            pass  # every request will fail and say why
-        t0 = time.perf_counter()
-
-        async def one(item: Item) -> None:
-            res = RequestResult(id=item.id, start_s=time.perf_counter() - t0)
-            try:
-                c = await client.generate(stub, to_request(item, "d", 0.0), timeout=timeout_s)
-            except grpc.aio.AioRpcError as e:
-                res.code, res.error = e.code().name, (e.details() or "")[:200]
-            except Exception as e:  # noqa: BLE001 - recorded, never stops the run
-                res.code, res.error = f"CLIENT_{type(e).__name__}", str(e)[:200]
-            else:
-                res.ok = True
-                res.ttft_s, res.latency_s, res.token_times = c.ttft_s, c.latency_s, c.token_times
-                res.prompt_tokens, res.cached_tokens = c.prompt_tokens, c.cached_tokens
-                res.completion_tokens = c.completion_tokens or len(c.token_ids)
-                res.finish_reason = c.finish_reason
-                tokens[item.id] = list(c.token_ids)
-            if not res.ok:
-                res.latency_s = time.perf_counter() - t0 - res.start_s
-            results.append(res)
-
-        if rate is None:
-            for item in items:
-                await one(item)
-        else:
-            tasks = []
-            for item, at in zip(items, poisson_times(len(items), rate, seed)):
-                if duration_s is not None and at >= duration_s:
-                    break
-                delay = t0 + at - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one(item)))
-            await asyncio.gather(*tasks)
-    results.sort(key=lambda r: r.start_s)
+    load = LoadSpec(rate=rate, concurrency=None if rate is not None else 1,
+                    duration_s=duration_s, timeout_s=timeout_s, temperature=0.0, seed=seed)
+    results = await run_load(address, items, load, progress=False, tokens=tokens)
     return results, tokens
 
 
@@ -486,219 +442,6 @@ def _flag(args, name):
     return args[args.index(name) + 1] if name in args else None
 
 
-# ------------------------------------------------------------------------------ comparing
-def _ratio(num, den):
-    if num is None or den is None:
-        return None
-    if den == 0:
-        return None if num == 0 else math.inf
-    return round(num / den, 4)
-
-
-def _first_divergence(x: list[int], y: list[int]) -> int:
-    for i, (p, q) in enumerate(zip(x, y)):
-        if p != q:
-            return i
-    return min(len(x), len(y)) if len(x) != len(y) else -1
-
-
-def token_agreement(ta: dict, tb: dict, ids: list[str], detail: bool = False) -> dict:
-    """Requests compared (ok in both) and identical; tokens matching before the first
-    divergence over all compared tokens."""
-    compared = identical = tok_total = tok_prefix = 0
-    mismatches = []
-    for rid in ids:
-        x, y = ta.get(rid), tb.get(rid)
-        if x is None or y is None:
-            continue
-        compared += 1
-        d = _first_divergence(x, y)
-        tok_total += max(len(x), len(y))
-        tok_prefix += max(len(x), len(y)) if d < 0 else d
-        if d < 0:
-            identical += 1
-        elif detail:
-            mismatches.append({"id": rid, "first_divergence": d, "a": x[:d + 8], "b": y[:d + 8]})
-    out = {"requests_compared": compared, "requests_identical": identical,
-           "tokens_compared": tok_total, "tokens_before_divergence": tok_prefix,
-           "token_agreement": round(tok_prefix / tok_total, 4) if tok_total else None}
-    if detail:
-        out["mismatches"] = mismatches
-    return out
-
-
-def compare(doc: dict) -> dict | None:
-    deps = doc["deployments"]
-    p, c = deps.get("1p1d"), deps.get("colocated")
-    if not c:
-        return None
-    p = p or {}
-    out: dict = {"a": "1p1d", "b": "colocated", "targets": TARGETS}
-    if "ttft" in p and "ttft" in c:
-        pm, cm = p["ttft"]["ttft_ms"]["p50"], c["ttft"]["ttft_ms"]["p50"]
-        added = round(100 * (pm / cm - 1), 2) if pm and cm else None
-        out["ttft"] = {"prompt_len": p["ttft"]["prompt_len"], "1p1d_p50_ms": pm,
-                       "colocated_p50_ms": cm, "1p1d_p90_ms": p["ttft"]["ttft_ms"]["p90"],
-                       "colocated_p90_ms": c["ttft"]["ttft_ms"]["p90"],
-                       "ttft_added_ms": round(pm - cm, 2) if pm and cm else None,
-                       "ttft_added_pct": added,
-                       "pass": added is not None and added <= TARGETS["ttft_added_pct_max"]}
-    if "exact" in p and "exact" in c:
-        ids = list(p["exact"]["tokens"])
-        ag = token_agreement(p["exact"]["tokens"], c["exact"]["tokens"], ids, detail=True)
-        ag["total"] = len(ids)
-        ag["identical"] = ag["requests_identical"]
-        ag["all_identical"] = ag["identical"] == len(ids)
-        ag["prompt_lens"] = p["exact"]["prompt_lens"]
-        out["exact_sequential"] = ag
-    rows, under_load = [], []
-    for k, (rp, rc) in enumerate(zip(p.get("mixed", []), c.get("mixed", []))):
-        sp, sc = rp["summary"], rc["summary"]
-        itl_ratio = _ratio(sc["itl_ms"]["p99"], sp["itl_ms"]["p99"])
-        gp_ratio = _ratio(sp["goodput"], sc["goodput"])
-        rows.append({
-            "rate": rp["rate"],
-            "itl_p99_ms": {"1p1d": sp["itl_ms"]["p99"], "colocated": sc["itl_ms"]["p99"]},
-            "itl_p50_ms": {"1p1d": sp["itl_ms"]["p50"], "colocated": sc["itl_ms"]["p50"]},
-            "ttft_p99_ms": {"1p1d": sp["ttft_ms"]["p99"], "colocated": sc["ttft_ms"]["p99"]},
-            "tpot_p50_ms": {"1p1d": sp["tpot_ms"]["p50"], "colocated": sc["tpot_ms"]["p50"]},
-            "goodput": {"1p1d": sp["goodput"], "colocated": sc["goodput"]},
-            "slo_attainment": {"1p1d": sp["slo_attainment"], "colocated": sc["slo_attainment"]},
-            "itl_p99_ratio": itl_ratio,
-            "itl_pass": itl_ratio is not None and itl_ratio >= TARGETS["itl_p99_ratio_min"],
-            "goodput_ratio": gp_ratio,
-            "goodput_pass": gp_ratio is not None and gp_ratio >= TARGETS["goodput_ratio_min"]})
-        tp, tc = MIXED_TOKENS.get(("1p1d", k)), MIXED_TOKENS.get(("colocated", k))
-        if tp is not None and tc is not None:
-            ag = token_agreement(tp, tc, list(tp))
-            ag["rate"] = rp["rate"]
-            under_load.append(ag)
-    out["mixed"] = rows
-    if under_load:
-        tot = {k: sum(x[k] for x in under_load) for k in
-               ("requests_compared", "requests_identical", "tokens_compared",
-                "tokens_before_divergence")}
-        tot["token_agreement"] = round(tot["tokens_before_divergence"] / tot["tokens_compared"],
-                                       4) if tot["tokens_compared"] else None
-        out["agreement_under_load"] = {"per_rate": under_load, "total": tot}
-    rerun = []  # control: colocated against a second run of itself
-    for k in range(len(c.get("mixed", []))):
-        ta, tb = MIXED_TOKENS.get(("colocated", k)), MIXED_TOKENS.get(("colocated_rerun", k))
-        if ta is not None and tb is not None:
-            ag = token_agreement(ta, tb, list(ta))
-            ag["rate"] = c["mixed"][k]["rate"]
-            rerun.append(ag)
-    if rerun:
-        out["agreement_under_load_colocated_vs_rerun"] = rerun
-    out["pass"] = {
-        "ttft_added": out.get("ttft", {}).get("pass"),
-        "exact_sequential": out.get("exact_sequential", {}).get("all_identical"),
-        "itl_p99_3x_at_rates": [r["rate"] for r in rows if r["itl_pass"]],
-        "goodput_1.3x_at_rates": [r["rate"] for r in rows if r["goodput_pass"]],
-    }
-    return out
-
-
-# ------------------------------------------------------------------------------ report
-def environment(a) -> dict:
-    env = {"python": sys.version.split()[0], "platform": platform.platform(),
-           "cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg())}
-    for mod in ("torch", "triton", "grpcio", "nixl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu13"):
-        try:
-            from importlib.metadata import version
-            env[mod] = version(mod)
-        except Exception:  # noqa: BLE001 - not installed
-            pass
-    env["git"] = _run(["git", "rev-parse", "HEAD"])
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
-    env["git_dirty"] = None if dirty is None else bool(dirty)
-    env["nvidia_smi"] = _run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version",
-                              "--format=csv,noheader"])
-    if a.devices == "gpu":  # in a child: this process never opens a CUDA context
-        info = _run([sys.executable, "-c", "import json, torch; print(json.dumps({"
-                     "'torch': torch.__version__, 'cuda': torch.version.cuda, 'devices': "
-                     "[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]"
-                     ", 'nccl': '.'.join(map(str, torch.cuda.nccl.version())) "
-                     "if torch.cuda.is_available() else None}))"], timeout=120)
-        try:
-            env["torch_cuda"] = json.loads(info) if info else None
-        except ValueError:
-            env["torch_cuda"] = info
-    return env
-
-
-_SCALAR = r'(?:-?[0-9.]+(?:[eE][-+]?[0-9]+)?|true|false|null|"[^"\\,\[\]{}]*")'
-_SCALAR_LIST = re.compile(r"\[\s*(" + _SCALAR + r"(?:\s*,\s*" + _SCALAR + r")*)\s*\]")
-
-
-def dumps(doc: dict) -> str:
-    """Indented JSON with lists of scalars (token ids, samples, request rows) on one line."""
-    text = json.dumps(doc, indent=1)
-    return _SCALAR_LIST.sub(lambda m: "[" + ", ".join(
-        x.strip() for x in re.split(r",\s*\n\s*", m.group(1))) + "]", text) + "\n"
-
-
-def _run(cmd, timeout=20):
-    try:
-        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return r.stdout.strip() if r.returncode == 0 else None
-
-
-def settings(a) -> dict:
-    return {k: getattr(a, k) for k in (
-        "model", "dtype", "kv_backend", "colocated_kv_backend", "devices", "quick", "seed",
-        "vocab_size", "prompt_len", "rate_list", "duration", "num_requests", "long_frac",
-        "short_len", "output_len", "ttft_repeats", "ttft_max_tokens", "exact_prompts",
-        "exact_max_tokens", "warmup_rounds", "warmup_size", "timeout", "startup_timeout",
-        "slo_ttft_ms", "slo_tpot_ms", "deps", "gemv", "worker_env", "time_budget")}
-
-
-def _f(v, spec=".3g"):
-    if v is None:
-        return "-"
-    if isinstance(v, float) and math.isinf(v):
-        return "inf"
-    return format(v, spec) if isinstance(v, (int, float)) else str(v)
-
-
-def print_summary(doc: dict) -> None:
-    cmp_ = doc.get("comparison")
-    print("\n== disagg_gpu summary", flush=True)
-    for name, dep in doc["deployments"].items():
-        t = dep.get("ttft", {}).get("ttft_ms", {})
-        print(f"   {name:10s} startup {dep.get('startup_s')} s; TTFT({doc['settings']['prompt_len']})"
-              f" p50 {_f(t.get('p50'))} ms p90 {_f(t.get('p90'))} ms")
-    if not cmp_:
-        return
-    if "ttft" in cmp_:
-        t = cmp_["ttft"]
-        print(f"   TTFT added by disaggregation: {_f(t['ttft_added_pct'])}% "
-              f"({_f(t['ttft_added_ms'])} ms; target <= 5%): {'PASS' if t['pass'] else 'FAIL'}")
-    if "exact_sequential" in cmp_:
-        e = cmp_["exact_sequential"]
-        print(f"   token-exact, one at a time: {e['identical']}/{e['total']} identical "
-              f"({'PASS' if e['all_identical'] else 'FAIL'}); token agreement "
-              f"{_f(e['token_agreement'], '.4f')}")
-    if "agreement_under_load" in cmp_:
-        g = cmp_["agreement_under_load"]["total"]
-        print(f"   agreement under load: {g['requests_identical']}/{g['requests_compared']} "
-              f"requests identical, token agreement {_f(g['token_agreement'], '.4f')}")
-    print(f"   {'rate':>6s} {'ITL p99 1P1D':>13s} {'coloc':>8s} {'ratio':>6s}   "
-          f"{'goodput 1P1D':>12s} {'coloc':>7s} {'ratio':>6s}   {'TTFT p99 1P1D':>13s} "
-          f"{'coloc':>8s}")
-    for r in cmp_.get("mixed", []):
-        print(f"   {r['rate']:6g} {_f(r['itl_p99_ms']['1p1d'], '.1f'):>13s} "
-              f"{_f(r['itl_p99_ms']['colocated'], '.1f'):>8s} {_f(r['itl_p99_ratio'], '.2f'):>5s}"
-              f"{'*' if r['itl_pass'] else ' '}   {_f(r['goodput']['1p1d'], '.3g'):>12s} "
-              f"{_f(r['goodput']['colocated'], '.3g'):>7s} {_f(r['goodput_ratio'], '.2f'):>5s}"
-              f"{'*' if r['goodput_pass'] else ' '}   {_f(r['ttft_p99_ms']['1p1d'], '.0f'):>13s} "
-              f"{_f(r['ttft_p99_ms']['colocated'], '.0f'):>8s}")
-    print("   (* = target met: ITL p99 ratio >= 3, goodput ratio >= 1.3; ITL/TTFT in ms, "
-          "goodput in req/s)", flush=True)
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = resolve(build_parser().parse_args(argv))
@@ -712,7 +455,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
 
     def save():
-        doc["comparison"] = compare(doc)
+        doc["comparison"] = compare(doc, MIXED_TOKENS)
         doc["elapsed_s"] = round(time.monotonic() - T0, 1)
         tmp = a.out + ".tmp"
         with open(tmp, "w") as f:

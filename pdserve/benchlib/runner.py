@@ -93,7 +93,8 @@ class _Progress:
             self.bar.close()
 
 
-async def _one(stub, item: Item, load: LoadSpec, tag: str, t0: float) -> RequestResult:
+async def _one(stub, item: Item, load: LoadSpec, tag: str, t0: float,
+               tokens: dict[str, list[int]] | None = None) -> RequestResult:
     res = RequestResult(id=item.id, start_s=time.perf_counter() - t0)
     try:
         c = await client.generate(stub, to_request(item, tag, load.temperature),
@@ -110,6 +111,8 @@ async def _one(stub, item: Item, load: LoadSpec, tag: str, t0: float) -> Request
         res.prompt_tokens, res.cached_tokens = c.prompt_tokens, c.cached_tokens
         res.completion_tokens = c.completion_tokens or len(c.token_ids)
         res.finish_reason = c.finish_reason
+        if tokens is not None:
+            tokens[item.id] = list(c.token_ids)
     if not res.ok:
         res.latency_s = time.perf_counter() - t0 - res.start_s
         logger.debug("request %s failed: %s %s", item.id, res.code, res.error)
@@ -117,9 +120,10 @@ async def _one(stub, item: Item, load: LoadSpec, tag: str, t0: float) -> Request
 
 
 async def run_load(address: str, items: list[Item], load: LoadSpec, *, desc: str = "bench",
-                   progress: bool | None = None) -> list[RequestResult]:
+                   progress: bool | None = None,
+                   tokens: dict[str, list[int]] | None = None) -> list[RequestResult]:
     """Send ``items`` to the gateway at ``address`` as ``load`` says; one result per sent item,
-    in send order."""
+    in send order. With ``tokens``, each successful item's generated ids land there by id."""
     tag = uuid.uuid4().hex[:8]
     bar = _Progress(len(items), desc, progress)
     results: list[RequestResult] = []
@@ -133,7 +137,7 @@ async def run_load(address: str, items: list[Item], load: LoadSpec, *, desc: str
 
         async def tracked(item, slot=None):
             try:
-                r = await _one(stub, item, load, tag, t0)
+                r = await _one(stub, item, load, tag, t0, tokens)
             finally:
                 if slot is not None:
                     slot.release()
