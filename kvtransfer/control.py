@@ -48,6 +48,12 @@ def tune_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def require_cuda(cache: torch.Tensor, backend: str) -> None:
+    """GPU-to-GPU backends move blocks of a contiguous CUDA cache only."""
+    if cache.device.type != "cuda" or not cache.is_contiguous():
+        raise ValueError(f"the {backend} backend needs a contiguous CUDA cache tensor")
+
+
 def parse_host_port(endpoint: str, scheme: str) -> tuple[str, int]:
     host, _, port = proto.parse_endpoint(endpoint, scheme).rpartition(":")
     host = host.strip("[]")

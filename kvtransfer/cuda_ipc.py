@@ -29,7 +29,14 @@ import torch
 
 from kvtransfer import protocol as proto
 from kvtransfer.base import KVLayout, TransferStateMachine
-from kvtransfer.control import ControlReceiver, ControlSender, await_ack, poll_until, segments
+from kvtransfer.control import (
+    ControlReceiver,
+    ControlSender,
+    await_ack,
+    poll_until,
+    require_cuda,
+    segments,
+)
 from kvtransfer.tracking import ExpectedTransfer, TransferError
 
 logger = logging.getLogger(__name__)
@@ -37,11 +44,6 @@ logger = logging.getLogger(__name__)
 CONFIRM = b"pdkv-cuda-ipc-lease-held"
 SWEEP_INTERVAL_S = 5.0  # how often mappings of exited senders are dropped
 _LOCAL_CACHES: dict[str, torch.Tensor] = {}  # sender id -> cache, for a same-process receiver
-
-
-def _need_cuda(cache: torch.Tensor) -> None:
-    if cache.device.type != "cuda" or not cache.is_contiguous():
-        raise ValueError("the cuda_ipc backend needs a contiguous CUDA cache tensor")
 
 
 def _uuid(index: int) -> str:
@@ -57,7 +59,7 @@ class CudaIpcSender(ControlSender):
     kind = proto.KIND_CUDA_IPC
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
-        _need_cuda(cache)
+        require_cuda(cache, "cuda_ipc")
         super().__init__(cache, layout)
         self._id = uuid.uuid4().hex
         _LOCAL_CACHES[self._id] = cache
@@ -93,7 +95,7 @@ class CudaIpcReceiver(ControlReceiver):
     kind = proto.KIND_CUDA_IPC
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout, **opts) -> None:
-        _need_cuda(cache)
+        require_cuda(cache, "cuda_ipc")
         super().__init__(cache, layout, **opts)
         self._stream = torch.cuda.Stream(cache.device)
         self._peers: dict[str, tuple[int, torch.Tensor]] = {}  # sender id -> (pid, cache)

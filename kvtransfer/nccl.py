@@ -36,15 +36,17 @@ import torch
 
 from kvtransfer import protocol as proto
 from kvtransfer.base import KVLayout, TransferState, TransferStateMachine
-from kvtransfer.control import ControlReceiver, ControlSender, await_ack, poll_until, segments
+from kvtransfer.control import (
+    ControlReceiver,
+    ControlSender,
+    await_ack,
+    poll_until,
+    require_cuda,
+    segments,
+)
 from kvtransfer.tracking import ExpectedTransfer, TransferError
 
 logger = logging.getLogger(__name__)
-
-
-def _need_cuda(cache: torch.Tensor) -> None:
-    if cache.device.type != "cuda" or not cache.is_contiguous():
-        raise ValueError("the nccl backend needs a contiguous CUDA cache tensor")
 
 
 class _Comm:
@@ -98,6 +100,28 @@ class _Comm:
                 logger.exception("ncclCommAbort failed")
 
 
+class _Pairs:
+    """A side's communicators by peer (sender id / receiver endpoint) and the per-peer locks
+    that keep one transfer at a time between posting and queueing."""
+
+    def __init__(self) -> None:
+        self.comms: dict[str, _Comm] = {}
+        self.locks: dict[str, asyncio.Lock] = {}
+
+    def lock(self, peer: str) -> asyncio.Lock:
+        return self.locks.setdefault(peer, asyncio.Lock())
+
+    def drop(self, peer: str, comm: _Comm) -> None:
+        """Abort ``comm`` and forget it, unless a newer one for the peer replaced it."""
+        comm.abort()
+        if self.comms.get(peer) is comm:
+            del self.comms[peer]
+
+    def close(self) -> None:
+        for peer, comm in list(self.comms.items()):
+            self.drop(peer, comm)
+
+
 def _lib():
     from kvtransfer import nccl_lib
 
@@ -127,22 +151,16 @@ class NcclReceiver(ControlReceiver):
     kind = proto.KIND_NCCL
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout, **opts) -> None:
-        _need_cuda(cache)
+        require_cuda(cache, "nccl")
         super().__init__(cache, layout, **opts)
-        self._comms: dict[str, _Comm] = {}  # sender id -> communicator
-        self._locks: dict[str, asyncio.Lock] = {}
-
-    def _drop(self, key: str, comm: _Comm) -> None:
-        comm.abort()
-        if self._comms.get(key) is comm:
-            del self._comms[key]
+        self._pairs = _Pairs()  # by sender id
 
     def _settle(self, key: str, comm: _Comm, entry: ExpectedTransfer) -> None:
         """When a transfer ends other than DONE (timeout, cancel, failure), abort the pair's
         communicator and wait for its stream, so no receive writes into the blocks after
         the waiter learned the result (this runs before the waiter is woken)."""
         if entry.state is not TransferState.DONE:
-            self._drop(key, comm)
+            self._pairs.drop(key, comm)
             comm.stream.synchronize()
 
     async def _receive_payload(self, loop, conn: socket.socket,
@@ -156,13 +174,13 @@ class NcclReceiver(ControlReceiver):
             raise TransferError(f"bad nccl transfer metadata: {exc}") from None
         comm: _Comm | None = None
         try:
-            async with self._locks.setdefault(key, asyncio.Lock()):
-                comm = self._comms.get(key)
+            async with self._pairs.lock(key):
+                comm = self._pairs.comms.get(key)
                 if uid:
                     if comm is not None:  # the sender started over (it aborted its side)
-                        self._drop(key, comm)
+                        self._pairs.drop(key, comm)
                     comm = _Comm(self._cache.device, uid, rank=1)
-                    self._comms[key] = comm
+                    self._pairs.comms[key] = comm
                     await comm.wait_idle(conn, "NCCL communicator init")
                     comm.ready = True
                 elif comm is None:
@@ -179,12 +197,11 @@ class NcclReceiver(ControlReceiver):
             entry.add_bytes(len(src) * self._layout.block_bytes)
         except BaseException:
             if comm is not None:
-                self._drop(key, comm)
+                self._pairs.drop(key, comm)
             raise
 
     def _close_backend(self) -> None:
-        for key, comm in list(self._comms.items()):
-            self._drop(key, comm)
+        self._pairs.close()
 
 
 class NcclSender(ControlSender):
@@ -192,28 +209,22 @@ class NcclSender(ControlSender):
     kind = proto.KIND_NCCL
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
-        _need_cuda(cache)
+        require_cuda(cache, "nccl")
         super().__init__(cache, layout)
         self._id = uuid.uuid4().hex
-        self._comms: dict[str, _Comm] = {}  # receiver endpoint -> communicator
-        self._locks: dict[str, asyncio.Lock] = {}
-
-    def _drop(self, endpoint: str, comm: _Comm) -> None:
-        comm.abort()
-        if self._comms.get(endpoint) is comm:
-            del self._comms[endpoint]
+        self._pairs = _Pairs()  # by receiver endpoint
 
     async def _send_payload(self, loop, sock: socket.socket, endpoint: str,
                             sm: TransferStateMachine, ids: list[int]) -> None:
         comm: _Comm | None = None
         try:
-            async with self._locks.setdefault(endpoint, asyncio.Lock()):
-                comm = self._comms.get(endpoint)
+            async with self._pairs.lock(endpoint):
+                comm = self._pairs.comms.get(endpoint)
                 uid = b""
                 if comm is None:
                     uid = _checked(_lib().unique_id)
                     comm = _Comm(self._cache.device, uid, rank=0)
-                    self._comms[endpoint] = comm
+                    self._pairs.comms[endpoint] = comm
                 meta = {"sender": self._id, "src": ids,
                         "uid": base64.b64encode(uid).decode() if uid else ""}
                 await loop.sock_sendall(sock, proto.encode_blob(json.dumps(meta).encode()))
@@ -236,13 +247,12 @@ class NcclSender(ControlSender):
             sm.data_seconds = start.elapsed_time(event) / 1000.0
         except BaseException:
             if comm is not None:  # abort, then let the aborted kernels drain: the caller
-                self._drop(endpoint, comm)  # frees the source blocks when send() returns
+                self._pairs.drop(endpoint, comm)  # frees the source blocks when send() returns
                 comm.stream.synchronize()
             raise
 
     def _close_backend(self) -> None:
-        for endpoint, comm in list(self._comms.items()):
-            self._drop(endpoint, comm)
+        self._pairs.close()
 
 
 def _source_segments(ids: list[int], status: int, nsegs: int,
