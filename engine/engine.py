@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import DTYPES, ModelRunner
 from engine.request import FinishReason, RequestOutput, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SeqStatus
 from services.block_hash import BlockHasher
 
@@ -68,7 +68,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.steps = 0
         self.num_preemptions = 0
-        self.last_scheduled_ids: list[str] = []  # request ids of the last step (tracing)
+        self.last_schedule: SchedulerOutput | None = None  # the last step's schedule
 
     # ------------------------------------------------------------ validation
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -157,7 +157,7 @@ class LLMEngine:
         self.num_preemptions += len(sched.preempted)
         if not sched:
             return []
-        self.last_scheduled_ids = [item.seq.request_id for item in sched.scheduled]
+        self.last_schedule = sched  # what this step runs (tracing reads it; no copy made)
         tokens, logprobs = self.runner.execute(sched)
         self.scheduler.update(sched, tokens)
         self.steps += 1

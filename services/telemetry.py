@@ -215,8 +215,9 @@ class StepClock:
             return
         now = time.time_ns()
         started = self.aengine.step_started_ns
-        for rid in getattr(self.aengine.engine, "last_scheduled_ids", ()):
-            t = times.get(rid)
+        sched = getattr(self.aengine.engine, "last_schedule", None)
+        for item in sched.scheduled if sched is not None else ():
+            t = times.get(item.seq.request_id)
             if t is not None and t[0] is None:
                 t[0] = started
         for out in outs:
