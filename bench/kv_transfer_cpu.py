@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvtransfer import KVLayout, make_receiver, make_sender  # noqa: E402
+from kvtransfer.stream import BlockStream  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,6 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shm-chunk-mb", type=float, default=None, help="shm sender chunk_bytes")
     p.add_argument("--shm-slots", type=int, default=None, help="shm sender num_slots")
     p.add_argument("--patterns", default="contiguous,scattered")
+    p.add_argument("--modes", default="send",
+                   help="comma list: send (a list of ids: connect..ack), ahead (a BlockStream: "
+                        "handshake first, then all blocks; GB/s over the time after the blocks "
+                        "were handed over), two_parts (half the blocks, a 20 ms pause standing "
+                        "in for the last prefill chunk, then the rest; reports the tail)")
     p.add_argument("--out", default=None)
     p.add_argument("--src-device", default="cpu", help="sender cache device (e.g. cuda:0)")
     p.add_argument("--dst-device", default="cpu", help="receiver cache device (e.g. cuda:1)")
@@ -117,41 +123,107 @@ async def bench_backend(args: argparse.Namespace, backend: str) -> dict:
     try:
         endpoint = await readline()
         for pattern in args.patterns.split(","):
-            gbps, data_gbps = [], []
-            verified = True
-            for i in range(args.warmup + args.runs):
-                tid = f"{backend}-{pattern}-{i}"
-                child.stdin.write(f"expect {tid} {pattern} {i}\n")
-                child.stdin.flush()
-                assert await readline() == "ready"
-                res = await tx.send(tid, endpoint, block_ids(pattern, n, 2 * n, i), 60)
-                remote = json.loads(await readline())
-                if not res.ok or remote["state"] != "done":
-                    raise RuntimeError(f"{tid}: sender {res}, receiver {remote}")
-                verified = verified and remote["verified"]
-                if i == 0:  # the first transfer to a peer also sets up the pair (communicator)
-                    out.setdefault("first_transfer_s", round(res.seconds, 4))
-                if i >= args.warmup:
-                    gbps.append(res.gbps)
-                    if res.data_seconds:
-                        data_gbps.append(res.num_bytes / res.data_seconds / 1e9)
-            out[pattern] = {"median_gbps": round(statistics.median(gbps), 3),
-                            "data_verified": verified,
-                            "min_gbps": round(min(gbps), 3), "max_gbps": round(max(gbps), 3),
-                            "runs_gbps": [round(g, 3) for g in gbps]}
-            if data_gbps:  # the data movement alone (device copy / NCCL / NIXL READ)
-                out[pattern]["data_median_gbps"] = round(statistics.median(data_gbps), 3)
-                out[pattern]["data_runs_gbps"] = [round(g, 3) for g in data_gbps]
-            data = (f"; data movement alone {out[pattern]['data_median_gbps']:.1f} GB/s"
-                    if data_gbps else "")
-            print(f"{backend:4s} {pattern:10s} median {out[pattern]['median_gbps']:.2f} GB/s "
-                  f"(min {min(gbps):.2f}, max {max(gbps):.2f}, {len(gbps)} runs){data}",
-                  flush=True)
+            for mode in args.modes.split(","):
+                key = pattern if mode == "send" else f"{pattern}/{mode}"
+                out[key] = await _bench_mode(args, backend, tx, endpoint, child, readline,
+                                             pattern, mode, n, out)
     finally:
         child.stdin.close()
         child.wait(timeout=30)
         await tx.close()
     return out
+
+
+async def _bench_mode(args, backend, tx, endpoint, child, readline, pattern: str, mode: str,
+                      n: int, out: dict) -> dict:
+    """Runs of one pattern in one mode; GB/s over the sender's send() time (send) or over
+    the time after the last block was handed to the stream (ahead, two_parts)."""
+    gbps, data_gbps, tails_ms = [], [], []
+    verified = True
+    for i in range(args.warmup + args.runs):
+        tid = f"{backend}-{pattern}-{mode}-{i}"
+        child.stdin.write(f"expect {tid} {pattern} {i}\n")
+        child.stdin.flush()
+        assert await readline() == "ready"
+        ids = block_ids(pattern, n, 2 * n, i)
+        if mode == "send":
+            res = await tx.send(tid, endpoint, ids, 60)
+        else:
+            stream = BlockStream(len(ids))
+            task = asyncio.create_task(tx.send(tid, endpoint, stream, 60))
+            compute = _Compute(args.src_device)  # stands in for the prompt's forward pass
+            if mode == "two_parts":
+                await compute.run(0.025)
+                stream.extend(ids[:len(ids) // 2], compute.event())  # moves during the rest
+                await compute.run(0.025, sync=True)  # the last chunk, then the first token
+                stream.extend(ids[len(ids) // 2:])
+            else:
+                await compute.run(0.05, sync=True)  # meanwhile: the handshake
+                stream.extend(ids)
+            res = await task
+        remote = json.loads(await readline())
+        if not res.ok or remote["state"] != "done":
+            raise RuntimeError(f"{tid}: sender {res}, receiver {remote}")
+        verified = verified and remote["verified"]
+        if i == 0:  # the first transfer to a peer also sets up the pair (communicator)
+            out.setdefault("first_transfer_s", round(res.seconds, 4))
+        if i >= args.warmup:
+            seconds = res.seconds if mode == "send" else res.tail_seconds
+            gbps.append(res.num_bytes / seconds / 1e9)
+            tails_ms.append(seconds * 1000)
+            if res.data_seconds and mode != "two_parts":
+                data_gbps.append(res.num_bytes / res.data_seconds / 1e9)
+    r = {"median_gbps": round(statistics.median(gbps), 3), "data_verified": verified,
+         "min_gbps": round(min(gbps), 3), "max_gbps": round(max(gbps), 3),
+         "runs_gbps": [round(g, 3) for g in gbps],
+         "median_ms": round(statistics.median(tails_ms), 3)}
+    if data_gbps:  # the data movement alone (device copy / NCCL / NIXL READ)
+        r["data_median_gbps"] = round(statistics.median(data_gbps), 3)
+        r["data_runs_gbps"] = [round(g, 3) for g in data_gbps]
+    data = f"; data movement alone {r['data_median_gbps']:.1f} GB/s" if data_gbps else ""
+    print(f"{backend:4s} {pattern:10s} {mode:9s} median {r['median_gbps']:.2f} GB/s "
+          f"= {r['median_ms']:.2f} ms (min {min(gbps):.2f}, max {max(gbps):.2f}, "
+          f"{len(gbps)} runs){data}", flush=True)
+    return r
+
+
+class _Compute:
+    """The prefill's forward pass during a streamed send: on a GPU, matmuls on the sender's
+    device (the GPU is busy and clocked up as on a prefill worker, and a part's event
+    completes only when they are done); on the CPU, a pause."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        if self.cuda:
+            self.a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+            self.device = device
+
+    async def run(self, seconds: float, sync: bool = False) -> None:
+        """``seconds`` of GPU work (in a thread, as the engine's), then, unless ``sync``,
+        a few more matmuls left queued: a part's event then completes a few ms later."""
+        if not self.cuda:
+            await asyncio.sleep(seconds)
+            return
+        await asyncio.to_thread(self._busy, seconds)
+        if not sync:
+            with torch.cuda.device(self.device):
+                for _ in range(4):
+                    self.a @ self.a
+
+    def _busy(self, seconds: float) -> None:
+        with torch.cuda.device(self.device):
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                self.a @ self.a
+                torch.cuda.current_stream().synchronize()
+
+    def event(self):
+        if not self.cuda:
+            return None
+        with torch.cuda.device(self.device):
+            event = torch.cuda.Event()
+            event.record()
+            return event
 
 
 def memcpy_gbps(nbytes: int, runs: int) -> float:
@@ -207,7 +279,10 @@ async def main(args: argparse.Namespace, script: str = __file__) -> None:
         "command": "python " + shlex.join([os.path.relpath(script), *sys.argv[1:]]),
         "layout": layout.__dict__, "tokens": args.tokens, "num_blocks": n,
         "payload_bytes": payload, "runs": args.runs, "warmup": args.warmup,
-        "gbps_definition": "payload bytes / sender send() seconds (connect..ack), 1e9 B/s",
+        "gbps_definition": ("mode send: payload bytes / sender send() seconds (connect..ack); "
+                            "modes ahead / two_parts (keys '<pattern>/<mode>'): payload / the "
+                            "seconds from handing the last blocks to the sender's BlockStream "
+                            "(handshake already done) to the ack; 1e9 B/s"),
         "data_gbps_definition": ("GPU backends: payload / the data movement alone (nccl: "
                                  "CUDA events around the sender's NCCL group; cuda_ipc: "
                                  "events around the receiver's copies; nixl: READ post to "

@@ -8,6 +8,9 @@ bench/kv_transfer_cpu.py (whose driver this reuses): GB/s = payload / sender ``s
 ``contiguous`` (one run of blocks on both sides) and ``scattered`` (random block ids on both
 sides: up to 256 separate messages); the receiver checks every landed block's contents.
 ``first_transfer_s`` is the first transfer to the peer (NCCL: communicator creation).
+Modes ``ahead`` / ``two_parts`` send through a BlockStream as the prefill worker does: the
+handshake happens first, then all blocks (or half, 20 ms, the rest) are handed over; their
+GB/s is over the time after the last hand-over, i.e. what a transfer adds to TTFT.
 The ceiling is one contiguous cuda:0 -> cuda:1 copy of the same payload in one process.
 
     PYTHONPATH=. python3 bench/kv_transfer_gpu.py --out bench/results/kv_transfer_gpu_h200.json
@@ -31,7 +34,8 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 GPU_DEFAULTS = ["--backends", "nccl,cuda_ipc,nixl", "--layers", "32", "--kv-heads", "8",
                 "--head-dim", "128", "--dtype", "bfloat16", "--src-device", "cuda:0",
-                "--dst-device", "cuda:1", "--runs", "10", "--warmup", "2"]
+                "--dst-device", "cuda:1", "--runs", "10", "--warmup", "2",
+                "--modes", "send,ahead,two_parts"]
 
 
 def main() -> None:

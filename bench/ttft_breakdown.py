@@ -4,7 +4,9 @@ Starts a 1P1D LocalCluster with tracing on (spans go to an in-process OTLP colle
 ``--requests`` prompts of ``--prompt-len`` random tokens one at a time (max_tokens 2, greedy),
 and prints, per span name, the median start and duration relative to the gateway's span
 start: the gateway's routing, the decode worker's pre-allocation and remote-prefill call, the
-prefill worker's queueing, compute and KV transfer, the decode worker's KV wait.
+prefill worker's queueing, compute and KV transfer, the decode worker's KV wait. The KV
+transfer starts with the request (its handshake and finished chunks overlap the compute), so
+what it adds is its end minus the compute's end (``end_ms_p50``).
 
     python bench/ttft_breakdown.py --model dummy:tiny --out /tmp/ttft_cpu.json      (CPU)
     PYTHONPATH=. python3 bench/ttft_breakdown.py --devices gpu --kv-backend nccl,cuda_ipc \\
@@ -95,11 +97,14 @@ def main(argv=None) -> dict:
     for name, xs in rel.items():
         table.append({"span": name, "n": len(xs),
                       "start_ms_p50": round(statistics.median(x[0] for x in xs), 3),
-                      "duration_ms_p50": round(statistics.median(x[1] for x in xs), 3)})
+                      "duration_ms_p50": round(statistics.median(x[1] for x in xs), 3),
+                      "end_ms_p50": round(statistics.median(x[0] + x[1] for x in xs), 3)})
     table.sort(key=lambda r: r["start_ms_p50"])
-    print(f"{'span':48s} {'start ms':>9s} {'dur ms':>9s}   (medians over {a.requests} requests)")
+    print(f"{'span':48s} {'start ms':>9s} {'dur ms':>9s} {'end ms':>9s}   "
+          f"(medians over {a.requests} requests)")
     for r in table:
-        print(f"{r['span']:48s} {r['start_ms_p50']:9.2f} {r['duration_ms_p50']:9.2f}")
+        print(f"{r['span']:48s} {r['start_ms_p50']:9.2f} {r['duration_ms_p50']:9.2f} "
+              f"{r['end_ms_p50']:9.2f}")
     doc = {"command": "python " + shlex.join([os.path.relpath(__file__), *sys.argv[1:]]),
            "settings": vars(a) | {"prompt_len": plen}, "spans": table,
            "note": "start/duration relative to the gateway's Generate span start; medians"}

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from engine.engine import LLMEngine
-from engine.request import RequestOutput, SamplingParams
+from engine.request import PrefillProgress, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,10 @@ class AsyncEngine:
                 return
             for fn in self.step_listeners:
                 fn(outs)
+            if eng.progress:  # before the outputs: a request's last chunk comes after them
+                for item in eng.progress:
+                    self._deliver(item.request_id, item)
+                eng.progress.clear()
             for out in outs:
                 self._deliver(out.request_id, out)
 
@@ -148,14 +152,21 @@ class AsyncEngine:
         async for out in self._stream(rid, q):
             yield out
 
-    async def prefill(self, rid: str, prompt_ids: list[int], sampling: SamplingParams
+    async def prefill(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
+                      on_progress: Callable[[PrefillProgress], None] | None = None
                       ) -> RequestOutput:
         """Prefill role: compute the prompt, sample the first token, HOLD the blocks.
-        The caller must ``release`` (or ``abort``) the request when its transfer ends."""
+        The caller must ``release`` (or ``abort``) the request when its transfer ends.
+        ``on_progress`` is called (in the event loop) after each prefill chunk but the last,
+        so the caller can send that chunk's KV while the rest computes."""
         q = self._open(rid)
         try:
-            await self.call(lambda e: e.add_request(rid, prompt_ids, sampling, prefill_only=True))
+            await self.call(lambda e: e.add_request(rid, prompt_ids, sampling, prefill_only=True,
+                                                    report_progress=on_progress is not None))
             item = await q.get()
+            while isinstance(item, PrefillProgress):
+                on_progress(item)
+                item = await q.get()
         except BaseException:
             self._streams.pop(rid, None)
             await self._abort_quiet(rid)

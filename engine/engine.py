@@ -19,7 +19,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import DTYPES, ModelRunner
-from engine.request import FinishReason, RequestOutput, SamplingParams
+from engine.request import FinishReason, PrefillProgress, RequestOutput, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SeqStatus
 from services.block_hash import BlockHasher
@@ -69,6 +69,9 @@ class LLMEngine:
         self.steps = 0
         self.num_preemptions = 0
         self.last_schedule: SchedulerOutput | None = None  # the last step's schedule
+        # prefill role: chunks finished by requests added with report_progress, for the
+        # owner to take after each step (AsyncEngine hands them to the request's caller)
+        self.progress: list[PrefillProgress] = []
 
     # ------------------------------------------------------------ validation
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -93,15 +96,22 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     # ------------------------------------------------------------- requests
-    def _new_seq(self, request_id, prompt_token_ids, sampling, prefill_only=False) -> Sequence:
+    def _new_seq(self, request_id, prompt_token_ids, sampling, prefill_only=False,
+                 report_progress=False) -> Sequence:
         self.validate(prompt_token_ids, sampling)
         seq = Sequence(request_id, list(prompt_token_ids), sampling, prefill_only)
+        seq.report_progress = report_progress and prefill_only
         seq.detok = IncrementalDetokenizer(self.tokenizer, sampling.stop)
         return seq
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling: SamplingParams, prefill_only: bool = False) -> None:
-        self.scheduler.add(self._new_seq(request_id, prompt_token_ids, sampling, prefill_only))
+                    sampling: SamplingParams, prefill_only: bool = False,
+                    report_progress: bool = False) -> None:
+        """``report_progress`` (prefill role): after every prefill chunk but the last, put a
+        :class:`PrefillProgress` in ``self.progress``, so the KV of finished chunks can be
+        sent while the next one computes."""
+        self.scheduler.add(self._new_seq(request_id, prompt_token_ids, sampling, prefill_only,
+                                         report_progress))
 
     def preallocate(self, request_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams) -> list[int] | None:
@@ -155,12 +165,23 @@ class LLMEngine:
         """Schedule, run the model once, and return this step's outputs (deltas)."""
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
+        for rid in sched.preempted:
+            seq = self.scheduler.requests.get(rid)
+            if seq is not None and seq.report_progress:
+                self.progress.append(PrefillProgress(rid, 0, [], reset=True))
         if not sched:
             return []
         self.last_schedule = sched  # what this step runs (tracing reads it; no copy made)
+        chunked = [item.seq for item in sched.scheduled  # not their last chunk (no sample)
+                   if item.seq.report_progress and not item.samples]
         tokens, logprobs = self.runner.execute(sched)
         self.scheduler.update(sched, tokens)
         self.steps += 1
+        if chunked:
+            ready = self.runner.record_event()
+            self.progress.extend(PrefillProgress(seq.request_id, seq.num_computed_tokens,
+                                                 list(seq.block_table), ready)
+                                 for seq in chunked)
         outs = []
         for item in sched.scheduled:
             seq = item.seq

@@ -290,5 +290,14 @@ class ModelRunner:
         lps = dict(zip(sampled_ids, logprobs)) if logprobs is not None else {}
         return toks, lps
 
+    def record_event(self):
+        """An event that completes when the work queued so far (this step's KV writes) is
+        done; None on the CPU, where a step has finished when ``execute`` returns."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(blocking=True)  # a waiter sleeps instead of spinning
+        event.record()
+        return event
+
     def drop_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)

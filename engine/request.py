@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 import math
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -75,3 +76,19 @@ class RequestOutput:
     logprobs: list[float] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (or transferred)
     held_block_ids: list[int] | None = None  # prefill role: the HELD blocks, in prompt order
+
+
+@dataclass
+class PrefillProgress:
+    """Prefill role with streamed KV: a prefill chunk finished (not the last one, which comes
+    as the request's RequestOutput). The prompt's first ``num_computed_tokens`` tokens have
+    their KV in ``block_ids`` (the block table so far) once ``ready`` completes: a device
+    event recorded after the step (``query()``), None when the step already finished
+    (CPU). ``reset``: the request was preempted, its blocks were freed and earlier progress
+    is void (whoever reads them must give up)."""
+
+    request_id: str
+    num_computed_tokens: int
+    block_ids: list[int]
+    ready: Any = None
+    reset: bool = False

@@ -36,7 +36,7 @@ class Sequence:
         "request_id", "token_ids", "num_prompt_tokens", "sampling", "status",
         "num_computed_tokens", "block_table", "num_cached_tokens", "arrival_time",
         "order", "block_hashes", "finish_reason", "logprobs", "prefill_only",
-        "detok", "stop_text_len", "num_preemptions", "first_token_time",
+        "detok", "stop_text_len", "num_preemptions", "first_token_time", "report_progress",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -61,6 +61,7 @@ class Sequence:
         self.stop_text_len: int | None = None
         self.num_preemptions = 0
         self.first_token_time: float | None = None
+        self.report_progress = False  # prefill role, streamed KV: report each finished chunk
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,9 @@ Lifecycle of one transfer (both sides keep the same state machine)::
       DONE          --       ack         -->    DONE
     res = await handle.wait()
 
+A sender may start before its source blocks are computed (a ``BlockStream``): the
+handshake and the blocks of finished prefill chunks then move while later chunks compute.
+
 Every transfer ends in exactly one of DONE, FAILED, TIMED_OUT, CANCELLED, and always by its
 timeout. Leases: the sender reads the source blocks only while ``send()`` runs, so the caller
 keeps those blocks allocated (holds a lease) until ``send()`` returns, whatever the result.
@@ -106,6 +109,10 @@ class KVLayout:
             raise ValueError("this backend needs a contiguous CPU cache tensor")
 
 
+class TransferError(Exception):
+    """A transfer failed for a reason both sides can name (rejection, protocol error)."""
+
+
 class TransferState(enum.Enum):
     PENDING = "pending"
     TRANSFERRING = "transferring"
@@ -170,6 +177,10 @@ class TransferResult:
     # GPU backends: the data movement alone (device copy / NCCL kernels / NIXL READ), without
     # the control-connection handshake that ``seconds`` includes
     data_seconds: float | None = None
+    # streamed sends (a BlockStream): from the last block being handed over to the end, i.e.
+    # what the transfer adds after the prompt was computed (``seconds`` then includes the
+    # forward pass it overlapped); for a list of ids the same as ``seconds``
+    tail_seconds: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -237,9 +248,13 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     async def send(
-        self, transfer_id: str, endpoint: str, src_block_ids: list[int], timeout_s: float
+        self, transfer_id: str, endpoint: str, src_block_ids, timeout_s: float
     ) -> TransferResult:
         """Send the blocks; DONE only once the receiver acked having them.
+
+        ``src_block_ids``: a list of ids, or a :class:`kvtransfer.stream.BlockStream` that
+        hands them over while the prompt still computes (the handshake and the parts already
+        computed overlap the rest of the forward pass).
 
         Never raises on network problems (returns FAILED / TIMED_OUT; CANCELLED after
         ``cancel``); raises ValueError for invalid arguments. The cache is read only while

@@ -7,8 +7,12 @@ while the data moves over NVLink / NCCL / NIXL::
     sender                                   receiver
     HELLO (kind, layout, transfer id, n)  -> claim the expected transfer
                                           <- OK (accepted) | ERROR (why)
-    ... backend-specific exchange: BLOBs with metadata, data over NVLink / NCCL / NIXL ...
+    ... backend-specific exchange: BLOBs with metadata, data over NVLink / NCCL / NIXL,
+        one part at a time as the sender's BlockStream hands the blocks over ...
                                           <- OK (the blocks are in place) | ERROR (why)
+
+A sender connects when its request arrives, so HELLO and the backend's set-up overlap the
+prompt's forward pass; parts (the blocks of finished prefill chunks) follow as they are ready.
 
 The control connection is also how each side learns that the other gave up: a side that
 times out, is cancelled or fails closes it (after an ERROR saying why when it can), and the
@@ -19,6 +23,7 @@ peer's pending read ends at once. Subclasses implement only ``_receive_payload``
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import socket
 
@@ -30,6 +35,7 @@ from kvtransfer.base import (
     TransferState,
     TransferStateMachine,
 )
+from kvtransfer.stream import BlockStream
 from kvtransfer.tracking import (
     ExpectedTransfer,
     ReceiverTracker,
@@ -182,7 +188,7 @@ class ControlSender(RunnerSender):
 
     _tune = staticmethod(tune_socket)
 
-    async def _send(self, sm: TransferStateMachine, endpoint: str, ids: list[int]) -> int:
+    async def _send(self, sm: TransferStateMachine, endpoint: str, blocks: BlockStream) -> int:
         loop = asyncio.get_running_loop()
         host, port = parse_host_port(endpoint, self.scheme)
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -190,19 +196,20 @@ class ControlSender(RunnerSender):
             self._tune(sock)
             await loop.sock_connect(sock, (host, port))
             await loop.sock_sendall(sock, proto.encode_hello(self.kind, self._layout,
-                                                             sm.transfer_id, len(ids)))
+                                                             sm.transfer_id, blocks.total))
             await proto.expect_ok(loop, sock, "rejected the transfer")
             sm.advance(TransferState.TRANSFERRING)
-            await self._send_payload(loop, sock, endpoint, sm, ids)
-            sm.num_bytes = len(ids) * self._layout.block_bytes
+            await self._send_payload(loop, sock, endpoint, sm, blocks)
+            sm.num_bytes = blocks.total * self._layout.block_bytes
             return sm.num_bytes
         finally:
             sock.close()
 
     async def _send_payload(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                            endpoint: str, sm: TransferStateMachine, ids: list[int]) -> None:
-        """Move the blocks ``ids`` and return once the receiver acked them (``await_ack``) and
-        this side no longer reads them. Raise TransferError / OSError to fail the transfer."""
+                            endpoint: str, sm: TransferStateMachine, blocks: BlockStream) -> None:
+        """Move the blocks as ``blocks`` hands them over and return once the receiver acked
+        them all (``await_ack``) and this side no longer reads them. Raise TransferError /
+        OSError to fail the transfer."""
         raise NotImplementedError
 
 
@@ -230,12 +237,54 @@ def segments(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int
     return out
 
 
+# threads that block on CUDA events for the event loop (a blocked thread holds no GIL)
+_EVENT_WAITERS = concurrent.futures.ThreadPoolExecutor(max_workers=32,
+                                                       thread_name_prefix="kv-event-wait")
+
+
+async def wait_event(event, *, watch: socket.socket | None = None,
+                     what: str = "device work") -> None:
+    """Await a CUDA event (anything with ``query()`` and ``synchronize()``; None: nothing to
+    wait for). A helper thread blocks in ``synchronize()`` (events made with
+    ``blocking=True`` sleep in the driver) and wakes the loop when it completes: no polling
+    on the event loop, whose timers have millisecond granularity, and no busy loop holding
+    the GIL (which would stall the engine thread of the same process at every torch call).
+    With ``watch``, a peer that reports an error or hangs up first raises TransferError.
+    The thread always returns: the work it waits on ends or is aborted (NCCL)."""
+    if event is None or event.query():
+        return
+    loop = asyncio.get_running_loop()
+    done = loop.run_in_executor(_EVENT_WAITERS, event.synchronize)
+    if watch is None:
+        await done
+        return
+    failed = loop.create_future()
+    fd = watch.fileno()
+
+    def on_readable() -> None:
+        if _peer_failed(watch):
+            if not failed.done():
+                failed.set_result(None)
+        loop.remove_reader(fd)  # an OK is waiting: not our business
+
+    loop.add_reader(fd, on_readable)
+    try:
+        await asyncio.wait({done, failed}, return_when=asyncio.FIRST_COMPLETED)
+        if done.done():
+            done.result()
+            return
+        raise TransferError(f"peer gave up during {what}: {await _peer_reason(loop, watch)}")
+    finally:
+        loop.remove_reader(fd)
+        failed.cancel()
+
+
 async def poll_until(done, *, interval_s: float = 0.00005, max_interval_s: float = 0.0002,
                      watch: socket.socket | None = None, what: str = "device work") -> None:
-    """Await until ``done()`` is true (e.g. a CUDA event completed), polling with a short
-    back-off, without blocking the event loop. With ``watch``, a control socket on which the
-    peer reports an error or hangs up first raises TransferError with the peer's reason (a
-    pending OK is left unread for its owner)."""
+    """Await until ``done()`` is true (a NCCL communicator state, a NIXL request) without
+    blocking the event loop, polling with a short back-off (CUDA events: :func:`wait_event`).
+    With ``watch``, a control socket on which the peer reports an error or hangs up first
+    raises TransferError with the peer's reason (a pending OK is left unread for its owner)."""
     loop = asyncio.get_running_loop()
     readable: asyncio.Event | None = None
     if watch is not None:

@@ -1,9 +1,11 @@
 """CUDA IPC backend: same-host GPU -> GPU, the receiver pulls with the copy engines.
 
 The sender exports its cache's memory once (a CUDA IPC handle, through PyTorch's storage
-sharing); per transfer it sends that handle and the source block ids on the control
-connection (see :mod:`kvtransfer.control`). The receiver maps the sender's cache once per
-sender (cached), copies each segment (runs contiguous in both caches) with a device-to-device
+sharing); per transfer it sends that handle on the control connection (see
+:mod:`kvtransfer.control`), then the source block ids of each part of its BlockStream once
+the part's KV is written. The receiver maps the sender's cache once per sender (cached),
+queues the copies of each part as it arrives (so the blocks of finished prefill chunks move
+while the next chunk computes), copies each segment (runs contiguous in both caches) with a device-to-device
 copy over NVLink on its own stream, waits for the copy's event, says so, and counts the
 transfer DONE only once the sender confirms it is still inside ``send()`` (a sender that
 timed out may already have reused its blocks: a one-sided copy cannot tell); then it acks and
@@ -33,10 +35,11 @@ from kvtransfer.control import (
     ControlReceiver,
     ControlSender,
     await_ack,
-    poll_until,
     require_cuda,
     segments,
+    wait_event,
 )
+from kvtransfer.stream import BlockStream
 from kvtransfer.tracking import ExpectedTransfer, TransferError
 
 logger = logging.getLogger(__name__)
@@ -77,9 +80,11 @@ class CudaIpcSender(ControlSender):
         }
 
     async def _send_payload(self, loop, sock: socket.socket, endpoint: str,
-                            sm: TransferStateMachine, ids: list[int]) -> None:
-        meta = dict(self._export, src=ids)
-        await loop.sock_sendall(sock, proto.encode_blob(json.dumps(meta).encode()))
+                            sm: TransferStateMachine, blocks: BlockStream) -> None:
+        # the export first: the receiver maps our cache while the prompt still computes
+        await loop.sock_sendall(sock, proto.encode_blob(json.dumps(self._export).encode()))
+        async for ids in blocks.ready_parts(watch=sock):  # each part once its KV is written
+            await loop.sock_sendall(sock, proto.encode_blob(json.dumps({"src": ids}).encode()))
         done = await proto.expect_ok(loop, sock, "could not copy the blocks")  # copies complete
         sm.data_seconds = proto.parse_data_seconds(done)
         # still inside send(), so the source blocks were leased for the whole copy
@@ -153,33 +158,45 @@ class CudaIpcReceiver(ControlReceiver):
     async def _receive_payload(self, loop, conn: socket.socket,
                                entry: ExpectedTransfer) -> None:
         try:
-            meta = json.loads(await proto.read_blob(loop, conn))
-            src = [int(i) for i in meta["src"]]
-            segs = segments(src, entry.dst_block_ids)
-            peer = self._peer_cache(meta)
+            peer = self._peer_cache(json.loads(await proto.read_blob(loop, conn)))
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise TransferError(f"cuda_ipc: cannot map the sender's cache: {exc}") from None
-        if any(s + n > peer.shape[0] for s, _, n in segs):
-            raise TransferError("cuda_ipc: source block ids beyond the sender's cache")
+        dst_ids, got = entry.dst_block_ids, 0
         dst = self._cache.reshape(-1).view(torch.uint8).view(-1, self._layout.block_bytes)
-        with torch.cuda.device(self._cache.device), torch.cuda.stream(self._stream):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(self._stream)
-            for s, d, n in segs:
-                dst[d:d + n].copy_(peer[s:s + n], non_blocking=True)
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(self._stream)
-        # however the transfer ends (timeout and cancel included), the queued copies finish
-        # before its waiter hears of it and may free the blocks: on_end runs before that
-        entry.on_end(event.synchronize)
-        await poll_until(event.query, watch=conn, what="CUDA IPC copy")
+        copies: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        while got < len(dst_ids):  # one BLOB per part of the sender's stream
+            try:
+                src = [int(i) for i in json.loads(await proto.read_blob(loop, conn))["src"]]
+                if not src or got + len(src) > len(dst_ids):
+                    raise ValueError(f"sender sent {got + len(src)} of {len(dst_ids)} blocks")
+                segs = segments(src, dst_ids[got:got + len(src)])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise TransferError(f"cuda_ipc: bad part from the sender: {exc}") from None
+            if any(s + n > peer.shape[0] for s, _, n in segs):
+                raise TransferError("cuda_ipc: source block ids beyond the sender's cache")
+            with torch.cuda.device(self._cache.device), torch.cuda.stream(self._stream):
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self._stream)
+                for s, d, n in segs:
+                    dst[d:d + n].copy_(peer[s:s + n], non_blocking=True)
+                event = torch.cuda.Event(enable_timing=True, blocking=True)
+                event.record(self._stream)
+            if not copies:
+                # however the transfer ends (timeout and cancel included), the queued copies
+                # finish before its waiter hears of it and may free the blocks: on_end runs
+                # before that (the stream is in order, so the last copy's event is enough)
+                entry.on_end(lambda: copies[-1][1].synchronize())
+            copies.append((start, event))
+            got += len(src)
+        await wait_event(copies[-1][1], watch=conn, what="CUDA IPC copy")
         # the copy is one-sided: it only counts if the sender still held its blocks
         # (had not timed out or been cancelled) when it completed
-        await loop.sock_sendall(conn, proto.encode_reply(proto.OK, 0, proto.data_seconds_message(
-            "copied", start.elapsed_time(event) / 1000.0)))
+        seconds = sum(a.elapsed_time(b) for a, b in copies) / 1000.0
+        await loop.sock_sendall(conn, proto.encode_reply(
+            proto.OK, 0, proto.data_seconds_message("copied", seconds)))
         if await proto.read_blob(loop, conn) != CONFIRM:
             raise TransferError("protocol error: sender did not confirm the copy")
-        entry.add_bytes(len(src) * self._layout.block_bytes)
+        entry.add_bytes(len(dst_ids) * self._layout.block_bytes)
 
     def _close_backend(self) -> None:
         if self._sweeper is not None:

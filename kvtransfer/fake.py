@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Awaitable, Callable
 
 import torch
 
@@ -20,6 +21,7 @@ from kvtransfer.base import (
     TransferStateMachine,
 )
 from kvtransfer.blocks import block_runs, scatter
+from kvtransfer.stream import BlockStream
 from kvtransfer.tracking import (
     TrackedReceiver,
     ExpectedTransfer,
@@ -62,13 +64,20 @@ class FakeReceiver(TrackedReceiver):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _deliver(self, transfer_id: str, layout: KVLayout, blocks: torch.Tensor) -> None:
-        """Runs as its own task; raises TransferError when the transfer is rejected/failed."""
+    async def _deliver(self, transfer_id: str, layout: KVLayout, total: int,
+                       source: Callable[[], Awaitable[torch.Tensor]]) -> None:
+        """Runs as its own task; raises TransferError when the transfer is rejected/failed.
+        Claims the transfer at once (the "handshake"), then awaits the sender's blocks."""
         error = None if layout == self._layout else (
             f"layout mismatch: sender {layout} != receiver {self._layout}")
         entry: ExpectedTransfer = self._tracker.claim(
-            transfer_id, blocks.shape[0], error, owner=asyncio.current_task())
+            transfer_id, total, error, owner=asyncio.current_task())
         try:
+            try:
+                blocks = await source()
+            except TransferError as exc:
+                entry.finish(TransferState.FAILED, f"sender failed: {exc}")
+                raise
             if self._stall:
                 await asyncio.Event().wait()  # never acks; ends by timeout or cancel
             await asyncio.sleep(0)  # a transfer takes at least one loop turn, like a real one
@@ -88,18 +97,24 @@ class FakeReceiver(TrackedReceiver):
 
 
 class FakeSender(RunnerSender):
-    async def _send(self, sm: TransferStateMachine, endpoint: str, ids: list[int]) -> int:
+    async def _send(self, sm: TransferStateMachine, endpoint: str, stream: BlockStream) -> int:
         receiver = _ENDPOINTS.get(endpoint)
         if receiver is None:
             raise TransferError(f"no fake receiver at {endpoint!r}")
-        blocks = torch.cat([self._cache[r.start:r.start + r.count] for r in block_runs(ids)])
-        sm.advance(TransferState.TRANSFERRING)
-        task = receiver._spawn(receiver._deliver(sm.transfer_id, self._layout, blocks))
+
+        async def source() -> torch.Tensor:
+            sm.advance(TransferState.TRANSFERRING)  # the receiver claimed the transfer
+            ids = await stream.all()
+            return torch.cat([self._cache[r.start:r.start + r.count] for r in block_runs(ids)])
+
+        task = receiver._spawn(
+            receiver._deliver(sm.transfer_id, self._layout, stream.total, source))
         try:
             await task
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if task.cancelled() and not (current and current.cancelling()):
                 raise TransferError("receiver aborted the transfer") from None
+            task.cancel()  # we were cancelled: the receiver must not wait for our blocks
             raise
-        return blocks.numel() * blocks.element_size()
+        return stream.total * self._layout.block_bytes

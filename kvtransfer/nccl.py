@@ -4,12 +4,18 @@ Per transfer, on the control connection (see :mod:`kvtransfer.control`)::
 
     sender (rank 0)                               receiver (rank 1)
     HELLO                                     ->  claim            <- OK
+    per part of the sender's BlockStream (one part when the prompt was already computed):
     BLOB {sender id, unique id if the pair has    [new pair: init rank 1, wait for it]
           no communicator yet, src block ids} ->  enqueue one ncclRecv per segment
     [new pair: init rank 0 before the BLOB]   <-  OK (receives posted)
-    enqueue one ncclSend per segment              wait for the receives (CUDA event)
+    stream waits for the part's prefill event,
+    enqueue one ncclSend per segment
+    after the last part:                          wait for the receives (CUDA event)
                                               <-  OK (blocks in place)
     wait for the sends (CUDA event)
+
+The sender's NCCL stream waits on the prefill's event itself, so a part is queued as soon as
+the chunk that computed it was launched, and moves while the next chunk computes.
 
 Segments are runs contiguous in both caches (block-major: one segment = one message), so a
 freshly prefilled prompt is usually ONE message. A pair's sends and receives must be queued
@@ -17,9 +23,9 @@ in the same order on both sides: the sender holds a per-pair lock from its BLOB 
 sends are queued, and the receiver queues its receives before it answers, so at most one
 transfer per pair is between those two points.
 
-Communicators are non-blocking: nothing here waits on a peer except through ``poll_until``,
-which the transfer's timeout / cancellation interrupts. Any failure after a communicator was
-touched aborts it (ending queued kernels, so a dead peer never wedges the GPU stream) and
+Communicators are non-blocking: nothing here waits on a peer except through ``poll_until`` /
+``wait_event``, which the transfer's timeout / cancellation interrupts. Any failure after a
+communicator was touched aborts it (ending queued kernels, so a dead peer never wedges the GPU stream) and
 drops it; the next transfer to that peer creates a new one.
 """
 
@@ -43,7 +49,9 @@ from kvtransfer.control import (
     poll_until,
     require_cuda,
     segments,
+    wait_event,
 )
+from kvtransfer.stream import BlockStream
 from kvtransfer.tracking import ExpectedTransfer, TransferError
 
 logger = logging.getLogger(__name__)
@@ -87,7 +95,7 @@ class _Comm:
     async def queued(self, watch: socket.socket | None) -> torch.cuda.Event:
         """Wait until the posted group is on the stream; returns an event completing with it."""
         await self.wait_idle(watch, "NCCL enqueue")
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=True, blocking=True)
         event.record(self.stream)
         return event
 
@@ -165,40 +173,58 @@ class NcclReceiver(ControlReceiver):
 
     async def _receive_payload(self, loop, conn: socket.socket,
                                entry: ExpectedTransfer) -> None:
+        dst, got = entry.dst_block_ids, 0
+        key, comm, event = "", None, None
         try:
-            meta = json.loads(await proto.read_blob(loop, conn))
-            key, src = str(meta["sender"]), [int(i) for i in meta["src"]]
-            uid = base64.b64decode(meta["uid"]) if meta.get("uid") else b""
-            segs = segments(src, entry.dst_block_ids)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise TransferError(f"bad nccl transfer metadata: {exc}") from None
-        comm: _Comm | None = None
-        try:
-            async with self._pairs.lock(key):
-                comm = self._pairs.comms.get(key)
-                if uid:
-                    if comm is not None:  # the sender started over (it aborted its side)
-                        self._pairs.drop(key, comm)
-                    comm = _Comm(self._cache.device, uid, rank=1)
-                    self._pairs.comms[key] = comm
-                    await comm.wait_idle(conn, "NCCL communicator init")
-                    comm.ready = True
-                elif comm is None:
-                    raise TransferError(f"no NCCL communicator with sender {key} "
-                                        "(receiver restarted?); the next transfer creates one")
-                entry.on_end(lambda: self._settle(key, comm, entry))
-                comm.post(_ops(self._cache, self._layout, segs, "recv", 1), peer=0)
-                # receives posted: the sender cuts its blocks into the same messages, in order
-                counts = ",".join(str(n) for _, _, n in segs)
-                await loop.sock_sendall(conn, proto.encode_reply(proto.OK, len(segs), counts))
-                event = await comm.queued(watch=conn)
-            await poll_until(event.query, watch=conn, what="NCCL receive")
+            while got < len(dst):  # one BLOB per part the sender's stream handed over
+                try:
+                    meta = json.loads(await proto.read_blob(loop, conn))
+                    src = [int(i) for i in meta["src"]]
+                    uid = base64.b64decode(meta["uid"]) if meta.get("uid") else b""
+                    if comm is None:
+                        key = str(meta["sender"])
+                    elif uid:
+                        raise ValueError("a new communicator in the middle of a transfer")
+                    segs = segments(src, dst[got:got + len(src)])
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise TransferError(f"bad nccl transfer metadata: {exc}") from None
+                if not src or got + len(src) > len(dst):
+                    raise TransferError(f"nccl sender sent {got + len(src)} of {len(dst)} blocks")
+                async with self._pairs.lock(key):
+                    if comm is None:
+                        comm = await self._join(key, uid, conn)
+                        pair = comm
+                        entry.on_end(lambda: self._settle(key, pair, entry))
+                    elif self._pairs.comms.get(key) is not comm or comm.aborted:
+                        raise TransferError("NCCL communicator was replaced mid-transfer")
+                    comm.post(_ops(self._cache, self._layout, segs, "recv", 1), peer=0)
+                    # receives posted: the sender cuts its blocks into the same messages
+                    counts = ",".join(str(n) for _, _, n in segs)
+                    await loop.sock_sendall(conn, proto.encode_reply(proto.OK, len(segs), counts))
+                    event = await comm.queued(watch=conn)
+                got += len(src)
+            await wait_event(event, watch=conn, what="NCCL receive")
             comm.check()
-            entry.add_bytes(len(src) * self._layout.block_bytes)
+            entry.add_bytes(len(dst) * self._layout.block_bytes)
         except BaseException:
             if comm is not None:
                 self._pairs.drop(key, comm)
             raise
+
+    async def _join(self, key: str, uid: bytes, conn: socket.socket) -> _Comm:
+        """The pair's communicator: a new one when the sender sent a unique id."""
+        comm = self._pairs.comms.get(key)
+        if uid:
+            if comm is not None:  # the sender started over (it aborted its side)
+                self._pairs.drop(key, comm)
+            comm = _Comm(self._cache.device, uid, rank=1)
+            self._pairs.comms[key] = comm
+            await comm.wait_idle(conn, "NCCL communicator init")
+            comm.ready = True
+        elif comm is None:
+            raise TransferError(f"no NCCL communicator with sender {key} "
+                                "(receiver restarted?); the next transfer creates one")
+        return comm
 
     def _close_backend(self) -> None:
         self._pairs.close()
@@ -215,41 +241,56 @@ class NcclSender(ControlSender):
         self._pairs = _Pairs()  # by receiver endpoint
 
     async def _send_payload(self, loop, sock: socket.socket, endpoint: str,
-                            sm: TransferStateMachine, ids: list[int]) -> None:
+                            sm: TransferStateMachine, blocks: BlockStream) -> None:
         comm: _Comm | None = None
+        timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         try:
-            async with self._pairs.lock(endpoint):
-                comm = self._pairs.comms.get(endpoint)
-                uid = b""
-                if comm is None:
-                    uid = _checked(_lib().unique_id)
-                    comm = _Comm(self._cache.device, uid, rank=0)
-                    self._pairs.comms[endpoint] = comm
-                meta = {"sender": self._id, "src": ids,
-                        "uid": base64.b64encode(uid).decode() if uid else ""}
-                await loop.sock_sendall(sock, proto.encode_blob(json.dumps(meta).encode()))
-                # the receiver answers once its receives are queued (after joining the comm),
-                # with the message sizes it posted (runs contiguous in both caches)
-                status, nsegs, text = await proto.read_reply(loop, sock)
-                if status == proto.ERROR:
-                    raise TransferError(f"receiver could not post the receives: {text}")
-                segs = _source_segments(ids, status, nsegs, text)
-                if not comm.ready:
-                    await comm.wait_idle(sock, "NCCL communicator init")
-                    comm.ready = True
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(comm.stream)
-                comm.post(_ops(self._cache, self._layout, segs, "send", 0), peer=1)
-                event = await comm.queued(watch=sock)
+            async for ids, ready in blocks.parts():
+                async with self._pairs.lock(endpoint):
+                    comm, uid = self._pair_for(endpoint, comm)
+                    meta = {"sender": self._id, "src": ids,
+                            "uid": base64.b64encode(uid).decode() if uid else ""}
+                    await loop.sock_sendall(sock, proto.encode_blob(json.dumps(meta).encode()))
+                    # the receiver answers once its receives are queued (after joining the
+                    # comm), with the message sizes it posted (runs contiguous in both caches)
+                    status, nsegs, text = await proto.read_reply(loop, sock)
+                    if status == proto.ERROR:
+                        raise TransferError(f"receiver could not post the receives: {text}")
+                    segs = _source_segments(ids, status, nsegs, text)
+                    if not comm.ready:
+                        await comm.wait_idle(sock, "NCCL communicator init")
+                        comm.ready = True
+                    if ready is not None:  # the part's KV is written once the prefill's
+                        comm.stream.wait_event(ready)  # event completes: the GPU waits, not us
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record(comm.stream)
+                    comm.post(_ops(self._cache, self._layout, segs, "send", 0), peer=1)
+                    timings.append((start, await comm.queued(watch=sock)))
             await await_ack(loop, sock)
-            await poll_until(event.query, what="NCCL send")
+            await wait_event(timings[-1][1], what="NCCL send")
             comm.check()
-            sm.data_seconds = start.elapsed_time(event) / 1000.0
+            sm.data_seconds = sum(a.elapsed_time(b) for a, b in timings) / 1000.0
         except BaseException:
             if comm is not None:  # abort, then let the aborted kernels drain: the caller
                 self._pairs.drop(endpoint, comm)  # frees the source blocks when send() returns
                 comm.stream.synchronize()
             raise
+
+    def _pair_for(self, endpoint: str, current: _Comm | None) -> tuple[_Comm, bytes]:
+        """The communicator for this part (and the unique id to send, for a new one). A
+        transfer keeps one communicator: if it was aborted meanwhile the transfer fails."""
+        comm = self._pairs.comms.get(endpoint)
+        if current is not None:
+            if comm is not current or current.aborted:
+                raise TransferError("NCCL communicator was aborted mid-transfer "
+                                    "(another transfer on this pair failed)")
+            return current, b""
+        if comm is not None:
+            return comm, b""
+        uid = _checked(_lib().unique_id)
+        comm = _Comm(self._cache.device, uid, rank=0)
+        self._pairs.comms[endpoint] = comm
+        return comm, uid
 
     def _close_backend(self) -> None:
         self._pairs.close()

@@ -63,6 +63,7 @@ from kvtransfer.control import (
     poll_until,
     segments,
 )
+from kvtransfer.stream import BlockStream
 from kvtransfer.tracking import ExpectedTransfer, TransferError
 
 logger = logging.getLogger(__name__)
@@ -470,7 +471,11 @@ class NixlSender(ControlSender):
         self._nixl.close()
 
     async def _send_payload(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                            endpoint: str, sm: TransferStateMachine, ids: list[int]) -> None:
+                            endpoint: str, sm: TransferStateMachine,
+                            blocks: BlockStream) -> None:
+        # one READ per transfer: the handshake overlapped the prompt's forward pass, the
+        # blocks move once all of them are computed
+        ids = await blocks.all(watch=sock)
         nixl = self._nixl
         if nixl.agent is None:
             raise TransferError("nixl sender closed")

@@ -36,6 +36,7 @@ from kvtransfer.base import (
     TransferStateMachine,
 )
 from kvtransfer.blocks import gather, scatter
+from kvtransfer.stream import BlockStream
 from kvtransfer.tracking import (
     TrackedReceiver,
     ExpectedTransfer,
@@ -243,12 +244,13 @@ class ShmSender(RunnerSender):
             os.close(fd)
             raise
 
-    async def _send(self, sm: TransferStateMachine, endpoint: str, ids: list[int]) -> int:
+    async def _send(self, sm: TransferStateMachine, endpoint: str, blocks: BlockStream) -> int:
         loop = asyncio.get_running_loop()
         name = proto.parse_endpoint(endpoint, "shm")
         bb = self._layout.block_bytes
-        cb = min(self._chunk_blocks, len(ids))
-        num_chunks = -(-len(ids) // cb)
+        total = blocks.total
+        cb = min(self._chunk_blocks, total)
+        num_chunks = -(-total // cb)
         slots = max(1, min(self._num_slots, num_chunks, MAX_RING_BYTES // (cb * bb)))
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         ring: tuple[int, _Ring] | None = None
@@ -258,12 +260,16 @@ class ShmSender(RunnerSender):
             await loop.sock_connect(sock, _address(name))
             ring = self._take_ring(cb, slots)
             fd, slot_tensor = ring[0], ring[1].slots
-            hello = proto.encode_hello(proto.KIND_SHM, self._layout, sm.transfer_id, len(ids),
+            hello = proto.encode_hello(proto.KIND_SHM, self._layout, sm.transfer_id, total,
                                        cb, slots)
             await _send_with_fd(loop, sock, hello, fd)
             await proto.expect_ok(loop, sock, "rejected the transfer")
             sm.advance(TransferState.TRANSFERRING)
+            ids: list[int] = []  # handed over so far (the stream may still be computing)
+            parts = blocks.ready_parts(watch=sock)
             for c in range(num_chunks):
+                while len(ids) < min((c + 1) * cb, total):
+                    ids.extend(await anext(parts))
                 if c >= slots:  # wait until the receiver has emptied this slot
                     status, value, message = await proto.read_reply(loop, sock)
                     if status == proto.ERROR:
@@ -276,7 +282,7 @@ class ShmSender(RunnerSender):
                 sm.num_bytes += len(chunk_ids) * bb
             await proto.expect_ok(loop, sock, "failed the transfer")
             done = True
-            return len(ids) * bb
+            return total * bb
         finally:
             sock.close()
             slot_tensor = None

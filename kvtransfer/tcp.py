@@ -18,6 +18,7 @@ from kvtransfer import protocol as proto
 from kvtransfer.base import KVLayout, TransferStateMachine
 from kvtransfer.blocks import block_runs, byte_view
 from kvtransfer.control import ControlReceiver, ControlSender, await_ack, tune_socket
+from kvtransfer.stream import BlockStream
 from kvtransfer.tracking import ExpectedTransfer, TransferError
 
 SOCK_BUF_BYTES = 8 << 20
@@ -70,13 +71,15 @@ class TcpSender(ControlSender):
         self._view = byte_view(cache)
 
     async def _send_payload(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                            endpoint: str, sm: TransferStateMachine, ids: list[int]) -> None:
+                            endpoint: str, sm: TransferStateMachine,
+                            blocks: BlockStream) -> None:
         bb = self._layout.block_bytes
         try:
-            for run in block_runs(ids):
-                await loop.sock_sendall(
-                    sock, self._view[run.start * bb:(run.start + run.count) * bb])
-                sm.num_bytes += run.count * bb
+            async for ids in blocks.ready_parts(watch=sock):  # the receiver reads in order
+                for run in block_runs(ids):
+                    await loop.sock_sendall(
+                        sock, self._view[run.start * bb:(run.start + run.count) * bb])
+                    sm.num_bytes += run.count * bb
         except OSError as exc:  # the receiver hung up; it may have said why
             raise TransferError(await _peer_reason(loop, sock, exc)) from exc
         await await_ack(loop, sock)

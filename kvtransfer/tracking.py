@@ -7,6 +7,7 @@ here, so every backend ends its transfers the same way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -19,14 +20,12 @@ from kvtransfer.base import (
     TransferHandle,
     TransferResult,
     TransferState,
+    TransferError,
     TransferStateMachine,
 )
+from kvtransfer.stream import BlockStream
 
 logger = logging.getLogger(__name__)
-
-
-class TransferError(Exception):
-    """A transfer failed for a reason both sides can name (rejection, protocol error)."""
 
 
 def check_block_ids(ids: list[int], num_blocks: int, *, unique: bool) -> list[int]:
@@ -268,17 +267,28 @@ class RunnerSender(KVSender):
         self._layout = layout
         self._runner = SendRunner()
 
-    async def send(self, transfer_id: str, endpoint: str, src_block_ids: list[int],
+    async def send(self, transfer_id: str, endpoint: str, src_block_ids,
                    timeout_s: float) -> TransferResult:
-        ids = check_block_ids(src_block_ids, self._cache.shape[0], unique=False)
+        if isinstance(src_block_ids, BlockStream):
+            blocks = src_block_ids
+        else:
+            blocks = BlockStream.of(check_block_ids(src_block_ids, self._cache.shape[0],
+                                                    unique=False))
+        blocks.limit(self._cache.shape[0])  # ValueError for ids outside this cache
 
         async def body(sm: TransferStateMachine) -> int:
-            return await self._send(sm, endpoint, ids)
+            return await self._send(sm, endpoint, blocks)
 
-        return await self._runner.run(transfer_id, timeout_s, body)
+        result = await self._runner.run(transfer_id, timeout_s, body)
+        tail = None
+        if blocks.completed_at is not None:
+            tail = max(0.0, min(result.seconds, time.monotonic() - blocks.completed_at))
+        return dataclasses.replace(result, tail_seconds=tail)
 
-    async def _send(self, sm: TransferStateMachine, endpoint: str, ids: list[int]) -> int:
-        """Move the blocks; return the payload byte count once the receiver has them."""
+    async def _send(self, sm: TransferStateMachine, endpoint: str,
+                    blocks: BlockStream) -> int:
+        """Move the blocks (as the stream hands them over); return the payload byte count
+        once the receiver has them all."""
         raise NotImplementedError
 
     def cancel(self, transfer_id: str) -> bool:

@@ -14,7 +14,9 @@ import time
 
 import grpc
 
+from engine.request import PrefillProgress
 from kvtransfer import KVLayout, TransferState
+from kvtransfer.stream import BlockStream
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import telemetry
 from services.logging_setup import request_context
@@ -86,13 +88,29 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "KV layout of the decode worker does not match this worker's")
         ids = list(request.prompt_token_ids)
+        bs = self.layout.block_size
+        prompt_blocks = -(-len(ids) // bs)
+        if not kv.dst_block_ids or kv.skip_blocks + len(kv.dst_block_ids) > prompt_blocks:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"decode worker expects {len(kv.dst_block_ids)} blocks after "
+                                f"skipping {kv.skip_blocks}; the prompt has {prompt_blocks}")
         t0, t0_ns = time.perf_counter(), time.time_ns()
+        # the send starts now: its handshake, and the KV of each finished prefill chunk,
+        # overlap the rest of the prompt's forward pass
+        feed = _ChunkFeed(len(kv.dst_block_ids), kv.skip_blocks, bs)
+        sending = asyncio.ensure_future(self._send(rid, kv, feed.stream, sender, span))
         if self.clock is not None:
             self.clock.watch(rid)
         try:
-            first = await self.aengine.prefill(rid, ids, sp)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            first = await self.aengine.prefill(rid, ids, sp, on_progress=feed.progress)
+        except BaseException as e:
+            # no more blocks will come: the send fails (the receiver hears why) and ends
+            # before the engine frees the blocks it may be reading
+            feed.fail(f"prefill failed on the prefill worker: {e!r}"[:500])
+            await _settled(sending)
+            if isinstance(e, ValueError):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise
         finally:
             step = self.clock.pop(rid) if self.clock is not None else None
         self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
@@ -105,56 +123,61 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             ).end(end_time=step[1])
         span.set_attribute("pdserve.cached_tokens", first.num_cached_tokens)
         try:
-            result = await self._send(rid, kv, first, sender, span)
+            if first.finish_reason is not None:
+                # the first token already ended the request: nothing to decode, nothing to send
+                sender.cancel(kv.transfer_id)
+                await _settled(sending)
+                result = common_pb2.KVTransferResult(transfer_id=kv.transfer_id,
+                                                     state=common_pb2.TRANSFER_STATE_DONE)
+            else:
+                feed.finish(first.held_block_ids)
+                result = await sending
         finally:
             # the lease ends with send(); answering need not wait for the engine thread
             # (busy with a step under load) to take the blocks back
+            if not sending.done():
+                feed.fail("prefill worker gave up the request")
+                await _settled(sending)
             self._release_later(rid)
         resp = worker_pb2.PrefillResponse(
             request_id=rid, first_token_id=first.token_ids[0],
             num_cached_tokens=first.num_cached_tokens, transfer=result)
         if first.logprobs:
             resp.first_logprob = first.logprobs[0]
-        logger.info("prefill %s: %d tokens (%d cached), transfer %s", rid, len(ids),
-                    first.num_cached_tokens, common_pb2.TransferState.Name(result.state))
+        logger.info("prefill %s: %d tokens (%d cached), transfer %s (%d parts, %.2f ms after "
+                    "the prompt)", rid, len(ids), first.num_cached_tokens,
+                    common_pb2.TransferState.Name(result.state), feed.parts, result.duration_ms)
         return resp
 
-    async def _send(self, rid, kv, first, sender, span) -> common_pb2.KVTransferResult:
-        dst = list(kv.dst_block_ids)
-        blocks = first.held_block_ids
-        if blocks is None:
-            blocks = await self.aengine.call(lambda e: e.held_blocks(rid))
-        src = blocks[kv.skip_blocks:kv.skip_blocks + len(dst)]
-        if first.finish_reason is not None:
-            # the first token already ended the request: nothing to decode, nothing to send
-            return common_pb2.KVTransferResult(transfer_id=kv.transfer_id,
-                                               state=common_pb2.TRANSFER_STATE_DONE)
-        if len(src) != len(dst):
-            return common_pb2.KVTransferResult(
-                transfer_id=kv.transfer_id, state=common_pb2.TRANSFER_STATE_FAILED,
-                error=f"decode worker expects {len(dst)} blocks, prefill holds {len(src)}")
+    async def _send(self, rid, kv, stream, sender, span) -> common_pb2.KVTransferResult:
         self.runtime.active_transfers += 1
         tspan = telemetry.child(span, "kv.transfer", {
-            "pdserve.kv.backend": kv.backend, "pdserve.kv.blocks": len(src),
+            "pdserve.kv.backend": kv.backend, "pdserve.kv.blocks": stream.total,
             "pdserve.kv.transfer_id": kv.transfer_id})
         try:
-            res = await sender.send(kv.transfer_id, kv.receiver_endpoint, src,
+            res = await sender.send(kv.transfer_id, kv.receiver_endpoint, stream,
                                     max(kv.timeout_ms, 1) / 1000.0)
+        except ValueError as e:  # e.g. a transfer id this worker is already sending
+            telemetry.end_with_status(tspan, "INVALID_ARGUMENT", str(e))
+            return common_pb2.KVTransferResult(
+                transfer_id=kv.transfer_id, state=common_pb2.TRANSFER_STATE_FAILED,
+                error=f"invalid transfer: {e}")
         except BaseException as e:
             telemetry.end_with_status(tspan, "UNKNOWN", repr(e))
             raise
         finally:
             self.runtime.active_transfers -= 1
+        tail = res.tail_seconds if res.tail_seconds is not None else res.seconds
         if tspan.is_recording():
             tspan.set_attributes({"pdserve.kv.bytes": res.num_bytes,
-                                  "pdserve.kv.gbps": round(res.gbps, 4),
+                                  "pdserve.kv.tail_ms": round(tail * 1000, 3),
                                   "pdserve.kv.state": res.state.value})
             telemetry.end_with_status(tspan, "OK" if res.ok else "UNAVAILABLE", res.error or "")
         self.runtime.transferred_bytes += res.num_bytes
-        self.metrics.transfer("sent", res.state.value, res.num_bytes, res.seconds)
+        self.metrics.transfer("sent", res.state.value, res.num_bytes, tail)
         return common_pb2.KVTransferResult(
             transfer_id=kv.transfer_id, state=STATE_PB[res.state], error=res.error or "",
-            num_blocks=len(src), num_bytes=res.num_bytes, duration_ms=res.seconds * 1000)
+            num_blocks=stream.total, num_bytes=res.num_bytes, duration_ms=tail * 1000)
 
     def _release_later(self, rid: str) -> None:
         task = asyncio.ensure_future(_shielded(self.aengine.release(rid)))
@@ -173,6 +196,55 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def Abort(self, request, context):
         found = await self.aengine.abort(request.request_id)
         return common_pb2.AbortResponse(found=found)
+
+
+class _ChunkFeed:
+    """Feeds a transfer's BlockStream from the engine: the blocks each finished prefill chunk
+    filled (full blocks only; the prompt's last, partial block comes with the first token).
+    Transfer block ``i`` is the prompt's block ``skip + i`` (the decode worker already holds
+    the first ``skip`` blocks)."""
+
+    def __init__(self, total: int, skip: int, block_size: int) -> None:
+        self.stream = BlockStream(total)
+        self.total, self.skip, self.block_size = total, skip, block_size
+        self.handed = 0
+        self.parts = 0  # extends so far (1: everything after the prompt was computed)
+
+    def progress(self, p: PrefillProgress) -> None:
+        if p.reset:
+            self.fail("the prefill was preempted on the prefill worker (its blocks were freed)")
+            return
+        full = min(p.num_computed_tokens // self.block_size, self.skip + self.total)
+        self._hand(p.block_ids, full, p.ready)
+
+    def finish(self, block_ids: list[int] | None) -> None:
+        if not block_ids or len(block_ids) - self.skip < self.total:
+            have = len(block_ids or []) - self.skip
+            self.fail(f"decode worker expects {self.total} blocks, prefill holds {have}")
+            return
+        self._hand(block_ids, self.skip + self.total, None)
+
+    def _hand(self, block_ids: list[int], upto: int, ready) -> None:
+        start = self.skip + self.handed
+        if upto > start and not self.stream.failed:
+            self.stream.extend(block_ids[start:upto], ready)
+            self.handed = upto - self.skip
+            self.parts += 1
+
+    def fail(self, reason: str) -> None:
+        if not self.stream.complete:
+            self.stream.fail(reason)
+
+
+async def _settled(task: asyncio.Future) -> None:
+    """Wait for ``task`` to end, whatever its outcome (it reports its own failures)."""
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+    except Exception:  # noqa: BLE001 - the send's own result/span says what went wrong
+        pass
 
 
 async def _shielded(coro) -> None:

@@ -27,6 +27,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ.setdefault(_k, _v)
 
 from kvtransfer import KVLayout, TransferState, make_receiver, make_sender  # noqa: E402
+from kvtransfer.stream import BlockStream  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
@@ -74,6 +75,46 @@ def test_round_trip_scattered_and_repeated(backend):
             assert torch.equal(dst[dst_ids].cpu(), src[src_ids].cpu())
             dst.zero_()
         assert rx.stats().done == 3
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_streamed_send_waits_for_each_parts_event(backend):
+    """As on a prefill worker: the send starts before the KV exists, and each part is handed
+    over with the CUDA event of the kernel that writes it, while that kernel is still queued
+    behind ~50 ms of GPU work. A backend that read the blocks before the event completed
+    would land stale zeros. Two concurrent streams share the pair."""
+    async def main():
+        src, dst = cache(96, SRC), cache(96, DST)
+        rx, tx = await pair(backend, src, dst)
+        jobs = [("gs0", list(range(8, 40)), list(range(30, 62))),
+                ("gs1", list(range(50, 66)) + [2, 3, 4, 5], [0, 1, 2, 3] + list(range(70, 86)))]
+        want = {tid: cache(len(s), SRC, seed=20 + k) for k, (tid, s, _) in enumerate(jobs)}
+        torch.cuda.synchronize(SRC)
+        handles = [rx.expect(tid, d, 30) for tid, _, d in jobs]
+        streams = {tid: BlockStream(len(s)) for tid, s, _ in jobs}
+        tasks = [asyncio.create_task(tx.send(tid, rx.endpoint, streams[tid], 30))
+                 for tid, _, _ in jobs]
+        await asyncio.sleep(0.2)  # handshakes (and communicator / mapping set-up) happen now
+        compute = torch.cuda.Stream(SRC)
+        with torch.cuda.device(SRC), torch.cuda.stream(compute):
+            for tid, s, _ in jobs:
+                half = len(s) // 2
+                for part in (slice(0, half), slice(half, None)):
+                    torch.cuda._sleep(50_000_000)  # the "forward pass" before this chunk
+                    src[s[part]] = want[tid][part]
+                    event = torch.cuda.Event()
+                    event.record(compute)
+                    streams[tid].extend(s[part], event)
+        results = await asyncio.gather(*tasks)
+        assert [r.state for r in results] == [TransferState.DONE] * 2, [r.error for r in results]
+        for handle, (tid, _, d) in zip(handles, jobs):
+            assert (await handle.wait()).ok
+            assert torch.equal(dst[d].cpu(), want[tid].cpu()), f"{tid}: stale blocks landed"
+        assert all(r.tail_seconds is not None and r.tail_seconds < r.seconds for r in results)
         await tx.close()
         await rx.close()
 

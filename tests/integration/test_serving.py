@@ -131,3 +131,21 @@ def test_cancel_and_deadline_free_all_blocks(cluster_2p2d):
     assert run(deadline()) == grpc.StatusCode.DEADLINE_EXCEEDED
     stats = run(wait_all_free(addrs))
     assert all(s.kv_blocks_used == 0 and s.num_running == 0 for s in stats), stats
+
+
+def test_1p1d_streams_the_kv_of_chunked_prefills():
+    """Prompts longer than the step budget prefill in chunks; the prefill worker sends each
+    finished chunk's KV while the next computes (the send starts with the request). The
+    decode worker continues token-exact with an engine using the same chunking."""
+    prompts = [f"Story {i}: " + "The river bends past the old mill and the stone bridge. " * 6
+               for i in range(6)]
+    chunk = ("--max-num-batched-tokens", "32")
+    ref = LLM("smollm2-135m", max_num_batched_tokens=32).generate(
+        prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    with LocalCluster("smollm2-135m", prefill=1, decode=1, worker_args=chunk) as c:
+        outs = run(gen_many(c.address, _reqs(prompts)))
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+        assert all(len(r.prompt_token_ids) > 64 for r in ref)  # at least 3 chunks each
+        stats = run(wait_all_free([w.address for w in c.workers]))
+        assert all(s.kv_blocks_used == 0 for s in stats)
+        assert sum(s.transferred_bytes for s in stats) > 0

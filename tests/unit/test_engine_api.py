@@ -115,3 +115,32 @@ def test_bad_prompts(tiny):
         tiny.generate([[10**6]], SamplingParams())
     with pytest.raises(ValueError, match="context"):
         tiny.generate([[5] * 100000], SamplingParams())
+
+
+def test_prefill_progress_reports_each_finished_chunk():
+    """Prefill role with streamed KV: after every chunk but the last the engine reports how
+    many prompt tokens have KV and in which blocks, so they can be sent while the rest
+    computes; a preempted request reports a reset."""
+    llm = LLM("dummy:tiny", block_size=4, num_blocks=64, max_num_batched_tokens=16)
+    eng = llm.engine
+    prompt = list(range(1, 51))  # 50 tokens: chunks of 16, 16, 16, 2
+    eng.add_request("p", prompt, SamplingParams(max_tokens=4, temperature=0),
+                    prefill_only=True, report_progress=True)
+    outs = []
+    while not outs:
+        outs = eng.step()
+    assert [p.num_computed_tokens for p in eng.progress] == [16, 32, 48]
+    assert all(p.ready is None and not p.reset for p in eng.progress)  # CPU: done at once
+    held = outs[0].held_block_ids
+    assert len(held) == 13
+    for p in eng.progress:  # each report's full blocks are the final table's first blocks
+        full = p.num_computed_tokens // 4
+        assert p.block_ids[:full] == held[:full]
+    eng.progress.clear()
+    assert eng.release("p")
+    # without report_progress nothing is reported
+    eng.add_request("q", prompt, SamplingParams(max_tokens=4, temperature=0), prefill_only=True)
+    while not eng.step():
+        pass
+    assert eng.progress == []
+    eng.release("q")

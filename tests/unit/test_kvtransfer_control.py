@@ -39,7 +39,8 @@ class LoopbackSender(ControlSender):
         _SOURCES[self.key] = cache
         self.die_after_blob = die_after_blob
 
-    async def _send_payload(self, loop, sock, endpoint, sm, ids):
+    async def _send_payload(self, loop, sock, endpoint, sm, blocks):
+        ids = await blocks.all(watch=sock)
         await loop.sock_sendall(sock, proto.encode_blob(
             json.dumps({"sender": self.key, "src": ids}).encode()))
         if self.die_after_blob:
