@@ -229,3 +229,56 @@ def print_summary(doc: dict) -> None:
           "goodput in req/s)", flush=True)
 
 
+
+
+# ------------------------------------------------------------------------------ merging
+# settings that must agree for two runs' deployments to be compared (the workload)
+_WORKLOAD_KEYS = ("model", "dtype", "devices", "seed", "vocab_size", "prompt_len", "rate_list",
+                  "duration", "num_requests", "long_frac", "short_len", "output_len",
+                  "ttft_repeats", "exact_prompts", "exact_max_tokens", "slo_ttft_ms",
+                  "slo_tpot_ms", "gemv")
+
+
+def merge(paths: list[str]) -> dict:
+    """One report from runs that each measured some deployments (``--deployments 1p1d`` in
+    one, ``colocated`` in another) on the same workload; later files win. Agreement under
+    load is not available (the mixed workload's token ids are compared in memory only)."""
+    docs = [json.load(open(p)) for p in paths]
+    base = {k: docs[0]["settings"].get(k) for k in _WORKLOAD_KEYS}
+    for p, d in zip(paths[1:], docs[1:]):
+        other = {k: d["settings"].get(k) for k in _WORKLOAD_KEYS}
+        diff = {k: (base[k], other[k]) for k in _WORKLOAD_KEYS if base[k] != other[k]}
+        if diff:
+            raise SystemExit(f"{p}: a different workload than {paths[0]}: {diff}")
+    out = dict(docs[-1])
+    out["deployments"] = {}
+    for d in docs:
+        out["deployments"].update(d["deployments"])
+    out["merged_from"] = [{"path": p, "command": d.get("command"),
+                           "kv_backend": d["settings"].get("kv_backend"),
+                           "deployments": list(d["deployments"]), "started": d.get("started")}
+                          for p, d in zip(paths, docs)]
+    out["command"] = "python3 bench/disagg_report.py --merge " + " ".join(paths)
+    out["comparison"] = compare(out, {})
+    return out
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Print (or merge) bench/disagg_gpu.py reports")
+    p.add_argument("reports", nargs="+")
+    p.add_argument("--merge", action="store_true",
+                   help="combine the deployments of several runs of the same workload")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    doc = merge(a.reports) if a.merge else json.load(open(a.reports[0]))
+    print_summary(doc)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(dumps(doc))
+        print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -130,6 +130,14 @@ class BlockManager:
         self.prefix_hit_tokens += seq.num_computed_tokens
         return seq.num_computed_tokens
 
+    def release_cached_prefix(self, seq: Sequence) -> None:
+        """Undo :meth:`allocate_cached_prefix` (blocks and hit statistics) for a request that
+        could not be scheduled after all: it must not hold blocks while it waits."""
+        self.prefix_queries_tokens -= seq.num_tokens
+        self.prefix_hit_tokens -= seq.num_computed_tokens
+        self.free_seq(seq)
+        seq.num_computed_tokens = 0
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register every computed full block of ``seq`` in the prefix cache."""
         if not self.enable_prefix_caching:

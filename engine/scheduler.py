@@ -117,6 +117,10 @@ class Scheduler:
                 seq.num_cached_tokens = self.bm.allocate_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.bm.allocate_slots(seq, n):
+                # give the cached prefix back while it waits: a waiting request holding
+                # blocks could starve the running ones (and itself) for good
+                self.bm.release_cached_prefix(seq)
+                seq.num_cached_tokens = 0
                 if not self.running:  # nothing will free blocks: it can never fit
                     logger.warning("request %s needs more KV blocks than exist", seq.request_id)
                 break

@@ -128,6 +128,12 @@ class CudaIpcReceiver(ControlReceiver):
             if index is None:
                 raise TransferError(f"sender GPU {meta['device_uuid']} is not visible here "
                                     "(cuda_ipc needs both GPUs visible to both processes)")
+            # Opened on OUR device (peer access enabled by the driver), not the sender's: the
+            # copies then run in our GPU's context, our copy engine pulling over NVLink. A
+            # context of ours on the sender's GPU would be time-sliced with the prefill
+            # worker's context there, stalling its forward passes under load (measured:
+            # 1P1D goodput halved at 8 req/s, bench/disagg_notes.md).
+            index = self._cache.device.index
             storage = torch.UntypedStorage._new_shared_cuda(
                 index, base64.b64decode(meta["handle"]), int(meta["size"]),
                 int(meta["offset"]), base64.b64decode(meta["ref_handle"]),

@@ -173,9 +173,10 @@ class WorkerMetrics:
         self.transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved, by "
                                       "direction (sent by prefill, received by decode)",
                                       ["direction"], registry=r)
-        self.transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "KV transfer duration "
-                                          "(sender: send call; receiver: prefill RPC done -> KV "
-                                          "landed wait)", ["direction"],
+        self.transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "KV transfer time "
+                                          "added after the prompt was computed (sender: last "
+                                          "blocks handed over -> acked; receiver: prefill RPC "
+                                          "done -> KV landed wait)", ["direction"],
                                           buckets=TRANSFER_BUCKETS, registry=r)
         self.transfers = Counter("pdserve_kv_transfers", "KV transfers by direction and final "
                                  "state", ["direction", "state"], registry=r)

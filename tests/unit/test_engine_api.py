@@ -144,3 +144,29 @@ def test_prefill_progress_reports_each_finished_chunk():
         pass
     assert eng.progress == []
     eng.release("q")
+
+
+def test_prefill_progress_reports_a_reset_when_preempted():
+    """A chunked prefill whose blocks are taken back (preempted for an older request) reports
+    a reset, so a KV stream that already sent its first chunks can be failed; after the
+    recompute it reports progress again and ends normally."""
+    llm = LLM("dummy:tiny", block_size=4, num_blocks=10, max_num_batched_tokens=8)
+    eng = llm.engine
+    eng.add_request("old", [1, 2, 3, 4, 5, 6, 7, 8],
+                    SamplingParams(max_tokens=28, temperature=0, ignore_eos=True))
+    eng.step()  # "old" prefilled: 2 blocks, then grows one block per 4 tokens
+    eng.add_request("p", list(range(10, 42)), SamplingParams(max_tokens=2, temperature=0),
+                    prefill_only=True, report_progress=True)
+    final = None
+    for _ in range(200):
+        for out in eng.step():
+            if out.request_id == "p":
+                final = out
+        if final is not None:
+            break
+    mine = [p for p in eng.progress if p.request_id == "p"]
+    resets = [i for i, p in enumerate(mine) if p.reset]
+    assert resets, [(p.num_computed_tokens, p.reset) for p in mine]
+    assert mine[resets[0]].block_ids == [] and mine[resets[0]].num_computed_tokens == 0
+    assert final is not None and final.held_block_ids is not None
+    assert eng.release("p")

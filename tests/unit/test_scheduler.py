@@ -100,3 +100,36 @@ def test_prefix_hit_counts_only_new_tokens():
     sched, _ = step(s)
     assert sched == [("b", 2)]
     assert s.requests["b"].num_cached_tokens == 12
+
+
+def test_waiting_request_does_not_hold_its_cached_prefix():
+    """A waiting request whose cached prefix is attached but whose remaining tokens do not
+    fit gives the prefix blocks back: otherwise two requests that each hold part of a full
+    cache wait for each other forever (seen with a preempted prefill, whose first chunks
+    were still cached, and the running request that had preempted it)."""
+    s, bm = make(num_blocks=8, budget=64)
+    shared = list(range(100, 116))  # 4 full blocks
+    a = Sequence("a", shared + [1], SamplingParams(max_tokens=8))
+    s.add(a)
+    step(s)
+    bm.cache_full_blocks(a)
+    s.finish(a, FinishReason.LENGTH)  # its 4 prefix blocks stay cached (evictable)
+    big = Sequence("big", list(range(200, 208)), SamplingParams(max_tokens=12))  # 2 -> 5 blocks
+    s.add(big)
+    step(s)  # 2 blocks: 4 evictable cached blocks remain free
+    queries, hits = bm.prefix_queries_tokens, bm.prefix_hit_tokens
+    b = Sequence("b", shared + list(range(300, 312)), SamplingParams(max_tokens=2))
+    s.add(b)  # 4 cached blocks + 3 more: 7 of 8, cannot fit beside "big"
+    step(s)
+    assert b.status is SeqStatus.WAITING and b.block_table == []
+    assert b.num_computed_tokens == 0
+    assert (bm.prefix_queries_tokens, bm.prefix_hit_tokens) == (queries, hits)
+    for _ in range(40):  # "big" grows to 5 blocks and finishes, then "b" runs
+        step(s)
+        if big.status is SeqStatus.RUNNING and big.num_tokens >= 20:
+            assert len(big.block_table) == 5  # never preempted: it got its blocks
+            s.finish(big, FinishReason.LENGTH)
+        if b.status is not SeqStatus.WAITING:
+            break
+    assert big.status is SeqStatus.FINISHED and big.num_preemptions == 0
+    assert b.status is SeqStatus.RUNNING and len(b.block_table) == 7
