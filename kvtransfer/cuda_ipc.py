@@ -15,6 +15,10 @@ so there is nothing to abort: a cancelled receive stops after the copies already
 
 Requirements: both processes on one host and both GPUs visible to both processes (the
 sender's device is matched by UUID, so CUDA_VISIBLE_DEVICES orderings may differ).
+
+Caution: its copies are the fastest (379 GB/s on two H200s), but 1P1D serving with cuda_ipc
+as the first backend stalled the prefill worker from 16 req/s on, where nccl did not (not
+understood yet; bench/disagg_notes.md). List it after nccl.
 """
 
 from __future__ import annotations

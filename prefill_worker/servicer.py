@@ -171,6 +171,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if tspan.is_recording():
             tspan.set_attributes({"pdserve.kv.bytes": res.num_bytes,
                                   "pdserve.kv.tail_ms": round(tail * 1000, 3),
+                                  # over the tail: the rate once the last blocks were ready
+                                  "pdserve.kv.gbps": round(res.num_bytes / tail / 1e9, 4)
+                                  if tail > 0 else 0.0,
                                   "pdserve.kv.state": res.state.value})
             telemetry.end_with_status(tspan, "OK" if res.ok else "UNAVAILABLE", res.error or "")
         self.runtime.transferred_bytes += res.num_bytes

@@ -105,6 +105,8 @@ def test_one_trace_per_request_across_three_services(traced):
         kv = one["kv.transfer"].attributes
         assert kv["pdserve.kv.backend"] == "tcp" and kv["pdserve.kv.bytes"] > 0
         assert kv["pdserve.kv.state"] == "done" and kv["pdserve.kv.gbps"] >= 0
+        span_ms = (one["kv.transfer"].end_ns - one["kv.transfer"].start_ns) / 1e6
+        assert 0 <= kv["pdserve.kv.tail_ms"] <= span_ms + 0.01
         assert one["decode"].attributes["pdserve.completion_tokens"] == 6
         assert one["queue"].end_ns <= one["prefill.compute"].start_ns + 1
     assert len(trace_ids) == len(rids)
