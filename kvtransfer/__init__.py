@@ -11,8 +11,10 @@ from kvtransfer.base import (
     TransferState,
 )
 from kvtransfer.registry import backends, make_receiver, make_sender
+from kvtransfer.stream import BlockStream
 
 __all__ = [
+    "BlockStream",
     "IllegalTransition",
     "KVLayout",
     "KVReceiver",

@@ -125,7 +125,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             if first.finish_reason is not None:
                 # the first token already ended the request: nothing to decode, nothing to send
-                sender.cancel(kv.transfer_id)
+                # (failing the stream ends the send however far it got)
+                feed.fail("nothing to send: the request finished at its first token")
                 await _settled(sending)
                 result = common_pb2.KVTransferResult(transfer_id=kv.transfer_id,
                                                      state=common_pb2.TRANSFER_STATE_DONE)

@@ -149,3 +149,15 @@ def test_1p1d_streams_the_kv_of_chunked_prefills():
         stats = run(wait_all_free([w.address for w in c.workers]))
         assert all(s.kv_blocks_used == 0 for s in stats)
         assert sum(s.transferred_bytes for s in stats) > 0
+
+
+def test_request_ending_at_its_first_token_sends_no_kv(cluster_2p2d):
+    """max_tokens=1: the prefill worker's first token ends the request; the transfer it had
+    started ends at once (no wait for its timeout) and every block is freed."""
+    t0 = time.monotonic()
+    outs = run(gen_many(cluster_2p2d.address, [
+        client.make_request(p, max_tokens=1, temperature=0.0) for p in PROMPTS[:4]]))
+    assert time.monotonic() - t0 < 10
+    assert all(len(o.token_ids) == 1 and o.finish_reason == "length" for o in outs)
+    stats = run(wait_all_free([w.address for w in cluster_2p2d.workers]))
+    assert all(s.kv_blocks_used == 0 for s in stats)
