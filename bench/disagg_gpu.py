@@ -283,16 +283,55 @@ def warmup_items(a, rnd: int) -> list[Item]:
 
 # ------------------------------------------------------------------------------ driving
 async def drive(address: str, items: list[Item], *, rate: float | None, timeout_s: float,
-                seed: int = 0, duration_s: float | None = None
-                ) -> tuple[list[RequestResult], dict[str, list[int]]]:
+                seed: int = 0, duration_s: float | None = None, workers=None,
+                ) -> tuple[list[RequestResult], dict[str, list[int]], dict]:
     """Send ``items`` (greedy, EOS ignored): one at a time when ``rate`` is None, else Poisson
     arrivals at ``rate`` (math.inf: all at once), stopping sends at ``duration_s``. Returns
-    the results in send order and each successful request's generated token ids."""
+    the results in send order, each successful request's generated token ids and, with
+    ``workers`` (``{name: address}``), their queues sampled every 0.5 s meanwhile."""
     tokens: dict[str, list[int]] = {}
     load = LoadSpec(rate=rate, concurrency=None if rate is not None else 1,
                     duration_s=duration_s, timeout_s=timeout_s, temperature=0.0, seed=seed)
-    results = await run_load(address, items, load, progress=False, tokens=tokens)
-    return results, tokens
+    sampler = asyncio.ensure_future(sample_workers(workers)) if workers else None
+    try:
+        results = await run_load(address, items, load, progress=False, tokens=tokens)
+    finally:
+        queues = {}
+        if sampler is not None:
+            sampler.cancel()
+            queues = await asyncio.gather(sampler, return_exceptions=True)
+            queues = queues[0] if isinstance(queues[0], dict) else {}
+    return results, tokens, queues
+
+
+async def sample_workers(workers: dict[str, str], interval_s: float = 0.5) -> dict:
+    """Where requests wait during a run: per worker, the max and mean of its running and
+    waiting requests, KV transfers in flight and KV blocks in use (its Stats RPC)."""
+    import grpc
+
+    from protos.pdserve.v1 import common_pb2, worker_pb2_grpc
+
+    fields = ("num_running", "num_waiting", "active_transfers", "kv_blocks_used")
+    seen: dict[str, dict[str, list[int]]] = {n: {f: [] for f in fields} for n in workers}
+    channels = {n: grpc.aio.insecure_channel(a) for n, a in workers.items()}
+    stubs = {n: (worker_pb2_grpc.PrefillWorkerStub if n.startswith("prefill") else
+                 worker_pb2_grpc.DecodeWorkerStub)(ch) for n, ch in channels.items()}
+    try:
+        while True:
+            for n, stub in stubs.items():
+                try:
+                    st = await stub.Stats(common_pb2.StatsRequest(), timeout=2)
+                except grpc.aio.AioRpcError:
+                    continue
+                for f in fields:
+                    seen[n][f].append(getattr(st, f))
+            await asyncio.sleep(interval_s)
+    except asyncio.CancelledError:
+        return {n: {f: {"max": max(v), "mean": round(sum(v) / len(v), 2)}
+                    for f, v in d.items() if v} for n, d in seen.items()}
+    finally:
+        for ch in channels.values():
+            await ch.close()
 
 
 def errors_of(results: list[RequestResult]) -> dict:
@@ -344,7 +383,7 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
 
         t = time.monotonic()
         for rnd in range(a.warmup_rounds):
-            res, _ = asyncio.run(drive(addr, warmup_items(a, rnd), rate=math.inf,
+            res, _, _ = asyncio.run(drive(addr, warmup_items(a, rnd), rate=math.inf,
                                        timeout_s=max(a.timeout, 120.0)))
             bad = [r for r in res if not r.ok]
             if bad:
@@ -353,7 +392,7 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
         log(f"{name}: warm-up done in {dep['warmup_s']} s")
 
         # a. TTFT of long prompts, one at a time
-        res, _ = asyncio.run(drive(addr, ttft_items(a), rate=None, timeout_s=a.timeout))
+        res, _, _ = asyncio.run(drive(addr, ttft_items(a), rate=None, timeout_s=a.timeout))
         ttfts = [r.ttft_s for r in res if r.ok]
         dep["ttft"] = {"prompt_len": a.prompt_len, "max_tokens": a.ttft_max_tokens,
                        "num_ok": len(ttfts), "errors": errors_of(res),
@@ -366,7 +405,7 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
 
         # b. greedy tokens, one at a time
         items = exact_items(a)
-        res, toks = asyncio.run(drive(addr, items, rate=None, timeout_s=a.timeout))
+        res, toks, _ = asyncio.run(drive(addr, items, rate=None, timeout_s=a.timeout))
         dep["exact"] = {"prompt_lens": [it.prompt_units for it in items],
                         "max_tokens": a.exact_max_tokens, "errors": errors_of(res),
                         "tokens": {it.id: toks.get(it.id) for it in items}}
@@ -390,9 +429,10 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
             items = rate_items(a, k, rate)
             long_ids = {it.id for it in items if it.extra.get("long")}
             t = time.monotonic()
-            res, toks = asyncio.run(drive(
+            res, toks, queues = asyncio.run(drive(
                 addr, items, rate=rate, timeout_s=a.timeout, seed=a.seed * 1000 + 200 + k,
-                duration_s=None if a.num_requests else a.duration))
+                duration_s=None if a.num_requests else a.duration,
+                workers={f"{w.kind}{i}": w.address for i, w in enumerate(cluster.workers)}))
             s = metrics.summarize(res, slo_ttft, slo_tpot)
             s["slo_attainment"] = round(s["num_good"] / s["num_requests"], 4) \
                 if s["num_requests"] else None
@@ -404,6 +444,7 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
             MIXED_TOKENS[(name, k)] = toks  # compared in memory: too big for the JSON
             dep["mixed"].append({"rate": rate, "wall_s": round(time.monotonic() - t, 1),
                                  "summary": s, "errors": errors_of(res),
+                                 "worker_queues": queues,
                                  "request_fields": REQUEST_FIELDS,
                                  "requests": [_row(r, r.id in long_ids) for r in res]})
             log(f"{name}: rate {rate:g}: {s['num_ok']}/{s['num_requests']} ok, ITL p50/p99 "
