@@ -133,8 +133,6 @@ class BlockStream:
 
 async def wait_event(event: Any, watch=None) -> None:
     """Await a part's device event without blocking the loop (None: nothing to wait for)."""
-    if event is None or event.query():
-        return
-    from kvtransfer.control import wait_event as wait_device
+    from kvtransfer.control import wait_event as wait_device  # control imports this module
 
     await wait_device(event, watch=watch, what="the prefill's forward pass")

@@ -271,10 +271,10 @@ class RunnerSender(KVSender):
                    timeout_s: float) -> TransferResult:
         if isinstance(src_block_ids, BlockStream):
             blocks = src_block_ids
+            blocks.limit(self._cache.shape[0])  # ValueError for ids outside this cache
         else:
             blocks = BlockStream.of(check_block_ids(src_block_ids, self._cache.shape[0],
                                                     unique=False))
-        blocks.limit(self._cache.shape[0])  # ValueError for ids outside this cache
 
         async def body(sm: TransferStateMachine) -> int:
             return await self._send(sm, endpoint, blocks)
