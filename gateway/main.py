@@ -6,6 +6,7 @@ import logging
 import sys
 
 from services.config import GatewaySettings
+from services.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,7 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     try:
         await srv.wait_stopped()
     finally:
-        for t in tasks:
-            t.cancel()
+        await cancel_and_wait(tasks)
         await servicer.close()
         for c in (registry, index):
             if c is not None:

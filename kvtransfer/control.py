@@ -43,6 +43,7 @@ from kvtransfer.tracking import (
     TrackedReceiver,
     TransferError,
 )
+from services.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +107,7 @@ class ControlReceiver(TrackedReceiver):
     async def close(self) -> None:
         self._tracker.close()
         tasks = [t for t in (self._accept_task, *self._conns) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
         if self._listener is not None:
             self._listener.close()
             self._listener = None

@@ -29,6 +29,7 @@ from kvtransfer.tracking import (
     RunnerSender,
     TransferError,
 )
+from services.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,7 @@ class FakeReceiver(TrackedReceiver):
         if self._endpoint is not None:
             _ENDPOINTS.pop(self._endpoint, None)
         self._tracker.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks))
 
     async def _deliver(self, transfer_id: str, layout: KVLayout, total: int,
                        source: Callable[[], Awaitable[torch.Tensor]]) -> None:

@@ -24,6 +24,7 @@ from kvtransfer.base import (
     TransferStateMachine,
 )
 from kvtransfer.stream import BlockStream
+from services.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ class SendRunner:
         tasks = list(self._tasks.items())
         for transfer_id, _ in tasks:
             self.cancel(transfer_id)
-        await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
+        await cancel_and_wait([t for _, t in tasks])
 
     @staticmethod
     async def _guarded(sm: TransferStateMachine, timeout_s: float,

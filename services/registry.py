@@ -31,6 +31,7 @@ import time
 import uuid
 
 from services.redis_client import DEFAULT_NAMESPACE, RedisConn, RedisUnavailable, worker_key
+from services.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -220,11 +221,7 @@ class Heartbeat:
 
     async def stop(self, deregister: bool = True) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait([self._task])
             self._task = None
         if deregister:
             try:

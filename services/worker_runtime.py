@@ -14,6 +14,7 @@ from services.config import WorkerSettings
 from services.prefix_index import IndexUnavailable, PrefixIndex
 from services.registry import (Heartbeat, RegistryUnavailable, WorkerInfo, WorkerLoad,
                                WorkerRegistry, new_worker_id)
+from services.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +80,7 @@ class WorkerRuntime:
             self._tasks.append(asyncio.create_task(self._publish_loop(), name="index-publish"))
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self.heartbeat is not None:
             await self.heartbeat.stop(deregister=True)
