@@ -3,7 +3,15 @@
 At one token per step a projection is a pure weight stream (M = 1 leaves the matrix units
 idle), so the kernel is built for bandwidth: each program owns BLOCK_N output rows and walks
 the whole of K in [BLOCK_N, BLOCK_K] tiles of wide, contiguous loads, keeping a 2-D fp32
-accumulator that is reduced once at the end. No split-K, so no second reduce launch.
+accumulator that is reduced once at the end.
+
+Split-K (``split_k`` > 1) gives small matrices more programs (more loads in flight) without a
+second launch: each of the ``split_k`` programs of a row block writes its fp32 partial sums to a
+scratch buffer and bumps the row block's arrival counter; the program that arrives last sums
+the partials in split order (so the result does not depend on which one was last), writes y
+and resets the counter for the next launch. Counters live in one zeroed buffer per device and
+are always left at zero, so the kernel replays inside CUDA graphs. Launches that share the
+counter buffer must not run concurrently (the engine runs its GEMVs on one stream).
 
 Optional prologues fold the neighbouring row-wise kernel into the GEMV (each program
 recomputes it from the small input vector, which stays in L2):
@@ -26,6 +34,20 @@ import triton.language as tl
 from engine.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
 
 PROLOGUES = {"none": 0, "rmsnorm": 1, "add_rmsnorm": 2, "silu_mul": 3}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MIN_COUNTERS = 1 << 16
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """The split-K arrival counters of ``device`` (int32, zero between launches)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("gemv split-K counters must be allocated before graph capture "
+                               "(run the kernel once outside the capture)")
+        buf = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 @triton.jit
@@ -48,12 +70,13 @@ def _load_x(x_ptr, res_ptr, nw_ptr, kk, km, K, inv, PRO: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, new_res_ptr, N, K, eps,
-                 stride_xm, stride_rm, stride_w, stride_ym, stride_nrm,
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, new_res_ptr, part_ptr, cnt_ptr,
+                 N, K, eps, stride_xm, stride_rm, stride_w, stride_ym, stride_nrm,
                  PRO: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
+    sk = tl.program_id(2)
     x_ptr += m * stride_xm
     res_ptr += m * stride_rm
     new_res_ptr += m * stride_nrm
@@ -70,13 +93,15 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, new_res_ptr, N, K,
             if PRO == 2:
                 r = tl.load(res_ptr + kk, mask=km, other=0.0).to(tl.float32)
                 s = (xv + r).to(new_res_ptr.dtype.element_ty)
-                tl.store(new_res_ptr + kk, s, mask=km & (pid == 0))
+                tl.store(new_res_ptr + kk, s, mask=km & (pid == 0) & (sk == 0))
                 xv = s.to(tl.float32)
             ss += xv * xv
         inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    for k0 in range(0, K, BLOCK_K):
+    k_len = K // SPLIT_K  # SPLIT_K > 1 only when BLOCK_K * SPLIT_K divides K
+    k_lo = sk * k_len
+    for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
         kk = k0 + ks
         km = kk < K
         xv = _load_x(x_ptr, res_ptr, nw_ptr, kk, km, K, inv, PRO)
@@ -87,19 +112,37 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, new_res_ptr, N, K,
                         eviction_policy="evict_first")
         acc += w.to(tl.float32) * xv[None, :]
     y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        num_m = tl.num_programs(1)
+        tl.store(part_ptr + (sk * num_m + m) * N + rows, y, mask=n_mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        ctr = cnt_ptr + m * tl.num_programs(0) + pid
+        arrived = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # last of the row block: the others' partials are visible
+            tot = tl.zeros([BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                tot += tl.load(part_ptr + (s * num_m + m) * N + rows, mask=n_mask, other=0.0,
+                               cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + m * stride_ym + rows, tot.to(y_ptr.dtype.element_ty), mask=n_mask)
+            tl.atomic_xchg(ctr, 0, sem="relaxed", scope="gpu")
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          prologue: str = "none", residual: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-         block_n: int = 8, block_k: int = 1024, num_warps: int = 4):
+         block_n: int = 8, block_k: int = 1024, num_warps: int = 4, split_k: int = 1,
+         num_stages: int | None = None):
     """x [M, K] (or [M, 2K] for silu_mul), weight [N, K] -> y [M, N] in x.dtype.
 
     With prologue "add_rmsnorm" returns (y, x + residual); with "rmsnorm" returns (y, x);
-    otherwise y. The last dims must be contiguous."""
+    otherwise y. The last dims must be contiguous. ``split_k`` > 1 needs
+    ``block_k * split_k`` to divide K."""
     pro = PROLOGUES[prologue]
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device)
@@ -127,14 +170,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         res = residual
         new_res = torch.empty_like(x, memory_format=torch.contiguous_format)
         stride_rm, stride_nrm = residual.stride(0), new_res.stride(0)
+    if split_k < 1 or (split_k > 1 and k % (block_k * split_k)):
+        raise ValueError(f"split_k={split_k} needs block_k * split_k ({block_k * split_k}) "
+                         f"to divide K ({k})")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    n_blocks = triton.cdiv(n, block_n)
+    part = cnt = y
+    if split_k > 1:
+        part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, n_blocks * m)
     if m and n:
         even = n % block_n == 0 and k % block_k == 0
-        _gemv_kernel[(triton.cdiv(n, block_n), m)](
-            x, res, nw, weight, bias if bias is not None else x, y, new_res, n, k, float(eps),
-            x.stride(0), stride_rm, weight.stride(0), y.stride(0), stride_nrm,
+        _gemv_kernel[(n_blocks, m, split_k)](
+            x, res, nw, weight, bias if bias is not None else x, y, new_res, part, cnt, n, k,
+            float(eps), x.stride(0), stride_rm, weight.stride(0), y.stride(0), stride_nrm,
             PRO=pro, HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=num_warps)
+            SPLIT_K=split_k, num_warps=num_warps,
+            **({} if num_stages is None else {"num_stages": num_stages}))
     if pro == 2:
         return y, new_res
     if pro == 1:

@@ -111,13 +111,33 @@ def test_gemv(n, k, prologue):
     if prologue == "add_rmsnorm":
         kw["residual"] = torch.randn(1, k, dtype=BF16, device=DEV)
     want = R.gemv_ref(x, w, prologue=prologue, **kw)
-    for bn, bk, nw in [(8, 1024, 4), (16, 512, 4), (8, 2048, 8)]:
-        got = K.gemv(x, w, prologue=prologue, block_n=bn, block_k=bk, num_warps=nw, **kw)
-        if isinstance(want, tuple):
-            assert torch.equal(got[1], want[1])
-            close(got[0], want[0])
-        else:
-            close(got, want)
+    for bn, bk, nw, split in [(8, 1024, 4, 1), (16, 512, 4, 1), (8, 2048, 8, 1),
+                              (8, 1024, 4, 2), (16, 512, 4, 4)]:
+        for _ in range(2 if split > 1 else 1):  # the second launch reuses the reset counters
+            got = K.gemv(x, w, prologue=prologue, block_n=bn, block_k=bk, num_warps=nw,
+                         split_k=split, **kw)
+            if isinstance(want, tuple):
+                assert torch.equal(got[1], want[1])
+                close(got[0], want[0])
+            else:
+                close(got, want)
+
+
+def test_gemv_split_k_in_a_cuda_graph_replays_exactly():
+    """The arrival counters return to zero, so a captured split-K GEMV replays correctly."""
+    x = torch.randn(1, 4096, dtype=BF16, device=DEV)
+    w = torch.randn(4096, 4096, dtype=BF16, device=DEV) / 64
+    first = K.gemv(x, w, block_n=8, block_k=512, split_k=4)  # allocates the counters
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = K.gemv(x, w, block_n=8, block_k=512, split_k=4)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, K.gemv(x, w, block_n=8, block_k=512, split_k=4))
+        close(y, R.gemv_ref(x, w))
+    assert first.shape == y.shape
 
 
 def test_rotary_store_kv():

@@ -206,7 +206,10 @@ def test_wrappers_reject_bad_arguments():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("prologue", ["none", "rmsnorm", "add_rmsnorm", "silu_mul"])
 @pytest.mark.parametrize("m,n,k,bias,cfg", [
-    (1, 48, 96, False, (8, 32, 4)), (1, 40, 64, True, (16, 64, 4)), (3, 24, 80, False, (4, 32, 2))])
+    (1, 48, 96, False, (8, 32, 4, 1)), (1, 40, 64, True, (16, 64, 4, 1)),
+    (3, 24, 80, False, (4, 32, 2, 1)),
+    # split-K: partial sums per split, the last program of a row block reduces them
+    (1, 48, 96, False, (8, 32, 4, 3)), (2, 40, 128, True, (16, 32, 4, 2))])
 def test_gemv(dtype, prologue, m, n, k, bias, cfg):
     kx = 2 * k if prologue == "silu_mul" else k
     x = torch.randn(m, kx, dtype=dtype, device=DEV)
@@ -218,13 +221,26 @@ def test_gemv(dtype, prologue, m, n, k, bias, cfg):
         kw["eps"] = 1e-5
     if prologue == "add_rmsnorm":
         kw["residual"] = torch.randn(m, k, dtype=dtype, device=DEV)
-    bn, bk, nw = cfg
-    got = K.gemv(x, w, b, prologue=prologue, block_n=bn, block_k=bk, num_warps=nw, **kw)
+    bn, bk, nw, split = cfg
+    got = K.gemv(x, w, b, prologue=prologue, block_n=bn, block_k=bk, num_warps=nw,
+                 split_k=split, **kw)
     want = R.gemv_ref(x, w, b, prologue=prologue, **kw)
     if isinstance(want, tuple):
         close(got[1], want[1], dtype)
         got, want = got[0], want[0]
     close(got, want, dtype, scale=2.0)
+    if split > 1:  # counters were reset: a second launch gives the same (deterministic) y
+        again = K.gemv(x, w, b, prologue=prologue, block_n=bn, block_k=bk, num_warps=nw,
+                       split_k=split, **kw)
+        assert torch.equal(again[0] if isinstance(again, tuple) else again,
+                           got[0] if isinstance(got, tuple) else got)
+
+
+def test_gemv_split_k_must_divide_k():
+    x = torch.randn(1, 96, device=DEV)
+    w = torch.randn(8, 96, device=DEV)
+    with pytest.raises(ValueError, match="split_k=2 needs block_k"):
+        K.gemv(x, w, block_n=8, block_k=64, split_k=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
