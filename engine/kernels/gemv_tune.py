@@ -91,8 +91,8 @@ def tune_role(model, role: str, mode: str = "auto"):
     from engine.kernels.matvec import gemv
     lin, norms, pro, k = _role_inputs(model, role)
     w0 = lin[0].weight
-    key = (role, tuple(w0.shape), w0.dtype, lin[0].bias is not None, len(lin), mode, os.environ.get("PDSERVE_GEMV_SPLIT_K"),
-           torch.cuda.get_device_name(w0.device))
+    key = (role, tuple(w0.shape), w0.dtype, lin[0].bias is not None, len(lin), mode,
+           os.environ.get("PDSERVE_GEMV_SPLIT_K"), torch.cuda.get_device_name(w0.device))
     if key in _CACHE:
         return _CACHE[key]
     dev, dt = w0.device, w0.dtype
