@@ -14,6 +14,7 @@ keep serving with load-only routing, so a call must never hang. Every call here:
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 import logging
 import time
@@ -73,6 +74,11 @@ class RedisConn:
         try:
             result = await fn(self.client)
         except (rexc.ConnectionError, rexc.TimeoutError, rexc.ReadOnlyError, OSError) as e:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # We were cancelled and redis-py's cleanup turned that into a timeout (its
+                # disconnect runs under asyncio.timeout): stop, do not retry as if Redis were slow.
+                raise asyncio.CancelledError() from e
             self._down_until = time.monotonic() + self.cooldown_s
             if not self._down_logged:
                 logger.warning("%s: Redis at %s unavailable: %s", self.name, self.url, e)

@@ -319,3 +319,56 @@ def test_sync_client_sees_the_documented_key_layout(redis_server):
     assert 0 < r.pttl("pdserve:worker:A") <= 30_000
     assert r.pttl(f"pdserve:idx:{MODEL}:wrk:A") == -1  # no TTL: kept until reaped
     r.close()
+
+
+def test_a_cancellation_redis_py_turned_into_a_timeout_still_cancels(redis_server):
+    """redis-py's cleanup runs under asyncio.timeout, which can replace our CancelledError
+    with a TimeoutError; a retry loop would then never stop. RedisConn re-raises the
+    cancellation, and Heartbeat.stop is bounded either way."""
+    from redis import exceptions as rexc
+
+    from services.redis_client import RedisConn
+
+    async def main():
+        conn = RedisConn(redis_server)
+
+        async def swallowing(client):
+            await client.ping()  # a real round trip first
+            asyncio.current_task().cancel()  # our cancellation arrives...
+            try:
+                await asyncio.sleep(1)
+            except asyncio.CancelledError:
+                raise rexc.TimeoutError("Timeout reading from socket")  # ...and is converted
+
+        with pytest.raises(asyncio.CancelledError):
+            await conn.call(swallowing)
+        asyncio.current_task().uncancel()
+        assert conn.available  # a cancellation is not an outage: no cooldown
+        assert await conn.call(lambda c: c.ping())
+        await conn.close()
+
+        # A heartbeat whose loop swallows a cancellation (as it did before the guard) still stops
+        reg = WorkerRegistry(redis_server, ttl_s=2.0)
+        hb = Heartbeat(reg, info("p1"), interval_s=0.01)
+        await hb.start()
+        real_beat, swallowed = hb.beat, []
+
+        async def beat_swallowing_once():
+            try:
+                await real_beat()
+                await asyncio.sleep(0.3)  # where the cancellation lands
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed.append(1)
+                raise RegistryUnavailable("converted")
+
+        hb.beat = beat_swallowing_once
+        await asyncio.sleep(0.15)
+        t0 = time.monotonic()
+        await asyncio.wait_for(hb.stop(), timeout=5)
+        assert time.monotonic() - t0 < 2.0 and swallowed == [1]
+        assert await reg.get("p1") is None
+        await reg.close()
+
+    run(main())
