@@ -97,6 +97,8 @@ def main():
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-gib", type=float, default=40.0)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--async-decode", action="store_true",
+                    help="launch each decode step before reading the previous one's tokens")
     args = ap.parse_args()
     sections = args.sections.split(",")
     R = {"command": "PYTHONPATH=. python3 " + " ".join(sys.argv), "python": platform.python_version(),
@@ -116,7 +118,7 @@ def main():
     llm = LLM(MODEL, dtype="bfloat16", device="cuda", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_batched_tokens, max_model_len=4352,
               kv_cache_memory_bytes=int(args.kv_gib * 2**30), enable_prefix_caching=False,
-              enforce_eager=args.eager)
+              enforce_eager=args.eager, async_decode=args.async_decode)
     eng = llm.engine
     R["engine_build_s"] = round(time.time() - t0, 1)
     R["graph_buckets"] = getattr(eng.runner, "graph_buckets", None)
@@ -169,7 +171,7 @@ def main():
             runs.append({"ttft_ms": (t_first - t_start) * 1e3, "tokens": n,
                          "decode_tok_s": (n - 1) / (t_end - t_first),
                          "e2e_tok_s": n / (t_end - t_start)})
-        R["a"] = {"runs": runs[1:], "warmup": runs[0],
+        R["a"] = {"runs": runs[1:], "warmup": runs[0], "chained_steps": eng.chained_steps,
                   "decode_tok_s_median": statistics.median(r["decode_tok_s"] for r in runs[1:]),
                   "e2e_tok_s_median": statistics.median(r["e2e_tok_s"] for r in runs[1:])}
         print("a:", {k: v for k, v in R["a"].items() if "median" in k}, flush=True)

@@ -63,6 +63,10 @@ class BlockManager:
         self.events = BlockEvents()
         self.prefix_queries_tokens = 0
         self.prefix_hit_tokens = 0
+        # while a step launched ahead may still write KV (engine async_decode), freed blocks
+        # wait here instead of entering the free pool: a new owner could fill them meanwhile
+        # (a KV transfer lands on another stream) and the in-flight write would clobber it
+        self._held_frees: list[int] | None = None
 
     # ---------------------------------------------------------------- queries
     @property
@@ -195,9 +199,24 @@ class BlockManager:
     def free_seq(self, seq: Sequence) -> None:
         """Drop ``seq``'s references. Tail blocks are queued for eviction before head blocks,
         since a shared prefix is likelier to be hit again than a request's own tail."""
-        for bid in reversed(seq.block_table):
-            self._unref(bid)
+        if self._held_frees is not None:
+            self._held_frees.extend(reversed(seq.block_table))
+        else:
+            for bid in reversed(seq.block_table):
+                self._unref(bid)
         seq.block_table = []
+
+    def hold_frees(self) -> None:
+        """From now on, freed blocks are kept out of the free pool until
+        :meth:`release_held_frees` (idempotent)."""
+        if self._held_frees is None:
+            self._held_frees = []
+
+    def release_held_frees(self) -> None:
+        """Return the blocks freed since :meth:`hold_frees` to the pool, in free order."""
+        held, self._held_frees = self._held_frees, None
+        for bid in held or ():
+            self._unref(bid)
 
     def _unref(self, bid: int) -> None:
         blk = self.blocks[bid]

@@ -18,9 +18,9 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.model_runner import DTYPES, ModelRunner
+from engine.model_runner import DTYPES, ModelRunner, StepHandle
 from engine.request import FinishReason, PrefillProgress, RequestOutput, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SeqStatus
 from services.block_hash import BlockHasher
 
@@ -72,6 +72,9 @@ class LLMEngine:
         # prefill role: chunks finished by requests added with report_progress, for the
         # owner to take after each step (AsyncEngine hands them to the request's caller)
         self.progress: list[PrefillProgress] = []
+        # async_decode: a step launched before the previous one's tokens were read
+        self._ahead: StepHandle | None = None
+        self.chained_steps = 0  # steps launched ahead (their host work overlapped the device)
 
     # ------------------------------------------------------------ validation
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -158,11 +161,20 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._ahead is not None
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and return this step's outputs (deltas)."""
+        """Schedule, run the model once, and return this step's outputs (deltas).
+
+        With ``async_decode``, when the next step cannot differ from this one (same running
+        sequences, one token each, greedy, nothing waiting) it is launched before this one's
+        tokens are read, so the device never waits for the host; the following call then
+        returns the launched step's outputs without scheduling (see :meth:`_launch_ahead`)."""
+        if self._ahead is not None:
+            handle, self._ahead = self._ahead, None
+            self._ahead = self._launch_ahead(handle)
+            return self._finish(handle, [])
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         for rid in sched.preempted:
@@ -171,10 +183,53 @@ class LLMEngine:
                 self.progress.append(PrefillProgress(rid, 0, [], reset=True))
         if not sched:
             return []
-        self.last_schedule = sched  # what this step runs (tracing reads it; no copy made)
         chunked = [item.seq for item in sched.scheduled  # not their last chunk (no sample)
                    if item.seq.report_progress and not item.samples]
-        tokens, logprobs = self.runner.execute(sched)
+        handle = self.runner.launch(sched)
+        self._ahead = self._launch_ahead(handle)
+        return self._finish(handle, chunked)
+
+    def _launch_ahead(self, prev: StepHandle) -> StepHandle | None:
+        """Launch the step after ``prev`` now, if nothing can change it: every running
+        sequence is in ``prev`` and still running, each computes one token, none can reach
+        its length limit in ``prev``, nothing waits, and blocks for the next position exist.
+        Its rows are ``prev``'s; a row whose sequence finishes in ``prev`` (EOS, stop string,
+        abort) is computed and thrown away. Blocks freed meanwhile stay out of the free pool
+        until the launched step is read, so no new owner's KV lands under its writes."""
+        if not self.config.async_decode:
+            return None
+        items = prev.sched.scheduled
+        sc = self.scheduler
+        if not items or sc.waiting or len(sc.running) != len(items):
+            return None
+        for item in items:
+            s = item.seq
+            if (s.status is not SeqStatus.RUNNING or item.num_new_tokens != 1
+                    or s.prefill_only or s.report_progress
+                    or s.num_output_tokens + 2 > s.sampling.max_tokens
+                    or s.num_tokens + 2 > self.max_model_len):
+                return None
+        running = {id(s) for s in sc.running}
+        if any(id(item.seq) not in running for item in items):
+            return None
+        for item in items:  # the next position of each row (harmless if we stop here)
+            if not self.block_manager.allocate_slots(item.seq, 2):
+                return None
+        nxt = SchedulerOutput([ScheduledSeq(item.seq, 1) for item in items])
+        handle = self.runner.launch_next(nxt, prev)
+        if handle is not None:
+            self.block_manager.hold_frees()
+        return handle
+
+    def _finish(self, handle: StepHandle, chunked: list[Sequence]) -> list[RequestOutput]:
+        """Read ``handle``'s tokens, advance the scheduler and build the outputs."""
+        sched = handle.sched
+        tokens, logprobs = self.runner.collect(handle)
+        if handle.chained:  # rows whose sequence ended since the launch are dropped
+            self.chained_steps += 1
+            sched.scheduled = [item for item in sched.scheduled
+                               if item.seq.status is SeqStatus.RUNNING]
+        self.last_schedule = sched  # what this step ran (tracing reads it; no copy made)
         self.scheduler.update(sched, tokens)
         self.steps += 1
         if chunked:
@@ -191,6 +246,8 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
             outs.append(self._emit(seq, tok, logprobs.get(seq.request_id)))
+        if self._ahead is None:
+            self.block_manager.release_held_frees()
         return outs
 
     def _emit(self, seq: Sequence, tok: int, logprob: float | None) -> RequestOutput:

@@ -5,6 +5,7 @@ metadata, runs the model and samples one token for every sequence whose chunk re
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 import logging
 import os
 
@@ -20,6 +21,22 @@ from engine.scheduler import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepHandle:
+    """A launched step. Its tokens are known at launch (eager paths, sampling on the host) or
+    still on the device (greedy CUDA-graph steps: ``greedy`` is the device argmax, copied to
+    the pinned ``host`` buffer; ``event`` completes when that copy has landed)."""
+    sched: SchedulerOutput
+    sampled_ids: list[str]
+    rows: list[int] | None = None  # graph path: the rows of ``greedy`` that sampled (None: all)
+    tokens: list[int] | None = None
+    logprobs: list[float] | None = None
+    greedy: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+    chained: bool = False  # launched by launch_next, before the previous step's tokens were read
 
 
 def kv_block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -133,10 +150,16 @@ class ModelRunner:
         # then block tables [mb, width]; pinned host twins for one copy each per step
         self.g_i64 = torch.zeros(3, mb, dtype=torch.int64, device=dev)
         self.g_i32 = torch.zeros(mb + mb * width, dtype=torch.int32, device=dev)
-        self.h_i64 = torch.zeros(3, mb, dtype=torch.int64).pin_memory()
-        self.h_i32 = torch.zeros(mb + mb * width, dtype=torch.int32).pin_memory()
-        self.h_i64_np = self.h_i64.numpy()
-        self.h_i32_np = self.h_i32.numpy()
+        # two sets of pinned staging buffers, used in turn: a chained launch fills one while
+        # the other's copy may still be queued; each set's event says its copy has run
+        self.h_i64 = [torch.zeros(3, mb, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.h_i32 = [torch.zeros(mb + mb * width, dtype=torch.int32).pin_memory()
+                      for _ in range(2)]
+        self.h_tok = [torch.zeros(mb, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.h_i64_np = [t.numpy() for t in self.h_i64]
+        self.h_i32_np = [t.numpy() for t in self.h_i32]
+        self._stage = 0
+        self._stage_done: list[torch.cuda.Event | None] = [None, None]
         self.g_i64[2].fill_(-1)
         qsl = torch.arange(mb + 1, dtype=torch.int32, device=dev)
         pool = torch.cuda.graph_pool_handle()
@@ -166,34 +189,52 @@ class ModelRunner:
         logger.info("captured %d decode CUDA graphs (batch %s, table width %d)",
                     len(self.graphs), self.graph_buckets, width)
 
-    def _graph_step(self, out: SchedulerOutput):
+    def _graph_step(self, out: SchedulerOutput, prev: StepHandle | None = None):
         """Fill the static buffers for a decode-only step and replay its bucket's graph.
-        Returns (logits [n, V], greedy [n]) views for the n scheduled rows."""
+        With ``prev`` (a chained launch) each row computes position num_computed_tokens + 1
+        and its input token is prev's device argmax, copied on the GPU. Returns (logits [n, V],
+        greedy [n] views for the n scheduled rows, pinned host copy of greedy, its event)."""
         n = len(out.scheduled)
         b = next(x for x in self.graph_buckets if x >= n)
         mb = self.graph_buckets[-1]
         bs = self.block_size
-        h64, h32 = self.h_i64_np, self.h_i32_np
+        k = self._stage
+        self._stage ^= 1
+        if self._stage_done[k] is not None:
+            self._stage_done[k].synchronize()  # its previous copy has run (in practice: long ago)
+        h64, h32 = self.h_i64_np[k], self.h_i32_np[k]
         tables = h32[mb:].reshape(mb, self.graph_width)
         tables[:b] = 0
+        h64[:, :b] = 0
         h64[2, :b] = -1
         h32[:b] = 0
+        offset = 0 if prev is None else 1
         for i, item in enumerate(out.scheduled):
             s = item.seq
-            p = s.num_computed_tokens
+            p = s.num_computed_tokens + offset
             bt = s.block_table
-            h64[0, i] = s.token_ids[p]
+            if prev is None:
+                h64[0, i] = s.token_ids[p]
             h64[1, i] = p
             h64[2, i] = bt[p // bs] * bs + p % bs
             h32[i] = p + 1
             tables[i, :len(bt)] = bt
-        self.g_i64[:, :b].copy_(self.h_i64[:, :b], non_blocking=True)
-        self.g_i32[:b].copy_(self.h_i32[:b], non_blocking=True)
+        self.g_i64[:, :b].copy_(self.h_i64[k][:, :b], non_blocking=True)
+        self.g_i32[:b].copy_(self.h_i32[k][:b], non_blocking=True)
         w = self.graph_width
-        self.g_i32[mb:mb + b * w].copy_(self.h_i32[mb:mb + b * w], non_blocking=True)
+        self.g_i32[mb:mb + b * w].copy_(self.h_i32[k][mb:mb + b * w], non_blocking=True)
+        if prev is not None:  # same batch, same bucket: prev.greedy is still this graph's output
+            self.g_i64[0, :n].copy_(prev.greedy)
+        done = torch.cuda.Event()
+        done.record()
+        self._stage_done[k] = done
         g, logits, greedy = self.graphs[b]
         g.replay()
-        return logits[:n], greedy[:n]
+        host = self.h_tok[k]
+        host[:n].copy_(greedy[:n], non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+        return logits[:n], greedy[:n], host, landed
 
     def _can_graph(self, out: SchedulerOutput) -> bool:
         if not self.graphs or len(out.scheduled) > self.graph_buckets[-1]:
@@ -202,7 +243,9 @@ class ModelRunner:
                    for item in out.scheduled)
 
     # ---------------------------------------------------------------- inputs
-    def prepare(self, out: SchedulerOutput):
+    def prepare(self, out: SchedulerOutput, next_ids: list[int] | None = None):
+        """Flat inputs for ``out``. With ``next_ids`` (a chained launch, one token per row)
+        row i computes position num_computed_tokens + 1 with input token next_ids[i]."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -212,11 +255,14 @@ class ModelRunner:
         qlens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
-        for item in out.scheduled:
+        for i, item in enumerate(out.scheduled):
             s = item.seq
-            start = s.num_computed_tokens
+            start = s.num_computed_tokens + (0 if next_ids is None else 1)
             end = start + item.num_new_tokens
-            input_ids.extend(s.token_ids[start:end])
+            if next_ids is None:
+                input_ids.extend(s.token_ids[start:end])
+            else:
+                input_ids.append(next_ids[i])
             positions.extend(range(start, end))
             bt = s.block_table
             slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
@@ -224,7 +270,7 @@ class ModelRunner:
             seq_lens.append(end)
             qlens.append(item.num_new_tokens)
             tables.append(bt)
-            if item.samples:
+            if next_ids is not None or item.samples:
                 sample_rows.append(qsl[-1] - 1)
         width = max(len(t) for t in tables)
         dev = self.device
@@ -240,11 +286,11 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         return ids, pos, meta, sample_rows
 
-    def _sampling_batch(self, out: SchedulerOutput) -> SamplingBatch:
+    def _sampling_batch(self, out: SchedulerOutput, every_row: bool = False) -> SamplingBatch:
         temps, ks, ps, gens = [], [], [], []
         want_lp = False
         for item in out.scheduled:
-            if not item.samples:
+            if not (every_row or item.samples):
                 continue
             sp = item.seq.sampling
             temps.append(sp.temperature)
@@ -263,31 +309,71 @@ class ModelRunner:
 
     # ------------------------------------------------------------------- run
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, float]]:
-        """Run one step; returns ``{request_id: token}`` and ``{request_id: logprob}``."""
+    def launch(self, out: SchedulerOutput) -> StepHandle:
+        """Run one step. Greedy CUDA-graph steps return with the tokens still on the device
+        (read them with :meth:`collect`); every other path samples on the host at once."""
+        sampled = [item.seq.request_id for item in out.scheduled if item.samples]
         if self._can_graph(out):
-            logits, greedy = self._graph_step(out)
-            rows = [i for i, item in enumerate(out.scheduled) if item.samples]
-            if not rows:
-                torch.cuda.current_stream().synchronize()  # the pinned inputs get reused
-                return {}, {}
+            logits, greedy, host, landed = self._graph_step(out)
+            if not sampled:
+                return StepHandle(out, [], tokens=[])
             batch = self._sampling_batch(out)
-            if len(rows) < len(out.scheduled):
-                logits, greedy = logits[rows], greedy[rows]
+            rows = None
+            if len(sampled) < len(out.scheduled):
+                rows = [i for i, item in enumerate(out.scheduled) if item.samples]
             if batch.all_greedy and not batch.want_logprobs:
-                tokens, logprobs = greedy.tolist(), None  # the step's one host sync
-            else:
-                tokens, logprobs = self.sampler(logits, batch)
-        else:
-            ids, pos, meta, rows = self.prepare(out)
-            hidden = self.model(ids, pos, self.kv_cache, meta, self.backend)
-            if not rows:
-                return {}, {}
-            logits = self.model.compute_logits(hidden[rows])
-            tokens, logprobs = self.sampler(logits, self._sampling_batch(out))
-        sampled_ids = [item.seq.request_id for item in out.scheduled if item.samples]
-        toks = dict(zip(sampled_ids, tokens))
-        lps = dict(zip(sampled_ids, logprobs)) if logprobs is not None else {}
+                return StepHandle(out, sampled, rows=rows, greedy=greedy, host=host,
+                                  event=landed)
+            if rows is not None:
+                logits = logits[rows]
+            tokens, logprobs = self.sampler(logits, batch)
+            return StepHandle(out, sampled, tokens=tokens, logprobs=logprobs)
+        ids, pos, meta, rows = self.prepare(out)
+        hidden = self.model(ids, pos, self.kv_cache, meta, self.backend)
+        if not rows:
+            return StepHandle(out, [], tokens=[])
+        logits = self.model.compute_logits(hidden[rows])
+        tokens, logprobs = self.sampler(logits, self._sampling_batch(out))
+        return StepHandle(out, sampled, tokens=tokens, logprobs=logprobs)
+
+    @torch.inference_mode()
+    def launch_next(self, out: SchedulerOutput, prev: StepHandle) -> StepHandle | None:
+        """Launch the step after ``prev`` before prev's tokens are read (``async_decode``).
+
+        ``out`` holds prev's sequences, one token each, in prev's order; their block tables
+        already cover position num_computed_tokens + 1. Row i's input is the token prev
+        sampled for row i. Only greedy, logprob-free steps where every row sampled chain;
+        returns None (nothing launched) otherwise."""
+        if not self.config.async_decode or prev.rows is not None or not prev.sampled_ids \
+                or len(prev.sampled_ids) != len(out.scheduled):
+            return None
+        batch = self._sampling_batch(out, every_row=True)
+        if not batch.all_greedy or batch.want_logprobs:
+            return None
+        ids = [item.seq.request_id for item in out.scheduled]
+        if prev.greedy is not None:
+            if not self._can_graph(out):
+                return None
+            _, greedy, host, landed = self._graph_step(out, prev)
+            return StepHandle(out, ids, greedy=greedy, host=host, event=landed, chained=True)
+        if prev.tokens is None:
+            return None
+        x, pos, meta, rows = self.prepare(out, next_ids=prev.tokens)
+        hidden = self.model(x, pos, self.kv_cache, meta, self.backend)
+        tokens, _ = self.sampler(self.model.compute_logits(hidden[rows]), batch)
+        return StepHandle(out, ids, tokens=tokens, chained=True)
+
+    def collect(self, h: StepHandle) -> tuple[dict[str, int], dict[str, float]]:
+        """``{request_id: token}`` and ``{request_id: logprob}`` of a launched step (waits
+        for a device-side step to finish)."""
+        tokens = h.tokens
+        if tokens is None:
+            h.event.synchronize()
+            tokens = h.host[:len(h.sched.scheduled)].tolist()
+            if h.rows is not None:
+                tokens = [tokens[i] for i in h.rows]
+        toks = dict(zip(h.sampled_ids, tokens))
+        lps = dict(zip(h.sampled_ids, h.logprobs)) if h.logprobs is not None else {}
         return toks, lps
 
     def record_event(self):

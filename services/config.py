@@ -130,6 +130,8 @@ class WorkerSettings:
     max_num_batched_tokens: int = _opt(2048, "per-step token budget")
     max_model_len: int = _opt(4096, "max prompt + output tokens")
     enforce_eager: bool = _opt(False, "GPU: no CUDA graphs")
+    async_decode: bool = _opt(False, "launch the next decode step before reading this one's "
+                                     "tokens (hides host work; not yet measured on a GPU)")
     num_threads: int = _opt(0, "CPU: torch threads (0: torch default)")
     grace_s: float = _opt(30.0, "shutdown: time in-flight requests get to finish")
     drain_delay_s: float = _opt(0.5, "shutdown: NOT_SERVING this long before refusing RPCs")

@@ -31,7 +31,8 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=s.max_num_seqs,
                                   max_num_batched_tokens=s.max_num_batched_tokens,
                                   max_model_len=s.max_model_len),
-        enforce_eager=s.enforce_eager, num_threads=s.num_threads or None)
+        enforce_eager=s.enforce_eager, async_decode=s.async_decode,
+        num_threads=s.num_threads or None)
 
 
 class WorkerRuntime:

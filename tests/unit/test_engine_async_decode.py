@@ -1,0 +1,106 @@
+"""async_decode: the next decode step is launched before this step's tokens are read.
+
+On the CPU the launch is synchronous (no speed-up), but the engine logic is the same as on
+the GPU: which steps may run ahead, dropping rows whose request ended meanwhile, and keeping
+freed blocks out of the pool while a launched step may still write into them."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.request import FinishReason
+
+
+def _llm(**kw):
+    return LLM("dummy:tiny", block_size=4, num_blocks=256, max_num_seqs=8, **kw)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return _llm(), _llm(async_decode=True)
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate(prompts, params)
+    return [(o.token_ids, o.finish_reason, o.text) for o in outs]
+
+
+def test_same_tokens_as_stepping_in_lockstep(pair):
+    sync, ahead = pair
+    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (1, 2, 3, 9, 17)]
+    prompts = [[3, 4, 5], list(range(10, 31)), [7] * 9, [40, 41], list(range(50, 63))]
+    before = ahead.engine.chained_steps
+    assert _run(ahead, prompts, greedy) == _run(sync, prompts, greedy)
+    assert ahead.engine.chained_steps - before >= 8  # the tail of the 17-token request chains
+    assert sync.engine.chained_steps == 0
+    bm = ahead.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not ahead.engine.has_work
+
+
+def test_stop_tokens_mid_chain_drop_the_extra_row(pair):
+    sync, ahead = pair
+    p = [21, 22, 23]
+    free = sync.generate([p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    stop = free.token_ids[6]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(stop,))
+    other = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [p, [30, 31, 32, 33]]
+    got = _run(ahead, prompts, [sp, other])
+    assert got == _run(sync, prompts, [sp, other])
+    assert got[0][1] is FinishReason.STOP and got[0][0][-1] == stop
+    assert len(got[0][0]) == free.token_ids.index(stop) + 1
+
+
+def test_sampling_and_logprobs_do_not_chain(pair):
+    _, ahead = pair
+    before = ahead.engine.chained_steps
+    ahead.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.8, seed=3,
+                                               ignore_eos=True))
+    ahead.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, logprobs=True,
+                                               ignore_eos=True))
+    assert ahead.engine.chained_steps == before
+
+
+def test_abort_while_a_step_is_in_flight_holds_its_blocks_until_read():
+    llm = _llm(async_decode=True)
+    eng, bm = llm.engine, llm.engine.block_manager
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    eng.add_request("a", list(range(3, 12)), sp)
+    eng.add_request("b", list(range(20, 27)), sp)
+    outs = {"a": [], "b": []}
+    while eng._ahead is None:
+        for o in eng.step():
+            outs[o.request_id] += o.token_ids
+    free_before = bm.num_free_blocks
+    a_blocks = set(eng.scheduler.requests["a"].block_table)
+    held = len(a_blocks)
+    assert eng.abort("a")
+    # "a"'s blocks may still be written by the launched step: not free yet
+    assert bm.num_free_blocks == free_before
+    # a decode worker's pre-allocation meanwhile cannot get them
+    assert eng.preallocate("c", list(range(40, 44)), sp) is not None
+    assert not set(eng.scheduler.requests["c"].block_table) & a_blocks
+    assert eng.abort("c")
+    while eng.has_work:
+        for o in eng.step():
+            assert o.request_id == "b"
+            outs["b"] += o.token_ids
+    assert bm.num_free_blocks == bm.num_blocks and held > 0
+    solo = _llm().generate([list(range(20, 27))], sp)[0].token_ids
+    assert outs["b"] == solo
+
+
+def test_waiting_requests_stop_the_chain_and_are_admitted_next_step():
+    llm = _llm(async_decode=True)
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    eng.add_request("a", [3, 4, 5], sp)
+    while eng._ahead is None:
+        eng.step()
+    eng.add_request("late", [8, 9, 10, 11], sp)
+    eng.step()  # reads the launched step; the waiting request stops further chaining
+    assert eng._ahead is None
+    eng.step()  # schedules "late" with "a"
+    assert eng.scheduler.requests["late"].num_computed_tokens > 0
+    while eng.has_work:
+        eng.step()
