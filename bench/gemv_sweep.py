@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.kernels.elementwise import fused_add_rmsnorm, silu_and_mul  # noqa: E402
-from engine.kernels.gemv_tune import _Graph  # noqa: E402
+from engine.kernels.gemv_tune import GraphTimer, time_round_robin  # noqa: E402
 from engine.kernels.matvec import gemv  # noqa: E402
 
 LAYERS = 32
@@ -97,25 +97,16 @@ def run_role(role, n, k, pro, rounds, stages_pass):
                 fns[name], errs[name] = fn, err
         return fns, errs, rejected
 
-    def timed(fns):
-        graphs = {name: _Graph(fn) for name, fn in fns.items()}
-        t = {name: [] for name in graphs}
-        for _ in range(rounds):
-            for name, g in graphs.items():
-                t[name].append(g.time_ms())
-        del graphs
-        return {name: statistics.median(v) for name, v in t.items()}
-
     fns, errs, rejected = candidates(GRID, [None])
     fns = {"cublas+prologue": cublas, "cublas": cublas_only, **fns}
-    ms = timed(fns)
+    ms = time_round_robin(fns, rounds)
     if stages_pass:
         ranked = sorted((v, kk) for kk, v in ms.items() if kk.startswith("("))[:4]
         top = [eval(kk)[:4] for _, kk in ranked]  # noqa: S307 - our own repr
         fns2, errs2, rej2 = candidates(top, [1, 2, 4])
         errs.update(errs2)
         rejected.update(rej2)
-        again = timed({"cublas+prologue": cublas, **fns2})
+        again = time_round_robin({"cublas+prologue": cublas, **fns2}, rounds)
         ms["cublas+prologue (stages pass)"] = again.pop("cublas+prologue")
         ms.update(again)
     bytes_ = LAYERS * n * k * 2
@@ -132,10 +123,10 @@ def read_probe(gib: float = 2.0, reps: int = 10):
     """GB/s of a plain read (sum over a large bf16 buffer): the achievable streaming rate."""
     buf = torch.randn(int(gib * 2 ** 30 / 2), device="cuda", dtype=torch.bfloat16)
     out = torch.empty((), device="cuda", dtype=torch.float32)
-    g = _Graph(lambda: torch.sum(buf, dtype=torch.float32, out=out))
+    g = GraphTimer(lambda: torch.sum(buf, dtype=torch.float32, out=out))
     t = statistics.median(g.time_ms() for _ in range(reps))
     copy_dst = torch.empty_like(buf)
-    gc = _Graph(lambda: copy_dst.copy_(buf))
+    gc = GraphTimer(lambda: copy_dst.copy_(buf))
     tc = statistics.median(gc.time_ms() for _ in range(reps))
     return {"bytes": buf.numel() * 2, "sum_gbps": round(buf.numel() * 2 / t / 1e6, 1),
             "copy_gbps_read_plus_write": round(2 * buf.numel() * 2 / tc / 1e6, 1)}

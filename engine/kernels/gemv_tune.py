@@ -33,7 +33,7 @@ ROUNDS = 5  # candidates are timed in turn, ROUNDS times, so clock drift hits th
 _CACHE: dict[tuple, tuple[dict | None, dict]] = {}
 
 
-class _Graph:
+class GraphTimer:
     """fn() captured in a CUDA graph (after one eager call that compiles and allocates)."""
 
     def __init__(self, fn):
@@ -56,9 +56,9 @@ class _Graph:
         return a.elapsed_time(b)
 
 
-def _time_round_robin(fns: dict[str, object], rounds: int = ROUNDS) -> dict[str, float]:
+def time_round_robin(fns: dict[str, object], rounds: int = ROUNDS) -> dict[str, float]:
     """Median ms of one replay per candidate, timing the candidates in turn each round."""
-    graphs = {name: _Graph(fn) for name, fn in fns.items()}
+    graphs = {name: GraphTimer(fn) for name, fn in fns.items()}
     times: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, g in graphs.items():
@@ -148,7 +148,7 @@ def tune_role(model, role: str, mode: str = "auto"):
             rejected[str(cfg)] = f"failed: {e}"
     for cfg, why in rejected.items():
         logger.warning("gemv %s config %s rejected: %s", role, cfg, why)
-    timed = _time_round_robin(fns)
+    timed = time_round_robin(fns)
     table = {"cublas_ms": timed.pop("cublas"), "triton_ms": timed, "rejected": rejected}
     best = min(timed.items(), key=lambda kv: kv[1], default=None)
     plan = None
