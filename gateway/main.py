@@ -16,6 +16,7 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     from gateway.router import Router
     from gateway.server import GatewayServicer
     from protos.pdserve.v1 import gateway_pb2_grpc
+    from services.auth import ApiKeyInterceptor, load_api_keys
     from services.block_hash import BlockHasher
     from services.grpc_server import GATEWAY_SERVICE, GrpcServer
     from services.metrics import GatewayMetrics, serve_metrics
@@ -40,9 +41,15 @@ async def serve_gateway(settings: GatewaySettings) -> None:
                                max_model_len=mc.max_position,
                                hasher=BlockHasher(settings.hash_seed, model_id, settings.block_size),
                                request_timeout_s=settings.request_timeout_s, metrics=metrics)
+    interceptors = []
+    keys = load_api_keys(settings.api_keys, settings.api_key_file)
+    if keys:
+        interceptors.append(ApiKeyInterceptor(
+            keys, on_reject=lambda method: metrics.requests.labels("UNAUTHENTICATED").inc()))
+        logger.info("client authentication on: %d API key(s)", len(keys))
     srv = GrpcServer([GATEWAY_SERVICE], host=settings.host, port=settings.port,
                      max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s,
-                     drain_delay_s=settings.drain_delay_s)
+                     drain_delay_s=settings.drain_delay_s, interceptors=interceptors)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, srv.server)
     tasks = [asyncio.create_task(router.run_refresh(settings.refresh_s))]
     if index is not None:

@@ -89,6 +89,8 @@ def _client_args(prog: str, argv, chat: bool):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--api-key", default=None,
+                   help="key for a gateway started with API keys [default: $PDSERVE_API_KEY]")
     if not chat:
         p.add_argument("prompt")
     return p.parse_args(argv)
@@ -103,7 +105,7 @@ def _cmd_generate(argv, chat: bool = False) -> int:
               seed=a.seed)
 
     async def one(req):
-        async with client.channel(a.address) as ch:
+        async with client.channel(a.address, api_key=a.api_key) as ch:
             return await client.generate(gateway_pb2_grpc.GatewayStub(ch), req, timeout=a.timeout,
                                          on_text=lambda t: print(t, end="", flush=True))
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import os
 import time
 
 import grpc
@@ -65,6 +66,32 @@ async def generate(stub: gateway_pb2_grpc.GatewayStub, req: gateway_pb2.Generate
     return c
 
 
-def channel(address: str) -> grpc.aio.Channel:
+class _BearerKey:
+    """Adds ``authorization: Bearer <key>`` to every call (services/auth.py checks it)."""
+
+    def __init__(self, key: str):
+        self._header = ("authorization", f"Bearer {key}")
+
+    def _details(self, d):
+        md = grpc.aio.Metadata(*(d.metadata or ()), self._header)
+        return grpc.aio.ClientCallDetails(d.method, d.timeout, md, d.credentials,
+                                          d.wait_for_ready)
+
+
+# grpc.aio files an interceptor under the first call kind it implements: one class per kind
+class _BearerKeyUnaryStream(_BearerKey, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+
+class _BearerKeyUnaryUnary(_BearerKey, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(self._details(client_call_details), request)
+
+
+def channel(address: str, api_key: str | None = None) -> grpc.aio.Channel:
+    """A channel to the gateway; ``api_key`` (default: $PDSERVE_API_KEY) is sent with each call."""
+    key = api_key if api_key is not None else os.environ.get("PDSERVE_API_KEY", "")
     return grpc.aio.insecure_channel(address, options=[
-        ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+        ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+        interceptors=[_BearerKeyUnaryStream(key), _BearerKeyUnaryUnary(key)] if key else None)

@@ -79,6 +79,10 @@ class GatewaySettings:
     refresh_s: float = _opt(1.0, "how often to re-read the registry")
     reaper_interval_s: float = _opt(1.0, "how often to reap dead workers' index entries")
     request_timeout_s: float = _opt(600.0, "end-to-end deadline per request")
+    api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={
+        "help": "accepted client API keys (prefer PDSERVE_API_KEYS or --api-key-file: flags "
+                "show in ps); none: no auth"})
+    api_key_file: str = _opt("", "file with one accepted client API key per line")
     grace_s: float = _opt(10.0, "shutdown: time in-flight requests get to finish")
     drain_delay_s: float = _opt(0.5, "shutdown: NOT_SERVING this long before refusing RPCs")
     max_message_bytes: int = _opt(64 * 1024 * 1024, "gRPC max message size")
@@ -94,6 +98,8 @@ class GatewaySettings:
             _check_address(a)
         if self.prefix_weight < 0:
             raise ValueError("prefix_weight must be >= 0")
+        from services.auth import load_api_keys
+        load_api_keys(self.api_keys, self.api_key_file)  # readable, well-formed
         for name in ("refresh_s", "reaper_interval_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

@@ -1,0 +1,118 @@
+"""API-key authentication of the gateway's clients (gRPC metadata).
+
+A client sends ``authorization: Bearer <key>`` (or ``x-api-key: <key>``) with each call. When
+the gateway is started with keys (``--api-key-file`` with one key per line, or
+``PDSERVE_API_KEYS=k1,k2``; a ``--api-keys`` flag works too but shows in ``ps``), every RPC but
+the health checks and server reflection must carry one of them, else it ends with
+UNAUTHENTICATED and a message saying what was wrong, before any work is done. Keys are compared
+in constant time. Without keys nothing is checked (a local cluster, or a gateway behind a proxy
+that authenticates).
+
+Clients (:func:`pdserve.client.channel`) add the header from ``PDSERVE_API_KEY`` or their
+``--api-key`` option. The workers' RPCs are internal (decode -> prefill, gateway -> workers) and
+are meant to be reachable only inside the cluster's network.
+"""
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+import hmac
+import logging
+from pathlib import Path
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+# RPCs anyone may call: load balancers' and orchestrators' probes, and service discovery
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def load_api_keys(keys: Iterable[str] = (), key_file: str = "") -> tuple[str, ...]:
+    """The accepted keys: ``keys`` plus one per non-empty, non-comment line of ``key_file``.
+    Raises ValueError for an unreadable file or a key with whitespace inside."""
+    out = [k.strip() for k in keys if k.strip()]
+    if key_file:
+        try:
+            text = Path(key_file).read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read api_key_file {key_file!r}: {e.strerror}") from None
+        out += [ln.strip() for ln in text.splitlines()
+                if ln.strip() and not ln.strip().startswith("#")]
+        if not out:
+            raise ValueError(f"api_key_file {key_file!r} holds no key")
+    for k in out:
+        if any(c.isspace() for c in k):
+            raise ValueError("an API key must not contain whitespace")
+    return tuple(dict.fromkeys(out))
+
+
+def presented_key(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The key a call carries: ``authorization: Bearer <key>`` or ``x-api-key: <key>``."""
+    for name, value in metadata or ():
+        name = name.lower()
+        if isinstance(value, bytes):
+            continue
+        if name == "authorization":
+            scheme, _, token = value.strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+        elif name == "x-api-key" and value.strip():
+            return value.strip()
+    return None
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Ends every non-exempt RPC without a valid key with UNAUTHENTICATED."""
+
+    def __init__(self, keys: Iterable[str], on_reject: Callable[[str], None] | None = None):
+        self._keys = [k.encode() for k in keys]
+        if not self._keys:
+            raise ValueError("ApiKeyInterceptor needs at least one key")
+        self._on_reject = on_reject
+
+    def _valid(self, key: str) -> bool:
+        given = key.encode()
+        ok = False
+        for k in self._keys:  # no early exit: the time does not depend on which key matched
+            ok |= hmac.compare_digest(given, k)
+        return ok
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails],
+                                         Awaitable[grpc.RpcMethodHandler | None]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        method = details.method or ""
+        if method.startswith(EXEMPT_PREFIXES):
+            return await continuation(details)
+        key = presented_key(details.invocation_metadata)
+        if key is not None and self._valid(key):
+            return await continuation(details)
+        why = ("missing API key: send the metadata 'authorization: Bearer <key>'" if key is None
+               else "invalid API key")
+        logger.info("refused %s: %s", method, why)
+        if self._on_reject is not None:
+            self._on_reject(method)
+        handler = await continuation(details)
+        return None if handler is None else _refusing(handler, why)
+
+
+def _refusing(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that only aborts with UNAUTHENTICATED."""
+    code = grpc.StatusCode.UNAUTHENTICATED
+    kw = dict(request_deserializer=handler.request_deserializer,
+              response_serializer=handler.response_serializer)
+    if handler.response_streaming:
+        async def stream(request, context):
+            await context.abort(code, why)
+            yield  # pragma: no cover - an async generator that never yields
+
+        if handler.request_streaming:
+            return grpc.stream_stream_rpc_method_handler(stream, **kw)
+        return grpc.unary_stream_rpc_method_handler(stream, **kw)
+
+    async def unary(request, context):
+        await context.abort(code, why)
+
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, **kw)
+    return grpc.unary_unary_rpc_method_handler(unary, **kw)
