@@ -24,6 +24,7 @@ from services.protocol import sampling_from_proto, sampling_to_proto
 logger = logging.getLogger(__name__)
 
 MAX_PROMPT_CHARS = 1 << 20
+MAX_REQUEST_ID_BYTES = 256  # it names the request in every service, transfer and log line
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
@@ -112,6 +113,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _generate(self, rid, request, context, span, outcome: "_Outcome"):
         try:
+            if len(rid.encode()) > MAX_REQUEST_ID_BYTES:
+                raise ValueError(f"request_id is longer than {MAX_REQUEST_ID_BYTES} bytes")
             ids = self.prompt_ids(request)
             sp = sampling_from_proto(request.sampling)
         except ValueError as e:
