@@ -146,10 +146,13 @@ class BlockManager:
         """Register every computed full block of ``seq`` in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        self._update_hashes(seq)
         bs = self.block_size
         n_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        for i in range(n_full):
+        if n_full <= seq.num_hashed_blocks:
+            return  # no block became full: nothing to look at (the common decode step)
+        self._update_hashes(seq)
+        start, seq.num_hashed_blocks = seq.num_hashed_blocks, n_full
+        for i in range(start, n_full):
             blk = self.blocks[seq.block_table[i]]
             if blk.block_hash is not None:
                 continue
@@ -205,6 +208,7 @@ class BlockManager:
             for bid in reversed(seq.block_table):
                 self._unref(bid)
         seq.block_table = []
+        seq.num_hashed_blocks = 0
 
     def hold_frees(self) -> None:
         """From now on, freed blocks are kept out of the free pool until

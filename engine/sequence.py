@@ -37,6 +37,7 @@ class Sequence:
         "num_computed_tokens", "block_table", "num_cached_tokens", "arrival_time",
         "order", "block_hashes", "finish_reason", "logprobs", "prefill_only",
         "detok", "stop_text_len", "num_preemptions", "first_token_time", "report_progress",
+        "num_hashed_blocks",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -62,6 +63,7 @@ class Sequence:
         self.num_preemptions = 0
         self.first_token_time: float | None = None
         self.report_progress = False  # prefill role, streamed KV: report each finished chunk
+        self.num_hashed_blocks = 0  # leading blocks the prefix cache has already looked at
 
     @property
     def num_tokens(self) -> int:

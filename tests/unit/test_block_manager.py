@@ -123,3 +123,28 @@ def test_reset_prefix_cache_reports_removed():
     bm.reset_prefix_cache()
     assert len(bm.drain_events().removed) == 2
     assert bm.allocate_cached_prefix(seq(range(9), "b")) == 0
+
+
+def test_decode_steps_register_each_block_once_as_it_fills():
+    """Token by token, as decode does: a block is registered (one `stored` event) the step it
+    becomes full, earlier blocks are not looked at again, and a freed-then-rescheduled
+    sequence starts over."""
+    bm = make_bm(n=16)
+    s = seq(range(5))
+    run_prompt(bm, s)
+    assert len(bm.drain_events().stored) == 1  # tokens 0-3
+    for t in range(5, 5 + 4 * 3):
+        s.token_ids.append(100 + t)
+        assert bm.allocate_slots(s, 1)
+        s.num_computed_tokens += 1
+        bm.cache_full_blocks(s)
+        ev = bm.drain_events().stored
+        assert len(ev) == (1 if s.num_computed_tokens % BS == 0 else 0), t
+    assert s.num_hashed_blocks == s.num_computed_tokens // BS == 4
+    bm.free_seq(s)
+    assert s.num_hashed_blocks == 0
+    again = seq(s.token_ids, rid="again")
+    hits = bm.prefix_hit_tokens
+    run_prompt(bm, again)  # its 4 full blocks are hits; the 17th token is computed
+    assert bm.prefix_hit_tokens - hits == 16 and again.num_computed_tokens == 17
+    assert again.num_hashed_blocks == 4

@@ -104,3 +104,4 @@ def test_waiting_requests_stop_the_chain_and_are_admitted_next_step():
     assert eng.scheduler.requests["late"].num_computed_tokens > 0
     while eng.has_work:
         eng.step()
+
