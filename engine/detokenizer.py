@@ -46,11 +46,13 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             return "", False
         delta = self._window_delta()
-        if not delta or delta.endswith("\ufffd"):
-            return "", False  # nothing yet, or a character still incomplete: wait for more
+        if delta.endswith("\ufffd"):
+            return "", False  # a character still incomplete: wait for the next token
         old_len = len(self.decoded)
         self.decoded += delta
         self._prefix, self._read = self._read, len(self.ids)
+        if not delta:  # e.g. a skipped special token: nothing new (the window moves on)
+            return "", False
         full = self.decoded
         if self.stop:
             search_from = max(0, min(old_len, self.released) - self.max_stop + 1)

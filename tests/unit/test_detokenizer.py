@@ -89,6 +89,26 @@ def test_random_tokens_and_stop_strings_match_the_reference(tok):
         assert got == want, (trial, ids, stop)
 
 
+def test_tokens_without_text_do_not_grow_the_window():
+    """Dummy models pair a 128k vocabulary with the byte tokenizer: most ids decode to ""."""
+    from engine.loader.tokenizer import ByteTokenizer
+    bt = ByteTokenizer()
+    rng = random.Random(1)
+    ids = [rng.randrange(128256) if i % 5 else rng.randrange(3, 259) for i in range(3000)]
+    sizes = []
+
+    class Counting:
+        def decode(self, x, **kw):
+            sizes.append(len(x))
+            return bt.decode(x, **kw)
+    d = IncrementalDetokenizer(Counting(), ("zq",))
+    parts, _ = _stream(d, ids)
+    # a window only grows while its text ends in an incomplete (here: invalid, random) UTF-8
+    # sequence, until a byte that completes or breaks it: tens of tokens, never the output
+    assert max(sizes) <= 64, max(sizes)
+    assert parts == _stream(FullDecodeReference(bt, ("zq",)), ids)[0]
+
+
 def test_cost_per_token_does_not_grow_with_the_output(tok):
     """Each step decodes a short window, not the whole output (which made a 4,000-token
     output cost ~0.5 ms per token here, ~100x the windowed decode)."""
