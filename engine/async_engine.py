@@ -79,12 +79,20 @@ class AsyncEngine:
                 return
             for fn in self.step_listeners:
                 fn(outs)
+            items: list[Any] = []
             if eng.progress:  # before the outputs: a request's last chunk comes after them
-                for item in eng.progress:
-                    self._deliver(item.request_id, item)
+                items.extend(eng.progress)
                 eng.progress.clear()
-            for out in outs:
-                self._deliver(out.request_id, out)
+            items.extend(outs)
+            if items:  # one wake-up of the event loop per step, not one per request
+                self._loop.call_soon_threadsafe(self._deliver_all, items)
+
+    def _deliver_all(self, items: list[Any]) -> None:
+        """Event loop: hand a step's outputs (and prefill progress) to their streams."""
+        for item in items:
+            q = self._streams.get(item.request_id)
+            if q is not None:
+                q.put_nowait(item)
 
     def _deliver(self, rid: str, item: Any) -> None:
         q = self._streams.get(rid)
