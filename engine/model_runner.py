@@ -72,6 +72,35 @@ class BlockTableRows:
         return len(self._rows)
 
 
+def fill_decode_inputs(out: SchedulerOutput, b: int, block_size: int, i64: np.ndarray,
+                       seq_lens: np.ndarray, tables: np.ndarray, table_rows: BlockTableRows,
+                       chained: bool = False) -> None:
+    """Host side of a CUDA-graph decode step: write the first ``b`` rows of the static inputs
+    for ``out`` (one token per sequence). ``i64`` is [3, >=b] (ids, positions, slots),
+    ``seq_lens`` [>=b], ``tables`` [>=b, width]. Rows past ``len(out.scheduled)`` are padding:
+    slot -1 (no KV write) and length 0 (no attention). ``chained``: each row computes position
+    num_computed_tokens + 1 and its id row is left for the device to fill."""
+    n = len(out.scheduled)
+    tables[:b] = 0
+    i64[:, :b] = 0
+    i64[2, :b] = -1
+    seq_lens[:b] = 0
+    offset = 1 if chained else 0
+    pos, slots = [], []  # built as lists, then one numpy assignment each
+    for i, item in enumerate(out.scheduled):
+        s = item.seq
+        p = s.num_computed_tokens + offset
+        bt = s.block_table
+        pos.append(p)
+        slots.append(bt[p // block_size] * block_size + p % block_size)
+        tables[i, :len(bt)] = table_rows.get(s.request_id, bt)
+    if not chained:
+        i64[0, :n] = [item.seq.token_ids[p] for item, p in zip(out.scheduled, pos)]
+    i64[1, :n] = pos
+    i64[2, :n] = slots
+    seq_lens[:n] = i64[1, :n] + 1
+
+
 def kv_block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
 
@@ -237,22 +266,8 @@ class ModelRunner:
         if self._stage_done[k] is not None:
             self._stage_done[k].synchronize()  # its previous copy has run (in practice: long ago)
         h64, h32 = self.h_i64_np[k], self.h_i32_np[k]
-        tables = h32[mb:].reshape(mb, self.graph_width)
-        tables[:b] = 0
-        h64[:, :b] = 0
-        h64[2, :b] = -1
-        h32[:b] = 0
-        offset = 0 if prev is None else 1
-        for i, item in enumerate(out.scheduled):
-            s = item.seq
-            p = s.num_computed_tokens + offset
-            bt = s.block_table
-            if prev is None:
-                h64[0, i] = s.token_ids[p]
-            h64[1, i] = p
-            h64[2, i] = bt[p // bs] * bs + p % bs
-            h32[i] = p + 1
-            tables[i, :len(bt)] = self.table_rows.get(s.request_id, bt)
+        fill_decode_inputs(out, b, bs, h64, h32[:mb], h32[mb:].reshape(mb, self.graph_width),
+                           self.table_rows, chained=prev is not None)
         self.g_i64[:, :b].copy_(self.h_i64[k][:, :b], non_blocking=True)
         self.g_i32[:b].copy_(self.h_i32[k][:b], non_blocking=True)
         w = self.graph_width
