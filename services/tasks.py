@@ -1,11 +1,12 @@
 """Stopping background asyncio tasks so that a stop can never hang.
 
-A single ``task.cancel()`` is not always enough. On Python 3.11 ``asyncio.timeout`` (which
-redis-py wraps around every socket read) turns a cancellation that lands while its own deadline
-fires into a plain ``TimeoutError`` (CPython gh-102780, fixed in 3.12). A background loop that
-treats that error as "Redis is slow, try again" then runs on, and ``await task`` never returns.
-:func:`cancel_and_wait` cancels again until the task has finished and gives up after a deadline,
-so shutdown paths are bounded whatever the task does with the first cancellation.
+A single ``task.cancel()`` is not always enough: code that cleans up after a cancellation can
+replace it with another exception. redis-py does: on CancelledError it disconnects under its
+own ``asyncio.timeout``, and if that timeout fires, the TimeoutError it raises replaces the
+CancelledError. A background loop that treats that error as "Redis is slow, try again" then
+runs on, and ``await task`` never returns (seen in CI: a heartbeat's stop hung for 600 s).
+:func:`cancel_and_wait` cancels again until the task has finished and gives up after a
+deadline, so shutdown paths are bounded whatever the task does with the first cancellation.
 """
 from __future__ import annotations
 
