@@ -1,10 +1,11 @@
 """Stopping background asyncio tasks so that a stop can never hang.
 
 A single ``task.cancel()`` is not always enough: code that cleans up after a cancellation can
-replace it with another exception. redis-py does: on CancelledError it disconnects under its
-own ``asyncio.timeout``, and if that timeout fires, the TimeoutError it raises replaces the
-CancelledError. A background loop that treats that error as "Redis is slow, try again" then
-runs on, and ``await task`` never returns (seen in CI: a heartbeat's stop hung for 600 s).
+replace it with another exception (a cleanup step under its own ``asyncio.timeout``, say, whose
+TimeoutError replaces the CancelledError; redis-py's connection clean-up awaits under such
+timeouts). A background loop that treats that error as "Redis is slow, try again" then runs
+on, and ``await task`` never returns. In CI a registry test hung for 600 s where the only
+unbounded wait was a heartbeat's stop awaiting its cancelled task.
 :func:`cancel_and_wait` cancels again until the task has finished and gives up after a
 deadline, so shutdown paths are bounded whatever the task does with the first cancellation.
 """
