@@ -52,6 +52,14 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, 30)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - a dead thread must not leave callers hanging
+            logger.exception("engine thread failed; failing every in-flight request")
+            self.dead = e
+            self._fail_all(e)
+
+    def _serve(self) -> None:
         eng = self.engine
         while not self._stopping:
             while True:
@@ -59,12 +67,21 @@ class AsyncEngine:
                     fn, fut = self._cmds.get_nowait()
                 except queue.Empty:
                     break
+                # RUNNING from here on: a caller cancelled now can no longer cancel the future
+                # (set_result on a cancelled one raised and killed this thread). A command
+                # whose caller already gave up still runs: its caller's clean-up (an abort)
+                # is queued behind it and relies on that order.
+                wanted = fut.set_running_or_notify_cancel()
                 try:
                     res = fn(eng)
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(e)
+                    if wanted:
+                        fut.set_exception(e)
+                    else:
+                        logger.debug("engine command of a cancelled caller failed: %r", e)
                 else:
-                    fut.set_result(res)
+                    if wanted:
+                        fut.set_result(res)
             if not eng.has_work:
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -107,7 +124,8 @@ class AsyncEngine:
                 _, fut = self._cmds.get_nowait()
             except queue.Empty:
                 break
-            fut.set_exception(EngineDeadError(f"engine failed: {exc!r}"))
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDeadError(f"engine failed: {exc!r}"))
 
     # --------------------------------------------------------------- commands
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -156,6 +174,7 @@ class AsyncEngine:
             await self.call(lambda e: e.add_request(rid, prompt_ids, sampling))
         except BaseException:
             self._streams.pop(rid, None)
+            await self._abort_quiet(rid)  # cancelled: the command still ran; undo it
             raise
         async for out in self._stream(rid, q):
             yield out
@@ -192,7 +211,13 @@ class AsyncEngine:
 
     async def preallocate(self, rid: str, prompt_ids: list[int], sampling: SamplingParams
                           ) -> list[int] | None:
-        return await self.call(lambda e: e.preallocate(rid, prompt_ids, sampling))
+        try:
+            return await self.call(lambda e: e.preallocate(rid, prompt_ids, sampling))
+        except asyncio.CancelledError:
+            # the command runs anyway (or already ran): free what it reserved, or the
+            # request would wait for its KV, holding its blocks, forever
+            await self._abort_quiet(rid)
+            raise
 
     async def continue_from(self, rid: str, first_token: int, logprob: float | None,
                             num_cached_tokens: int) -> AsyncIterator[RequestOutput]:

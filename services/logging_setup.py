@@ -36,8 +36,13 @@ def request_context(request_id: str, trace_id: str = "") -> Iterator[None]:
     try:
         yield
     finally:
-        trace_id_var.reset(ttoken)
-        request_id_var.reset(token)
+        try:
+            trace_id_var.reset(ttoken)
+            request_id_var.reset(token)
+        except ValueError:
+            # an async generator closed by the loop's finalizer runs in another Context:
+            # the variables it set belong to the original one, nothing to restore here
+            pass
 
 
 class _ContextFilter(logging.Filter):

@@ -1,0 +1,99 @@
+"""AsyncEngine (the engine thread of a worker) under callers that give up."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from engine import LLM, SamplingParams
+from engine.async_engine import AsyncEngine
+
+
+def test_a_cancelled_caller_does_not_kill_the_engine_thread():
+    """A command whose caller was cancelled while it ran used to raise InvalidStateError in
+    the engine thread (set_result on a cancelled future), killing it silently: every later
+    request of that worker hung. The command still runs (its caller's clean-up is queued
+    behind it), its result is dropped, and the engine keeps serving."""
+    llm = LLM("dummy:tiny", block_size=4, num_blocks=64)
+
+    async def main():
+        ae = AsyncEngine(llm.engine)
+        await ae.start()
+        started, release = threading.Event(), threading.Event()
+        ran = []
+
+        def slow(eng):
+            started.set()
+            release.wait(5)
+            ran.append(1)
+            return "late"
+
+        task = asyncio.create_task(ae.call(slow))
+        await asyncio.to_thread(started.wait, 5)
+        task.cancel()  # the caller gives up while the command runs
+        await asyncio.sleep(0.05)
+        release.set()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+        def boom(eng):
+            raise RuntimeError("bad command")
+        fail = asyncio.create_task(ae.call(boom))
+        await asyncio.sleep(0)
+        fail.cancel()  # cancelled before it ran: it still runs, its error is dropped
+        await asyncio.sleep(0.1)
+        assert ran == [1] and ae.dead is None and ae._thread.is_alive()
+        sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        outs = [o async for o in ae.generate("after", [5, 6, 7], sp)]
+        assert sum(len(o.token_ids) for o in outs) == 4
+        await ae.stop()
+
+    asyncio.run(main())
+
+
+def test_request_context_closed_from_another_context_does_not_raise():
+    """Async generators closed by the loop's finalizer run in a new Context; restoring the
+    logging context variables there used to raise ValueError (logged as a task error)."""
+    import contextvars
+
+    from services.logging_setup import current_request_id, request_context
+    cm = request_context("rid-1", "trace")
+    cm.__enter__()
+    assert current_request_id() == "rid-1"
+    contextvars.Context().run(cm.__exit__, None, None, None)  # no ValueError
+
+
+def test_cancelled_preallocate_and_generate_leave_no_request_behind():
+    """A decode worker whose caller is cancelled while its pre-allocation is queued used to
+    keep that request AWAITING_KV with its blocks for good (seen in a chaos run: blocks in
+    use and a waiting request after every client had gone)."""
+    llm = LLM("dummy:tiny", block_size=4, num_blocks=64)
+    eng = llm.engine
+
+    async def main():
+        ae = AsyncEngine(eng)
+        await ae.start()
+        gate = threading.Event()
+        blocker = asyncio.create_task(ae.call(lambda e: gate.wait(5)))  # hold the thread
+        await asyncio.sleep(0.05)
+        sp = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+        pre = asyncio.create_task(ae.preallocate("p", list(range(3, 20)), sp))
+        gen = ae.generate("g", list(range(3, 20)), sp)
+        first = asyncio.create_task(gen.__anext__())
+        await asyncio.sleep(0.05)
+        pre.cancel()
+        first.cancel()
+        gate.set()
+        for t in (pre, first):
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+        await blocker
+        st = await ae.stats()
+        assert (st.num_awaiting_kv, st.num_running, st.num_waiting) == (0, 0, 0)
+        assert st.kv_blocks_free == st.kv_blocks_total
+        await ae.stop()
+
+    asyncio.run(main())
