@@ -59,9 +59,11 @@ def test_request_context_closed_from_another_context_does_not_raise():
 
     from services.logging_setup import current_request_id, request_context
     cm = request_context("rid-1", "trace")
-    cm.__enter__()
-    assert current_request_id() == "rid-1"
+    opened = contextvars.copy_context()  # the request's context (ours stays clean)
+    opened.run(cm.__enter__)
+    assert opened.run(current_request_id) == "rid-1"
     contextvars.Context().run(cm.__exit__, None, None, None)  # no ValueError
+    assert current_request_id() == ""
 
 
 def test_cancelled_preallocate_and_generate_leave_no_request_behind():
