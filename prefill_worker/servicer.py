@@ -84,7 +84,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"KV backend {kv.backend!r} not available here "
                                 f"(have {sorted(self.senders)})")
-        if layout_from_proto(kv.layout) != self.layout:
+        try:
+            layout = layout_from_proto(kv.layout)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad KV layout: {e}")
+        if layout != self.layout:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "KV layout of the decode worker does not match this worker's")
         ids = list(request.prompt_token_ids)

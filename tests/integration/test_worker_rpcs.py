@@ -1,0 +1,67 @@
+"""A prefill worker's own RPC under malformed transfer requests (workers are internal, but a
+bad peer must get a status with a message, never a crash, a hang or a held block)."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from engine.loader import load_config
+from kvtransfer.base import KVLayout
+from pdserve.cluster import LocalCluster
+from prefill_worker.servicer import layout_to_proto
+from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.integration.helpers import run, wait_all_free
+
+
+def test_malformed_prefill_requests_get_a_status_and_leave_nothing_held():
+    mc = load_config("dummy:tiny")
+    layout = layout_to_proto(KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, 16,
+                                      "float32"))
+    sp = common_pb2.SamplingParams(max_tokens=4)
+    ids = list(range(3, 40))  # 3 blocks of 16
+
+    def req(rid, prompt=ids, **kv):
+        params = dict(transfer_id=f"t-{rid}", backend="tcp", dst_block_ids=[1, 2, 3],
+                      receiver_endpoint="tcp://127.0.0.1:9", timeout_ms=2000, layout=layout)
+        params.update(kv)
+        return worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sp,
+                                         kv_transfer=common_pb2.KVTransferParams(**params))
+
+    want = {  # request -> (status, words in its message), or a failed transfer in an OK reply
+        "no-layout": (req("a", layout=common_pb2.KVLayout()),
+                      grpc.StatusCode.INVALID_ARGUMENT, "bad KV layout"),
+        "other-layout": (req("b", layout=common_pb2.KVLayout(
+            num_layers=3, num_kv_heads=1, head_dim=8, block_size=16, dtype="float32")),
+            grpc.StatusCode.FAILED_PRECONDITION, "layout"),
+        "backend": (req("c", backend="pigeon"), grpc.StatusCode.FAILED_PRECONDITION, "pigeon"),
+        "blocks": (req("d", dst_block_ids=[1, 2, 3, 4]), grpc.StatusCode.INVALID_ARGUMENT,
+                   "expects 4 blocks"),
+        "vocab": (req("e", prompt=[10**6] * 33), grpc.StatusCode.INVALID_ARGUMENT,
+                  "vocabulary"),
+        "endpoint": (req("f", receiver_endpoint="garbage"), None, "not a tcp:// endpoint"),
+        "refused": (req("g"), None, "ConnectionRefused"),
+    }
+
+    async def probe(address):
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = worker_pb2_grpc.PrefillWorkerStub(ch)
+
+            async def one(r):
+                try:
+                    resp = await stub.Prefill(r, timeout=30)
+                    return None, resp.transfer.state, resp.transfer.error
+                except grpc.aio.AioRpcError as e:
+                    return e.code(), None, e.details()
+            return await asyncio.gather(*(one(r) for r, _, _ in want.values()))
+
+    with LocalCluster("dummy:tiny", prefill=1, decode=0, colocated=1) as c:
+        pre = next(w for w in c.workers if w.kind == "prefill")
+        for (name, (_, code, words)), (got, state, msg) in zip(want.items(), run(probe(pre.address))):
+            assert got == code, (name, got, msg)
+            assert words in msg, (name, msg)
+            if code is None:
+                assert state == common_pb2.TRANSFER_STATE_FAILED, (name, state)
+        stats = run(wait_all_free([pre.address], timeout_s=15))[0]
+        assert (stats.kv_blocks_used, stats.num_running, stats.active_transfers) == (0, 0, 0)
+        assert pre.proc.poll() is None
