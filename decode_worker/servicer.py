@@ -25,7 +25,8 @@ from services import telemetry
 from services.grpc_server import ChannelPool
 from services.logging_setup import request_context
 from services.metrics import WorkerMetrics
-from services.protocol import response_from_output, sampling_from_proto, sampling_to_proto
+from services.protocol import (check_request_id, response_from_output, sampling_from_proto,
+                               sampling_to_proto)
 
 from prefill_worker.servicer import layout_to_proto
 
@@ -74,6 +75,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             ids = list(request.prompt_token_ids)
             if not ids:
                 await _abort(span, context, grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+            try:
+                check_request_id(rid)
+            except ValueError as e:
+                await _abort(span, context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             stream = None
             if request.prefill_address:
                 for i, (backend, receiver) in enumerate(self.receivers):
@@ -141,13 +146,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await _abort(span, context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                          "decode worker has no free KV blocks for this prompt")
         tid = f"{rid}-{uuid.uuid4().hex[:8]}"
-        handle = receiver.expect(tid, blocks, self.transfer_timeout_s)
         t0 = time.perf_counter()
         kspan = telemetry.child(span, "kv.receive", {
             "pdserve.kv.backend": backend, "pdserve.kv.blocks": len(blocks),
             "pdserve.kv.transfer_id": tid})
         ok = False
-        try:
+        try:  # from here on, any way out but success gives the pre-allocated blocks back
+            handle = receiver.expect(tid, blocks, self.transfer_timeout_s)
             req = worker_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=ids, sampling=sampling_to_proto(sp),
                 model=self.runtime.model_id,

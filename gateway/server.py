@@ -19,12 +19,11 @@ from services.block_hash import BlockHasher
 from services.grpc_server import ChannelPool
 from services.logging_setup import request_context
 from services.metrics import GatewayMetrics, RequestTimer, route_mode
-from services.protocol import sampling_from_proto, sampling_to_proto
+from services.protocol import check_request_id, sampling_from_proto, sampling_to_proto
 
 logger = logging.getLogger(__name__)
 
 MAX_PROMPT_CHARS = 1 << 20
-MAX_REQUEST_ID_BYTES = 256  # it names the request in every service, transfer and log line
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
@@ -113,8 +112,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _generate(self, rid, request, context, span, outcome: "_Outcome"):
         try:
-            if len(rid.encode()) > MAX_REQUEST_ID_BYTES:
-                raise ValueError(f"request_id is longer than {MAX_REQUEST_ID_BYTES} bytes")
+            check_request_id(rid)
             ids = self.prompt_ids(request)
             sp = sampling_from_proto(request.sampling)
         except ValueError as e:

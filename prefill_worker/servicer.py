@@ -21,7 +21,7 @@ from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import telemetry
 from services.logging_setup import request_context
 from services.metrics import WorkerMetrics
-from services.protocol import sampling_from_proto
+from services.protocol import check_request_id, sampling_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def _prefill(self, rid, request, context, span):
         try:
+            check_request_id(rid)
             sp = sampling_from_proto(request.sampling)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

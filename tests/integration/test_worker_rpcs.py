@@ -1,5 +1,5 @@
-"""A prefill worker's own RPC under malformed transfer requests (workers are internal, but a
-bad peer must get a status with a message, never a crash, a hang or a held block)."""
+"""Workers' own RPCs under malformed requests (workers are internal, but a bad peer must get
+a status with a message, never a crash, a hang or a held block)."""
 from __future__ import annotations
 
 import asyncio
@@ -55,13 +55,29 @@ def test_malformed_prefill_requests_get_a_status_and_leave_nothing_held():
                     return e.code(), None, e.details()
             return await asyncio.gather(*(one(r) for r, _, _ in want.values()))
 
-    with LocalCluster("dummy:tiny", prefill=1, decode=0, colocated=1) as c:
+    async def decode_with_long_id(address, prefill_address):
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+            r = worker_pb2.DecodeRequest(request_id="r" * 5000, prompt_token_ids=ids,
+                                         sampling=sp, prefill_address=prefill_address)
+            try:
+                async for _ in stub.Generate(r, timeout=30):
+                    pass
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details()
+
+    with LocalCluster("dummy:tiny", prefill=1, decode=1) as c:
         pre = next(w for w in c.workers if w.kind == "prefill")
+        dec = next(w for w in c.workers if w.kind == "decode")
+        # (it used to pre-allocate, then fail on the transfer id, keeping the blocks)
+        assert run(decode_with_long_id(dec.address, pre.address)) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "request_id is longer than 256 bytes")
         for (name, (_, code, words)), (got, state, msg) in zip(want.items(), run(probe(pre.address))):
             assert got == code, (name, got, msg)
             assert words in msg, (name, msg)
             if code is None:
                 assert state == common_pb2.TRANSFER_STATE_FAILED, (name, state)
-        stats = run(wait_all_free([pre.address], timeout_s=15))[0]
-        assert (stats.kv_blocks_used, stats.num_running, stats.active_transfers) == (0, 0, 0)
-        assert pre.proc.poll() is None
+        for stats in run(wait_all_free([pre.address, dec.address], timeout_s=15)):
+            assert (stats.kv_blocks_used, stats.num_running, stats.num_waiting,
+                    stats.active_transfers) == (0, 0, 0, 0)
+        assert pre.proc.poll() is None and dec.proc.poll() is None
