@@ -113,7 +113,7 @@ def run_role(role, n, k, pro, rounds, stages_pass):
     table = {name: {"ms": round(v, 4), "gbps": round(bytes_ / v / 1e6, 1),
                     "max_err": errs.get(name)} for name, v in sorted(ms.items(),
                                                                      key=lambda kv: kv[1])}
-    del ws
+    ws.clear()  # free the weights (the closures above still hold the list)
     torch.cuda.empty_cache()
     return {"n": n, "k": k, "prologue": pro, "weight_bytes": bytes_, "tolerance": tol,
             "table": table, "rejected": rejected}

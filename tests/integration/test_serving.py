@@ -11,7 +11,7 @@ from engine import LLM, SamplingParams
 from pdserve import client
 from pdserve.cluster import LocalCluster
 from protos.pdserve.v1 import gateway_pb2_grpc
-from tests.integration.helpers import PROMPTS, gen_many, run, wait_all_free, worker_stats
+from tests.integration.helpers import PROMPTS, gen_many, run, wait_all_free
 
 MAX_TOKENS = 24
 PROMPTS32 = PROMPTS + [p + " Tell me more." for p in PROMPTS]
