@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import client
 from protos.pdserve.v1 import common_pb2, gateway_pb2_grpc, worker_pb2_grpc
@@ -48,3 +50,14 @@ async def wait_all_free(addresses, timeout_s=10.0):
         if loop.time() > deadline:
             return stats
         await asyncio.sleep(0.1)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """``{(sample name, sorted label items): value}`` from http://127.0.0.1:port/metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
 from pdserve import client
 from pdserve.cluster import REPO, LocalCluster
 from protos.pdserve.v1 import gateway_pb2_grpc
-from tests.integration.helpers import run
+from tests.integration.helpers import run, scrape
 
 KEY_FILE_KEY = "file-key-0123456789"
 ENV_KEY = "env-key-abcdef"
@@ -76,10 +74,7 @@ def test_health_needs_no_key_and_refusals_are_counted(secured):
 
 
 def _unauthenticated(port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "pdserve_requests_total" and s.labels.get("code") == "UNAUTHENTICATED")
+    return scrape(port).get(("pdserve_requests_total", (("code", "UNAUTHENTICATED"),)), 0.0)
 
 
 def test_cli_client_sends_its_key(secured):

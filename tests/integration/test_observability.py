@@ -5,15 +5,12 @@ are scraped from each service's /metrics port.
 """
 from __future__ import annotations
 
-import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
 from pdserve import client
 from pdserve.cluster import LocalCluster
 from pdserve.otlp_receiver import OtlpReceiver
-from tests.integration.helpers import gen_many, run, wait_all_free
+from tests.integration.helpers import gen_many, run, scrape, wait_all_free
 
 MODEL = "dummy:tiny"
 
@@ -26,17 +23,6 @@ def traced():
         with LocalCluster(MODEL, prefill=1, decode=1, env=env, metrics=True,
                           worker_args=("--log-level", "INFO")) as c:
             yield c, rx
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """``{(sample name, sorted label items): value}`` from http://127.0.0.1:port/metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def delta(after, before, name, **labels) -> float:

@@ -45,6 +45,17 @@ def tok():
     return load_tokenizer("smollm2-135m")
 
 
+class Counting:
+    """A tokenizer that records the length of every id list it is asked to decode."""
+
+    def __init__(self, tok, sizes):
+        self.tok, self.sizes = tok, sizes
+
+    def decode(self, ids, **kw):
+        self.sizes.append(len(ids))
+        return self.tok.decode(ids, **kw)
+
+
 def _stream(d, ids):
     parts, hit = [], False
     for t in ids:
@@ -96,12 +107,7 @@ def test_tokens_without_text_do_not_grow_the_window():
     rng = random.Random(1)
     ids = [rng.randrange(128256) if i % 5 else rng.randrange(3, 259) for i in range(3000)]
     sizes = []
-
-    class Counting:
-        def decode(self, x, **kw):
-            sizes.append(len(x))
-            return bt.decode(x, **kw)
-    d = IncrementalDetokenizer(Counting(), ("zq",))
+    d = IncrementalDetokenizer(Counting(bt, sizes), ("zq",))
     parts, _ = _stream(d, ids)
     # a window only grows while its text ends in an incomplete (here: invalid, random) UTF-8
     # sequence, until a byte that completes or breaks it: tens of tokens, never the output
@@ -113,17 +119,8 @@ def test_cost_per_token_does_not_grow_with_the_output(tok):
     """Each step decodes a short window, not the whole output (which made a 4,000-token
     output cost ~0.5 ms per token here, ~100x the windowed decode)."""
     ids = tok.encode(" ".join(TEXTS) * 60, add_special_tokens=False)[:4000]
-    d = IncrementalDetokenizer(tok, ("###",))
     window_sizes = []
-    real = tok.decode
-
-    class Counting:
-        vocab_size = tok.vocab_size
-
-        def decode(self, x, **kw):
-            window_sizes.append(len(x))
-            return real(x, **kw)
-    d.tokenizer = Counting()
+    d = IncrementalDetokenizer(Counting(tok, window_sizes), ("###",))
     for t in ids:
         d.add(t)
     assert max(window_sizes) <= 16, max(window_sizes)
