@@ -274,15 +274,13 @@ class ModelRunner:
         self.g_i32[mb:mb + b * w].copy_(self.h_i32[k][mb:mb + b * w], non_blocking=True)
         if prev is not None:  # same batch, same bucket: prev.greedy is still this graph's output
             self.g_i64[0, :n].copy_(prev.greedy)
-        done = torch.cuda.Event()
-        done.record()
-        self._stage_done[k] = done
         g, logits, greedy = self.graphs[b]
         g.replay()
         host = self.h_tok[k]
         host[:n].copy_(greedy[:n], non_blocking=True)
         landed = torch.cuda.Event()
         landed.record()
+        self._stage_done[k] = landed  # after this set's copies too (one stream, in order)
         return logits[:n], greedy[:n], host, landed
 
     def _can_graph(self, out: SchedulerOutput) -> bool:
