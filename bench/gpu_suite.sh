@@ -7,8 +7,9 @@
 # Steps (results go to $OUT, named after the step; minutes are estimates on 2 x H200):
 #   tests        pytest -m gpu tests/gpu (kernels, engine incl. async_decode, kvtransfer)  ~4
 #   sweep        bench/gemv_sweep.py: GEMV configs incl. split-K vs cuBLAS                ~3
-#   engine-a     bench/gpu_engine.py section a: default, split-K, async_decode, both       ~6
-#   engine-full  bench/gpu_engine.py sections d,a,c,b with the best flags (FLAGS=...)      ~6
+#   engine-a     bench/gpu_engine.py section a, 7 variants of split-K / PDL / async decode ~4
+#   engine-best  bench/gpu_engine.py sections d,a,c,b with engine-a's fastest variant       ~3
+#   engine-full  bench/gpu_engine.py sections d,a,c,b with FLAGS=... (and env)             ~3
 #   transfer     bench/kv_transfer_gpu.py (2 GPUs)                                          ~2
 #   disagg       bench/disagg_gpu.py nccl 1P1D vs colocated, rates 4,8,16,32 (2 GPUs)     ~7
 #   ipc16        bench/disagg_gpu.py 1P1D only, 16 req/s, cuda_ipc then nccl (2 GPUs)      ~4
@@ -16,18 +17,35 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 run() { echo "=== $*" >&2; "$@" || echo "=== FAILED ($?): $*" >&2; }
+# engine-a variants: split-K GEMV configs in the tuner, PDL GEMV launches, async decode
+variant_env() {
+  local e="PDSERVE_GEMV_SPLIT_K=0 PDSERVE_GEMV_PDL=0"
+  case $1 in *splitk*) e=${e/SPLIT_K=0/SPLIT_K=1} ;; esac
+  case $1 in *pdl*) e=${e/PDL=0/PDL=1} ;; esac
+  echo "$e"
+}
+variant_flags() { case $1 in *async*) echo --async-decode ;; esac; }
 for step in "$@"; do
   case $step in
     tests) run python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider ;;
     sweep) run python3 bench/gemv_sweep.py --out "$OUT/gemv_sweep_h200.json" ;;
-    engine-a)
-      run python3 bench/gpu_engine.py --sections a --out "$OUT/gpu_engine_a_base.json"
-      PDSERVE_GEMV_SPLIT_K=1 run python3 bench/gpu_engine.py --sections a \
-        --out "$OUT/gpu_engine_a_splitk.json"
-      run python3 bench/gpu_engine.py --sections a --async-decode \
-        --out "$OUT/gpu_engine_a_async.json"
-      PDSERVE_GEMV_SPLIT_K=1 run python3 bench/gpu_engine.py --sections a --async-decode \
-        --out "$OUT/gpu_engine_a_splitk_async.json" ;;
+    engine-a)  # section a only, few graph buckets; one process per variant
+      for v in base splitk pdl async splitk_pdl pdl_async splitk_pdl_async; do
+        env $(variant_env $v) python3 bench/gpu_engine.py --sections a --max-num-seqs 8 \
+          $(variant_flags $v) --out "$OUT/gpu_engine_a_$v.json" \
+          || echo "=== FAILED: engine-a $v" >&2
+      done ;;
+    engine-best)  # the full run (d, a, c, b) with the engine-a variant of highest decode tok/s
+      v=$(python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+best = max(((json.load(open(f))["a"]["decode_tok_s_median"], f) for f in
+            glob.glob(os.path.join(sys.argv[1], "gpu_engine_a_*.json"))), default=(0, "base"))
+print(os.path.basename(best[1])[len("gpu_engine_a_"):-len(".json")] if best[0] else "base")
+PY
+)
+      echo "=== engine-best: variant $v" >&2
+      env $(variant_env $v) python3 bench/gpu_engine.py --sections d,a,c,b $(variant_flags $v) \
+        --out "$OUT/gpu_engine_h200.json" || echo "=== FAILED: engine-best $v" >&2 ;;
     engine-full) run python3 bench/gpu_engine.py --sections d,a,c,b ${FLAGS:-} \
         --out "$OUT/gpu_engine_h200.json" ;;
     transfer) run python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer_gpu_h200.json" ;;

@@ -7,7 +7,8 @@ cuBLAS side includes the separate row-wise kernel the GEMV prologue would absorb
 (add+rmsnorm before qkv / gate_up, silu_and_mul before down). Environment:
 PDSERVE_GEMV=off disables the GEMV; PDSERVE_GEMV=force takes the fastest Triton config
 even when cuBLAS is faster (for A/B measurements); PDSERVE_GEMV_SPLIT_K=1 adds the split-K
-configs. Every config's output is checked against cuBLAS before it is timed.
+configs; PDSERVE_GEMV_PDL=1 launches every Triton config with programmatic dependent launch
+(matvec.gemv's ``pdl``). Every config's output is checked against cuBLAS before it is timed.
 """
 from __future__ import annotations
 
@@ -91,8 +92,9 @@ def tune_role(model, role: str, mode: str = "auto"):
     from engine.kernels.matvec import gemv
     lin, norms, pro, k = _role_inputs(model, role)
     w0 = lin[0].weight
+    pdl = os.environ.get("PDSERVE_GEMV_PDL") == "1"
     key = (role, tuple(w0.shape), w0.dtype, lin[0].bias is not None, len(lin), mode,
-           os.environ.get("PDSERVE_GEMV_SPLIT_K"), torch.cuda.get_device_name(w0.device))
+           os.environ.get("PDSERVE_GEMV_SPLIT_K"), pdl, torch.cuda.get_device_name(w0.device))
     if key in _CACHE:
         return _CACHE[key]
     dev, dt = w0.device, w0.dtype
@@ -116,7 +118,7 @@ def tune_role(model, role: str, mode: str = "auto"):
             for i, l in enumerate(lin):
                 gemv(x, l.weight, l.bias, prologue=pro, residual=res if norms else None,
                      norm_weight=norms[i].weight if norms else None, eps=eps,
-                     block_n=bn, block_k=bk, num_warps=nw, split_k=split)
+                     block_n=bn, block_k=bk, num_warps=nw, split_k=split, pdl=pdl)
         return fn
 
     # every config is checked against cuBLAS on layer 0 before it may be timed
@@ -137,7 +139,7 @@ def tune_role(model, role: str, mode: str = "auto"):
         try:
             got = gemv(x, w0, lin[0].bias, prologue=pro, residual=res if norms else None,
                        norm_weight=norms[0].weight if norms else None, eps=eps, block_n=bn,
-                       block_k=bk, num_warps=nw, split_k=split)
+                       block_k=bk, num_warps=nw, split_k=split, pdl=pdl)
             got = got[0] if isinstance(got, tuple) else got
             err = (got.float() - want).abs().max().item()
             if not err <= tol:
@@ -154,7 +156,7 @@ def tune_role(model, role: str, mode: str = "auto"):
     plan = None
     if best is not None and (mode == "force" or best[1] < table["cublas_ms"]):
         bn, bk, nw, split = eval(best[0])  # noqa: S307 - our own tuple repr
-        plan = {"block_n": bn, "block_k": bk, "num_warps": nw, "split_k": split}
+        plan = {"block_n": bn, "block_k": bk, "num_warps": nw, "split_k": split, "pdl": pdl}
     table["chosen"] = plan
     _CACHE[key] = (plan, table)
     return plan, table

@@ -27,9 +27,12 @@ meant for M = 1). The choice between this kernel and cuBLAS is made per shape by
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
 
@@ -48,6 +51,12 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
         buf = torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device: torch.device) -> bool:
+    """Programmatic dependent launch needs a CUDA device of compute capability 9.0 or later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @triton.jit
@@ -73,7 +82,8 @@ def _load_x(x_ptr, res_ptr, nw_ptr, kk, km, K, inv, PRO: tl.constexpr):
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, new_res_ptr, part_ptr, cnt_ptr,
                  N, K, eps, stride_xm, stride_rm, stride_w, stride_ym, stride_nrm,
                  PRO: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 PREFETCH: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     sk = tl.program_id(2)
@@ -83,6 +93,24 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, new_res_ptr, part_
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rows < N
     ks = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    k_len = K // SPLIT_K  # SPLIT_K > 1 only when BLOCK_K * SPLIT_K divides K
+    k_lo = sk * k_len
+    if PREFETCH:
+        # With programmatic dependent launch (PDL) the next kernel's programs may be scheduled
+        # once all of ours are; the weights are constant, so the first tile is fetched before
+        # waiting for the previous kernel (whose output x / residual is only read after
+        # gdc_wait). PREFETCH alone (no PDL: the CPU interpreter) runs the same peeled loop.
+        if PDL:
+            gdc_launch_dependents()
+        kk0 = k_lo + ks
+        if EVEN:
+            w_first = tl.load(w_rows + kk0[None, :], eviction_policy="evict_first")
+        else:
+            w_first = tl.load(w_rows + kk0[None, :], mask=n_mask[:, None] & (kk0 < K)[None, :],
+                              other=0.0, eviction_policy="evict_first")
+        if PDL:
+            gdc_wait()
     inv = 1.0
     if PRO == 1 or PRO == 2:
         ss = tl.zeros([BLOCK_K], tl.float32)
@@ -98,10 +126,12 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, new_res_ptr, part_
             ss += xv * xv
         inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    k_len = K // SPLIT_K  # SPLIT_K > 1 only when BLOCK_K * SPLIT_K divides K
-    k_lo = sk * k_len
-    for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
+    k_start = k_lo
+    if PREFETCH:
+        acc += w_first.to(tl.float32) * _load_x(x_ptr, res_ptr, nw_ptr, kk0, kk0 < K, K, inv,
+                                                PRO)[None, :]
+        k_start = k_lo + BLOCK_K
+    for k0 in range(k_start, k_lo + k_len, BLOCK_K):
         kk = k0 + ks
         km = kk < K
         xv = _load_x(x_ptr, res_ptr, nw_ptr, kk, km, K, inv, PRO)
@@ -137,12 +167,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          prologue: str = "none", residual: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          block_n: int = 8, block_k: int = 1024, num_warps: int = 4, split_k: int = 1,
-         num_stages: int | None = None):
+         num_stages: int | None = None, pdl: bool = False):
     """x [M, K] (or [M, 2K] for silu_mul), weight [N, K] -> y [M, N] in x.dtype.
 
     With prologue "add_rmsnorm" returns (y, x + residual); with "rmsnorm" returns (y, x);
     otherwise y. The last dims must be contiguous. ``split_k`` > 1 needs
-    ``block_k * split_k`` to divide K."""
+    ``block_k * split_k`` to divide K. ``pdl`` launches with programmatic dependent launch
+    (Hopper and later, CUDA only): the kernel prefetches its first weight tile and lets the
+    next kernel be scheduled while it runs; a no-op request elsewhere."""
     pro = PROLOGUES[prologue]
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device)
@@ -179,14 +211,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if split_k > 1:
         part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, n_blocks * m)
+    use_pdl = bool(pdl) and _pdl_capable(x.device)
     if m and n:
         even = n % block_n == 0 and k % block_k == 0
         _gemv_kernel[(n_blocks, m, split_k)](
             x, res, nw, weight, bias if bias is not None else x, y, new_res, part, cnt, n, k,
             float(eps), x.stride(0), stride_rm, weight.stride(0), y.stride(0), stride_nrm,
             PRO=pro, HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=block_n, BLOCK_K=block_k,
-            SPLIT_K=split_k, num_warps=num_warps,
-            **({} if num_stages is None else {"num_stages": num_stages}))
+            SPLIT_K=split_k, PREFETCH=bool(pdl), PDL=use_pdl, num_warps=num_warps,
+            **({} if num_stages is None else {"num_stages": num_stages}),
+            **({"launch_pdl": True} if use_pdl else {}))
     if pro == 2:
         return y, new_res
     if pro == 1:

@@ -140,6 +140,38 @@ def test_gemv_split_k_in_a_cuda_graph_replays_exactly():
     assert first.shape == y.shape
 
 
+def test_gemv_pdl_chain_in_a_cuda_graph():
+    """Programmatic dependent launch: a chain of GEMVs, each reading the previous one's output
+    (and residual), captured in a graph, equals the same chain launched normally."""
+    torch.manual_seed(0)
+    k = 4096
+    ws = [torch.randn(k, k, dtype=BF16, device=DEV) / 64 for _ in range(6)]
+    nws = [torch.rand(k, dtype=BF16, device=DEV) + 0.5 for _ in range(6)]
+    x0 = torch.randn(1, k, dtype=BF16, device=DEV)
+    r0 = torch.randn(1, k, dtype=BF16, device=DEV)
+
+    def chain(pdl, split):
+        h, r = x0, r0
+        for i, (w, nw) in enumerate(zip(ws, nws)):
+            if i % 2:
+                h = K.gemv(h, w, block_n=8, block_k=512, split_k=split, pdl=pdl)
+            else:
+                h, r = K.gemv(h, w, prologue="add_rmsnorm", residual=r, norm_weight=nw,
+                              eps=1e-5, block_n=8, block_k=1024, pdl=pdl)
+        return h, r
+
+    for split in (1, 2):
+        want = chain(False, split)
+        chain(True, split)  # compile outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got = chain(True, split)
+        for _ in range(3):
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_rotary_store_kv():
     cache, _ = cache_and_tables(4, 64)
     expect = cache.clone()

@@ -209,7 +209,10 @@ def test_wrappers_reject_bad_arguments():
     (1, 48, 96, False, (8, 32, 4, 1)), (1, 40, 64, True, (16, 64, 4, 1)),
     (3, 24, 80, False, (4, 32, 2, 1)),
     # split-K: partial sums per split, the last program of a row block reduces them
-    (1, 48, 96, False, (8, 32, 4, 3)), (2, 40, 128, True, (16, 32, 4, 2))])
+    (1, 48, 96, False, (8, 32, 4, 3)), (2, 40, 128, True, (16, 32, 4, 2)),
+    # pdl: the first weight tile is loaded ahead of the prologue (on a GPU, before gdc_wait)
+    (1, 48, 96, False, (8, 32, 4, 1, True)), (1, 40, 72, True, (16, 32, 4, 1, True)),
+    (2, 40, 128, False, (8, 32, 4, 2, True))])
 def test_gemv(dtype, prologue, m, n, k, bias, cfg):
     kx = 2 * k if prologue == "silu_mul" else k
     x = torch.randn(m, kx, dtype=dtype, device=DEV)
@@ -221,9 +224,11 @@ def test_gemv(dtype, prologue, m, n, k, bias, cfg):
         kw["eps"] = 1e-5
     if prologue == "add_rmsnorm":
         kw["residual"] = torch.randn(m, k, dtype=dtype, device=DEV)
-    bn, bk, nw, split = cfg
+    bn, bk, nw, split, *pdl = cfg
+    kw["pdl"] = bool(pdl)
     got = K.gemv(x, w, b, prologue=prologue, block_n=bn, block_k=bk, num_warps=nw,
                  split_k=split, **kw)
+    kw.pop("pdl")
     want = R.gemv_ref(x, w, b, prologue=prologue, **kw)
     if isinstance(want, tuple):
         close(got[1], want[1], dtype)
@@ -231,7 +236,7 @@ def test_gemv(dtype, prologue, m, n, k, bias, cfg):
     close(got, want, dtype, scale=2.0)
     if split > 1:  # counters were reset: a second launch gives the same (deterministic) y
         again = K.gemv(x, w, b, prologue=prologue, block_n=bn, block_k=bk, num_warps=nw,
-                       split_k=split, **kw)
+                       split_k=split, pdl=bool(pdl), **kw)
         assert torch.equal(again[0] if isinstance(again, tuple) else again,
                            got[0] if isinstance(got, tuple) else got)
 
