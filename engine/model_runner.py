@@ -136,6 +136,8 @@ class ModelRunner:
         self.config = config
         self.mc = mc
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type == "cuda":
             # streams, CUDA graphs, Triton launches and syncs use the CURRENT device: make it
             # ours (a worker on cuda:1 still sees cuda:0, e.g. for CUDA IPC peers)
