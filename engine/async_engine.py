@@ -53,6 +53,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            self.engine.runner.bind_thread()
             self._serve()
         except BaseException as e:  # noqa: BLE001 - a dead thread must not leave callers hanging
             logger.exception("engine thread failed; failing every in-flight request")

@@ -138,10 +138,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if self.device.type == "cuda":
-            # streams, CUDA graphs, Triton launches and syncs use the CURRENT device: make it
-            # ours (a worker on cuda:1 still sees cuda:0, e.g. for CUDA IPC peers)
-            torch.cuda.set_device(self.device)
+        self.bind_thread()
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.cache.block_size
         if config.num_threads and self.device.type == "cpu":
@@ -433,6 +430,13 @@ class ModelRunner:
         event = torch.cuda.Event(blocking=True)  # a waiter sleeps instead of spinning
         event.record()
         return event
+
+    def bind_thread(self) -> None:
+        """Make this runner's GPU the calling thread's current device. Streams, CUDA graphs,
+        Triton launches and syncs use the current device, which is per thread: the engine
+        thread of a worker on cuda:1 would otherwise launch on cuda:0."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def drop_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
