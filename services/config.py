@@ -136,8 +136,9 @@ class WorkerSettings:
     max_num_batched_tokens: int = _opt(2048, "per-step token budget")
     max_model_len: int = _opt(4096, "max prompt + output tokens")
     enforce_eager: bool = _opt(False, "GPU: no CUDA graphs")
-    async_decode: bool = _opt(False, "launch the next decode step before reading this one's "
-                                     "tokens (hides host work; not yet measured on a GPU)")
+    async_decode: bool | None = _opt(None, "launch the next decode step before reading this "
+                                            "one's tokens (hides host work behind the GPU); "
+                                            "unset: on with CUDA graphs, off otherwise")
     num_threads: int = _opt(0, "CPU: torch threads (0: torch default)")
     grace_s: float = _opt(30.0, "shutdown: time in-flight requests get to finish")
     drain_delay_s: float = _opt(0.5, "shutdown: NOT_SERVING this long before refusing RPCs")
@@ -206,7 +207,7 @@ def _parse(kind: str, raw: str) -> Any:
         except ValueError:
             raise ValueError(f"expected {'an integer' if kind == 'int' else 'a number'}, "
                              f"got {raw!r}") from None
-    if kind == "bool":
+    if kind in ("bool", "bool|None"):
         low = raw.strip().lower()
         if low in ("1", "true", "yes", "on"):
             return True
@@ -228,7 +229,7 @@ def _build(cls: type[S], prog: str, argv: Sequence[str] | None, env: Mapping[str
         flag, var = _names(f.name)
         default = defaults.get(f.name, f.default if f.default is not MISSING else None)
         help_ = f"{f.metadata.get('help', '')} [{var}; default {default!r}]"
-        if f.type == "bool":
+        if f.type in ("bool", "bool | None"):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=None, help=help_)
         else:

@@ -7,8 +7,8 @@ cuBLAS side includes the separate row-wise kernel the GEMV prologue would absorb
 (add+rmsnorm before qkv / gate_up, silu_and_mul before down). Environment:
 PDSERVE_GEMV=off disables the GEMV; PDSERVE_GEMV=force takes the fastest Triton config
 even when cuBLAS is faster (for A/B measurements); PDSERVE_GEMV_SPLIT_K=1 adds the split-K
-configs; PDSERVE_GEMV_PDL=1 launches every Triton config with programmatic dependent launch
-(matvec.gemv's ``pdl``). Every config's output is checked against cuBLAS before it is timed.
+configs; Triton configs launch with programmatic dependent launch (matvec.gemv's ``pdl``,
+on Hopper and later) unless PDSERVE_GEMV_PDL=0. Every config's output is checked against cuBLAS before it is timed.
 """
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def tune_role(model, role: str, mode: str = "auto"):
     from engine.kernels.matvec import gemv
     lin, norms, pro, k = _role_inputs(model, role)
     w0 = lin[0].weight
-    pdl = os.environ.get("PDSERVE_GEMV_PDL") == "1"
+    pdl = os.environ.get("PDSERVE_GEMV_PDL", "1") != "0"
     key = (role, tuple(w0.shape), w0.dtype, lin[0].bias is not None, len(lin), mode,
            os.environ.get("PDSERVE_GEMV_SPLIT_K"), pdl, torch.cuda.get_device_name(w0.device))
     if key in _CACHE:
