@@ -97,8 +97,9 @@ def main():
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-gib", type=float, default=40.0)
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--async-decode", action="store_true",
-                    help="launch each decode step before reading the previous one's tokens")
+    ap.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=None,
+                    help="launch each decode step before reading the previous one's tokens "
+                         "(default: the engine's, on with CUDA graphs)")
     args = ap.parse_args()
     sections = args.sections.split(",")
     R = {"command": "PYTHONPATH=. python3 " + " ".join(sys.argv), "python": platform.python_version(),

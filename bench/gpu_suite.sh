@@ -24,7 +24,7 @@ variant_env() {
   case $1 in *pdl*) e=${e/PDL=0/PDL=1} ;; esac
   echo "$e"
 }
-variant_flags() { case $1 in *async*) echo --async-decode ;; esac; }
+variant_flags() { case $1 in *async*) echo --async-decode ;; *) echo --no-async-decode ;; esac; }
 for step in "$@"; do
   case $step in
     tests) run python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider ;;

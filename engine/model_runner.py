@@ -225,6 +225,10 @@ class ModelRunner:
         self.g_i64[2].fill_(-1)
         qsl = torch.arange(mb + 1, dtype=torch.int32, device=dev)
         pool = torch.cuda.graph_pool_handle()
+        # torch.cuda.graph's default capture stream is made once per process, on the device
+        # current at its first use: a second runner on another GPU (tests; one process, two
+        # engines) would capture on a stream of the first GPU. Each runner brings its own.
+        capture_stream = torch.cuda.Stream(device=dev)
         for b in reversed(self.graph_buckets):
             meta = AttentionMetadata(
                 slot_mapping=self.g_i64[2, :b], seq_lens=self.g_i32[:b],
@@ -244,7 +248,7 @@ class ModelRunner:
                     run()  # compile kernels, create handles
                 torch.cuda.current_stream().wait_stream(s)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                with torch.cuda.graph(g, pool=pool, stream=capture_stream):
                     logits, greedy = run()
             self.graphs[b] = (g, logits, greedy)
         torch.cuda.synchronize()

@@ -44,8 +44,8 @@ class GraphTimer:
             fn()
         torch.cuda.current_stream().wait_stream(s)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            fn()
+        with torch.cuda.graph(self.graph, stream=s):  # not the per-process default stream,
+            fn()                                         # which may belong to another GPU
         self.graph.replay()  # warm
 
     def time_ms(self) -> float:

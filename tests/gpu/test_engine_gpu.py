@@ -99,9 +99,11 @@ def test_engine_thread_on_second_gpu_matches_first():
     ps = prompts()[:4]
 
     async def gen(device):
-        llm = LLM("dummy:tiny", dtype="bfloat16", device=device, max_num_seqs=8,
-                  max_num_batched_tokens=1024, max_model_len=1024)
-        torch.cuda.set_device(0)
+        try:
+            llm = LLM("dummy:tiny", dtype="bfloat16", device=device, max_num_seqs=8,
+                      max_num_batched_tokens=1024, max_model_len=1024)
+        finally:
+            torch.cuda.set_device(0)  # the runner bound this thread to its device
         ae = AsyncEngine(llm.engine)
         await ae.start()
         try:
