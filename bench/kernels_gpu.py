@@ -117,6 +117,23 @@ def case_sample(K, R, n, vocab):
     return fn, mismatch, {"bytes": logits.numel() * 4}
 
 
+def case_gemv(K, R, n, k, prologue, bn, bk, nw):
+    """The batch-1 GEMV with the config the H200 tuner chose for this Llama-3-8B role (PDL on)."""
+    kx = 2 * k if prologue == "silu_mul" else k
+    x = torch.randn(1, kx, dtype=BF16, device="cuda")
+    w = torch.randn(n, k, dtype=BF16, device="cuda") / k ** 0.5
+    kw = {}
+    if prologue == "add_rmsnorm":
+        kw = {"residual": torch.randn(1, k, dtype=BF16, device="cuda"),
+              "norm_weight": torch.rand(k, dtype=BF16, device="cuda") + 0.5, "eps": 1e-5}
+    fn = lambda: K.gemv(x, w, prologue=prologue, block_n=bn, block_k=bk, num_warps=nw,  # noqa
+                        pdl=True, **kw)
+    got, want = fn(), R.gemv_ref(x, w, prologue=prologue, **kw)
+    if isinstance(want, tuple):
+        got, want = got[0], want[0]
+    return fn, err(got, want), {"bytes": n * k * 2}
+
+
 CASES = [
     ("decode b1 ctx256", case_decode, (1, 256)),
     ("decode b1 ctx4096", case_decode, (1, 4096)),
@@ -129,6 +146,11 @@ CASES = [
     ("fused_add_rmsnorm 4096x4096", case_rowwise, ("fused_add_rmsnorm",)),
     ("silu_and_mul 4096x4096", case_rowwise, ("silu_and_mul",)),
     ("rotary 4096 tokens", case_rowwise, ("rotary_embedding",)),
+    ("gemv qkv 6144x4096 add_rmsnorm", case_gemv, (6144, 4096, "add_rmsnorm", 8, 2048, 8)),
+    ("gemv o_proj 4096x4096", case_gemv, (4096, 4096, "none", 4, 1024, 4)),
+    ("gemv gate_up 28672x4096 add_rmsnorm", case_gemv,
+     (28672, 4096, "add_rmsnorm", 4, 1024, 4)),
+    ("gemv down 4096x14336 silu_mul", case_gemv, (4096, 14336, "silu_mul", 8, 2048, 8)),
     ("sample b64 vocab128256 top-k50 top-p0.9 (err = mismatch rate)", case_sample, (64, 128256)),
 ]
 
