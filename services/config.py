@@ -199,6 +199,11 @@ def _names(name: str) -> tuple[str, str]:
     return "--" + name.replace("_", "-"), "PDSERVE_" + name.upper()
 
 
+def _is_bool(kind: str) -> bool:
+    """A field annotated bool, or bool | None (unset: the component decides)."""
+    return kind.replace(" ", "") in ("bool", "bool|None")
+
+
 def _parse(kind: str, raw: str) -> Any:
     kind = kind.replace(" ", "")
     if kind in ("int", "float"):
@@ -207,7 +212,7 @@ def _parse(kind: str, raw: str) -> Any:
         except ValueError:
             raise ValueError(f"expected {'an integer' if kind == 'int' else 'a number'}, "
                              f"got {raw!r}") from None
-    if kind in ("bool", "bool|None"):
+    if _is_bool(kind):
         low = raw.strip().lower()
         if low in ("1", "true", "yes", "on"):
             return True
@@ -229,7 +234,7 @@ def _build(cls: type[S], prog: str, argv: Sequence[str] | None, env: Mapping[str
         flag, var = _names(f.name)
         default = defaults.get(f.name, f.default if f.default is not MISSING else None)
         help_ = f"{f.metadata.get('help', '')} [{var}; default {default!r}]"
-        if f.type in ("bool", "bool | None"):
+        if _is_bool(f.type):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=None, help=help_)
         else:

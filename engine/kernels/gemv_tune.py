@@ -8,7 +8,8 @@ cuBLAS side includes the separate row-wise kernel the GEMV prologue would absorb
 PDSERVE_GEMV=off disables the GEMV; PDSERVE_GEMV=force takes the fastest Triton config
 even when cuBLAS is faster (for A/B measurements); PDSERVE_GEMV_SPLIT_K=1 adds the split-K
 configs; Triton configs launch with programmatic dependent launch (matvec.gemv's ``pdl``,
-on Hopper and later) unless PDSERVE_GEMV_PDL=0. Every config's output is checked against cuBLAS before it is timed.
+on Hopper and later) unless PDSERVE_GEMV_PDL=0. Every config's output is checked against
+cuBLAS before it is timed.
 """
 from __future__ import annotations
 
