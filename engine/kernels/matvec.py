@@ -79,17 +79,6 @@ def _load_x(x_ptr, res_ptr, nw_ptr, kk, km, K, inv, PRO: tl.constexpr):
 
 
 @triton.jit
-def _load_w(w_rows, kk, n_mask, km, EVEN: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] weight tile at columns kk, streamed once (evict first)."""
-    if EVEN:
-        w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
-    else:
-        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & km[None, :], other=0.0,
-                    eviction_policy="evict_first")
-    return w
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, new_res_ptr, part_ptr, cnt_ptr,
                  N, K, eps, stride_xm, stride_rm, stride_w, stride_ym, stride_nrm,
                  PRO: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
@@ -115,7 +104,11 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, new_res_ptr, part_
         if PDL:
             gdc_launch_dependents()
         kk0 = k_lo + ks
-        w_first = _load_w(w_rows, kk0, n_mask, kk0 < K, EVEN)
+        if EVEN:
+            w_first = tl.load(w_rows + kk0[None, :], eviction_policy="evict_first")
+        else:
+            w_first = tl.load(w_rows + kk0[None, :], mask=n_mask[:, None] & (kk0 < K)[None, :],
+                              other=0.0, eviction_policy="evict_first")
         if PDL:
             gdc_wait()
     inv = 1.0
@@ -142,7 +135,11 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, new_res_ptr, part_
         kk = k0 + ks
         km = kk < K
         xv = _load_x(x_ptr, res_ptr, nw_ptr, kk, km, K, inv, PRO)
-        w = _load_w(w_rows, kk, n_mask, km, EVEN)
+        if EVEN:
+            w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & km[None, :], other=0.0,
+                        eviction_policy="evict_first")
         acc += w.to(tl.float32) * xv[None, :]
     y = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
