@@ -12,6 +12,22 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = {"ttft_added_pct_max": 5.0, "itl_p99_ratio_min": 3.0, "goodput_ratio_min": 1.3}
+# goodput as disaggregation papers define it (DistServe): the highest request rate a
+# deployment serves with at least this share of its requests within the SLO
+SLO_ATTAINMENT = 0.9
+
+
+def max_rate_at_slo(mixed: list[dict], attainment: float = SLO_ATTAINMENT) -> float | None:
+    """The highest rate of a rising sweep up to which every rate kept ``attainment`` of its
+    requests within the SLO (None if even the lowest did not). A grid figure: the true
+    limit lies between it and the next rate measured."""
+    best = None
+    for row in sorted(mixed, key=lambda r: r["rate"]):
+        got = row["summary"].get("slo_attainment")
+        if got is None or got < attainment:
+            break
+        best = row["rate"]
+    return best
 
 
 # ------------------------------------------------------------------------------ comparing
@@ -104,6 +120,13 @@ def compare(doc: dict, mixed_tokens: dict) -> dict | None:
             ag["rate"] = rp["rate"]
             under_load.append(ag)
     out["mixed"] = rows
+    if rows:
+        rp, rc = max_rate_at_slo(p.get("mixed", [])), max_rate_at_slo(c.get("mixed", []))
+        ratio = _ratio(rp, rc)
+        out["max_rate_at_slo"] = {
+            "attainment": SLO_ATTAINMENT, "1p1d": rp, "colocated": rc, "ratio": ratio,
+            "rates": sorted(r["rate"] for r in rows),
+            "pass": ratio is not None and ratio >= TARGETS["goodput_ratio_min"]}
     if under_load:
         tot = {k: sum(x[k] for x in under_load) for k in
                ("requests_compared", "requests_identical", "tokens_compared",
@@ -125,6 +148,7 @@ def compare(doc: dict, mixed_tokens: dict) -> dict | None:
         "exact_sequential": out.get("exact_sequential", {}).get("all_identical"),
         "itl_p99_3x_at_rates": [r["rate"] for r in rows if r["itl_pass"]],
         "goodput_1.3x_at_rates": [r["rate"] for r in rows if r["goodput_pass"]],
+        "max_rate_at_slo_1.3x": out.get("max_rate_at_slo", {}).get("pass"),
     }
     return out
 
@@ -227,6 +251,12 @@ def print_summary(doc: dict) -> None:
               f"{_f(r['ttft_p99_ms']['colocated'], '.0f'):>8s}")
     print("   (* = target met: ITL p99 ratio >= 3, goodput ratio >= 1.3; ITL/TTFT in ms, "
           "goodput in req/s)", flush=True)
+    m = cmp_.get("max_rate_at_slo")
+    if m:
+        print(f"   highest rate with >= {m['attainment']:.0%} of requests within the SLO: "
+              f"1P1D {_f(m['1p1d'])}, colocated {_f(m['colocated'])} req/s, ratio "
+              f"{_f(m['ratio'], '.2f')} (target >= 1.3): {'PASS' if m['pass'] else 'FAIL'}",
+              flush=True)
 
 
 

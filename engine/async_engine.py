@@ -42,6 +42,9 @@ class AsyncEngine:
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        # prefill progress reaches its caller as soon as a chunk is queued on the device,
+        # not after the step: the KV sender starts on it while the chunk computes
+        self.engine.progress_sink = self._send_progress
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -97,13 +100,13 @@ class AsyncEngine:
                 return
             for fn in self.step_listeners:
                 fn(outs)
-            items: list[Any] = []
-            if eng.progress:  # before the outputs: a request's last chunk comes after them
-                items.extend(eng.progress)
-                eng.progress.clear()
-            items.extend(outs)
-            if items:  # one wake-up of the event loop per step, not one per request
-                self._loop.call_soon_threadsafe(self._deliver_all, items)
+            if outs:  # one wake-up of the event loop per step, not one per request
+                self._loop.call_soon_threadsafe(self._deliver_all, outs)
+
+    def _send_progress(self, items: list[PrefillProgress]) -> None:
+        """Engine thread (``LLMEngine.progress_sink``): a request's progress reaches its
+        stream before that request's output, which is delivered after the step."""
+        self._loop.call_soon_threadsafe(self._deliver_all, items)
 
     def _deliver_all(self, items: list[Any]) -> None:
         """Event loop: hand a step's outputs (and prefill progress) to their streams."""
@@ -185,8 +188,9 @@ class AsyncEngine:
                       ) -> RequestOutput:
         """Prefill role: compute the prompt, sample the first token, HOLD the blocks.
         The caller must ``release`` (or ``abort``) the request when its transfer ends.
-        ``on_progress`` is called (in the event loop) after each prefill chunk but the last,
-        so the caller can send that chunk's KV while the rest computes."""
+        ``on_progress`` is called (in the event loop) for each prefill chunk once it is
+        queued on the device (the last one before this returns), so the caller can send the
+        chunk's KV while it and the rest compute."""
         q = self._open(rid)
         try:
             await self.call(lambda e: e.add_request(rid, prompt_ids, sampling, prefill_only=True,

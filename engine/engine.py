@@ -9,6 +9,7 @@ worker receive a prompt's KV from elsewhere and continue from the first token.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 import logging
 import time
@@ -69,9 +70,12 @@ class LLMEngine:
         self.steps = 0
         self.num_preemptions = 0
         self.last_schedule: SchedulerOutput | None = None  # the last step's schedule
-        # prefill role: chunks finished by requests added with report_progress, for the
-        # owner to take after each step (AsyncEngine hands them to the request's caller)
+        # prefill role: chunks launched by requests added with report_progress, for the
+        # owner to take after each step; with ``progress_sink`` set (AsyncEngine: hands them
+        # to the request's caller at once) they go there instead, as soon as the chunk's
+        # forward pass is queued, so its KV can move while it computes
         self.progress: list[PrefillProgress] = []
+        self.progress_sink: Callable[[list[PrefillProgress]], None] | None = None
         # async_decode: a step launched before the previous one's tokens were read
         self._ahead: StepHandle | None = None
         self.chained_steps = 0  # steps launched ahead (their host work overlapped the device)
@@ -110,9 +114,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams, prefill_only: bool = False,
                     report_progress: bool = False) -> None:
-        """``report_progress`` (prefill role): after every prefill chunk but the last, put a
-        :class:`PrefillProgress` in ``self.progress``, so the KV of finished chunks can be
-        sent while the next one computes."""
+        """``report_progress`` (prefill role): for every prefill chunk, once its forward
+        pass is queued, report a :class:`PrefillProgress` (see ``progress_sink``), so the KV
+        of each chunk (layer by layer on a GPU) can be sent while the prompt computes."""
         self.scheduler.add(self._new_seq(request_id, prompt_token_ids, sampling, prefill_only,
                                          report_progress))
 
@@ -174,20 +178,33 @@ class LLMEngine:
         if self._ahead is not None:
             handle, self._ahead = self._ahead, None
             self._ahead = self._launch_ahead(handle)
-            return self._finish(handle, [])
+            return self._finish(handle)
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
-        for rid in sched.preempted:
-            seq = self.scheduler.requests.get(rid)
-            if seq is not None and seq.report_progress:
-                self.progress.append(PrefillProgress(rid, 0, [], reset=True))
+        resets = [PrefillProgress(rid, 0, [], reset=True) for rid in sched.preempted
+                  if (seq := self.scheduler.requests.get(rid)) is not None
+                  and seq.report_progress]
+        if resets:
+            self._report(resets)
         if not sched:
             return []
-        chunked = [item.seq for item in sched.scheduled  # not their last chunk (no sample)
-                   if item.seq.report_progress and not item.samples]
-        handle = self.runner.launch(sched)
+        reporting = [item for item in sched.scheduled if item.seq.report_progress]
+
+        def queued(ready, layer_ready) -> None:  # the chunks' KV lands once these complete
+            self._report([PrefillProgress(
+                item.seq.request_id, item.seq.num_computed_tokens + item.num_new_tokens,
+                list(item.seq.block_table), ready, layer_ready=layer_ready)
+                for item in reporting])
+
+        handle = self.runner.launch(sched, on_queued=queued if reporting else None)
         self._ahead = self._launch_ahead(handle)
-        return self._finish(handle, chunked)
+        return self._finish(handle)
+
+    def _report(self, items: list[PrefillProgress]) -> None:
+        if self.progress_sink is not None:
+            self.progress_sink(items)
+        else:
+            self.progress.extend(items)
 
     def _launch_ahead(self, prev: StepHandle) -> StepHandle | None:
         """Launch the step after ``prev`` now, if nothing can change it: every running
@@ -221,7 +238,7 @@ class LLMEngine:
             self.block_manager.hold_frees()
         return handle
 
-    def _finish(self, handle: StepHandle, chunked: list[Sequence]) -> list[RequestOutput]:
+    def _finish(self, handle: StepHandle) -> list[RequestOutput]:
         """Read ``handle``'s tokens, advance the scheduler and build the outputs."""
         sched = handle.sched
         tokens, logprobs = self.runner.collect(handle)
@@ -232,11 +249,6 @@ class LLMEngine:
         self.last_schedule = sched  # what this step ran (tracing reads it; no copy made)
         self.scheduler.update(sched, tokens)
         self.steps += 1
-        if chunked:
-            ready = self.runner.record_event()
-            self.progress.extend(PrefillProgress(seq.request_id, seq.num_computed_tokens,
-                                                 list(seq.block_table), ready)
-                                 for seq in chunked)
         outs = []
         for item in sched.scheduled:
             seq = item.seq

@@ -5,6 +5,7 @@ metadata, runs the model and samples one token for every sequence whose chunk re
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 import logging
 import os
@@ -359,12 +360,19 @@ class ModelRunner:
 
     # ------------------------------------------------------------------- run
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> StepHandle:
+    def launch(self, out: SchedulerOutput, on_queued: Callable | None = None) -> StepHandle:
         """Run one step. Greedy CUDA-graph steps return with the tokens still on the device
-        (read them with :meth:`collect`); every other path samples on the host at once."""
+        (read them with :meth:`collect`); every other path samples on the host at once.
+
+        ``on_queued(ready, layer_ready)`` is called once the step's forward pass is queued,
+        before sampling waits for it: ``ready`` completes when the step's KV writes are done
+        and ``layer_ready`` holds one event per layer (eager GPU path; None elsewhere), so a
+        KV sender can start on a chunk while it computes."""
         sampled = [item.seq.request_id for item in out.scheduled if item.samples]
         if self._can_graph(out):
             logits, greedy, host, landed = self._graph_step(out)
+            if on_queued is not None:
+                on_queued(self.record_event(), None)
             if not sampled:
                 return StepHandle(out, [], tokens=[])
             batch = self._sampling_batch(out)
@@ -379,7 +387,16 @@ class ModelRunner:
             tokens, logprobs = self.sampler(logits, batch)
             return StepHandle(out, sampled, tokens=tokens, logprobs=logprobs)
         ids, pos, meta, rows = self.prepare(out)
-        hidden = self.model(ids, pos, self.kv_cache, meta, self.backend)
+        layers: list | None = None
+        after_layer = None
+        if on_queued is not None and self.device.type == "cuda":
+            layers = []
+
+            def after_layer(_i: int) -> None:
+                layers.append(self.record_event(blocking=False))
+        hidden = self.model(ids, pos, self.kv_cache, meta, self.backend, after_layer)
+        if on_queued is not None:
+            on_queued(self.record_event(), layers)
         if not rows:
             return StepHandle(out, [], tokens=[])
         logits = self.model.compute_logits(hidden[rows])
@@ -426,12 +443,14 @@ class ModelRunner:
         lps = dict(zip(h.sampled_ids, h.logprobs)) if h.logprobs is not None else {}
         return toks, lps
 
-    def record_event(self):
+    def record_event(self, blocking: bool = True):
         """An event that completes when the work queued so far (this step's KV writes) is
-        done; None on the CPU, where a step has finished when ``execute`` returns."""
+        done; None on the CPU, where a step has finished when ``execute`` returns.
+        ``blocking``: a host thread waiting on it sleeps instead of spinning (events only
+        device streams wait on need not be)."""
         if self.device.type != "cuda":
             return None
-        event = torch.cuda.Event(blocking=True)  # a waiter sleeps instead of spinning
+        event = torch.cuda.Event(blocking=blocking)
         event.record()
         return event
 

@@ -80,15 +80,18 @@ class RequestOutput:
 
 @dataclass
 class PrefillProgress:
-    """Prefill role with streamed KV: a prefill chunk finished (not the last one, which comes
-    as the request's RequestOutput). The prompt's first ``num_computed_tokens`` tokens have
-    their KV in ``block_ids`` (the block table so far) once ``ready`` completes: a device
-    event recorded after the step (``query()``), None when the step already finished
-    (CPU). ``reset``: the request was preempted, its blocks were freed and earlier progress
-    is void (whoever reads them must give up)."""
+    """Prefill role with streamed KV: a prefill chunk was launched (the last one too; it is
+    reported before the request's RequestOutput). The prompt's first ``num_computed_tokens``
+    tokens have their KV in ``block_ids`` (the block table so far) once ``ready`` completes:
+    a device event recorded right after the chunk's forward pass was queued (``query()``),
+    None when the step already finished (CPU). ``layer_ready`` (GPU): one event per model
+    layer, completing once that layer's KV of the chunk is written, so a sender can move a
+    layer while later layers still compute. ``reset``: the request was preempted, its blocks
+    were freed and earlier progress is void (whoever reads them must give up)."""
 
     request_id: str
     num_computed_tokens: int
     block_ids: list[int]
     ready: Any = None
     reset: bool = False
+    layer_ready: list[Any] | None = None

@@ -74,3 +74,45 @@ def gather(cache: torch.Tensor, ids: list[int], out: torch.Tensor) -> None:
 def scatter(cache: torch.Tensor, ids: list[int], src: torch.Tensor) -> None:
     """``cache[ids[i]] = src[i]``, one copy per run of consecutive ids."""
     _copy_runs(cache, ids, src, None)
+
+
+def layer_groups(num_layers: int, per_group: int) -> list[tuple[int, int]]:
+    """``[(0, 4), (4, 8), ...]``: layers cut into groups of ``per_group`` (the last may be
+    shorter), the unit a layer-by-layer sender moves as one message."""
+    if per_group <= 0:
+        raise ValueError(f"layers per group must be positive, got {per_group}")
+    return [(lo, min(lo + per_group, num_layers)) for lo in range(0, num_layers, per_group)]
+
+
+def check_layer_groups(groups, num_layers: int) -> list[tuple[int, int]]:
+    """Validate a peer's layer groups: ``[lo, hi)`` pairs covering ``0..num_layers`` in
+    order, each layer once (ValueError otherwise)."""
+    out, expect = [], 0
+    for group in groups:
+        lo, hi = (int(x) for x in group)
+        if lo != expect or hi <= lo or hi > num_layers:
+            raise ValueError(f"layer groups {list(groups)[:8]} do not cover 0..{num_layers}")
+        out.append((lo, hi))
+        expect = hi
+    if expect != num_layers:
+        raise ValueError(f"layer groups {list(groups)[:8]} do not cover 0..{num_layers}")
+    return out
+
+
+def _by_layer(cache: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks, num_layers, per_layer]`` view of a block-major cache (no copy)."""
+    return cache.view(cache.shape[0], cache.shape[1], -1)
+
+
+def gather_layers(cache: torch.Tensor, idx: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Layers ``[lo, hi)`` of blocks ``idx`` (an index tensor on the cache's device) as one
+    new contiguous tensor ``[len(idx), hi - lo, per_layer]``: one gather kernel, so a
+    layer group of scattered blocks travels as one message."""
+    return _by_layer(cache)[:, lo:hi].index_select(0, idx)
+
+
+def scatter_layers(cache: torch.Tensor, idx: torch.Tensor, lo: int, hi: int,
+                   src: torch.Tensor) -> None:
+    """Inverse of :func:`gather_layers`: write ``src`` into layers ``[lo, hi)`` of blocks
+    ``idx`` (one kernel)."""
+    _by_layer(cache)[:, lo:hi].index_copy_(0, idx, src.view(len(idx), hi - lo, -1))

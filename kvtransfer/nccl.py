@@ -15,7 +15,13 @@ Per transfer, on the control connection (see :mod:`kvtransfer.control`)::
     wait for the sends (CUDA event)
 
 The sender's NCCL stream waits on the prefill's event itself, so a part is queued as soon as
-the chunk that computed it was launched, and moves while the next chunk computes.
+the chunk that computes it was launched. A part handed over with per-layer events (the
+prefill worker's chunks) moves layer by layer: its BLOB names layer groups (``layers``, 4
+layers per message by default), the receiver posts one receive per group into a staging
+buffer and scatters it into its blocks, and the sender queues, per group, a wait on the
+group's last layer, a gather of those layers of the part's blocks into a staging buffer,
+and the send. So the KV moves while the later layers still compute, and after the forward
+pass only the last group is left to move.
 
 Segments are runs contiguous in both caches (block-major: one segment = one message), so a
 freshly prefilled prompt is usually ONE message. A pair's sends and receives must be queued
@@ -35,6 +41,7 @@ import asyncio
 import base64
 import json
 import logging
+import os
 import socket
 import uuid
 
@@ -51,10 +58,13 @@ from kvtransfer.control import (
     segments,
     wait_event,
 )
-from kvtransfer.stream import BlockStream
+from kvtransfer.blocks import check_layer_groups, gather_layers, layer_groups, scatter_layers
+from kvtransfer.stream import BlockStream, Part
 from kvtransfer.tracking import ExpectedTransfer, TransferError
 
 logger = logging.getLogger(__name__)
+
+LAYERED = "layers"  # the receiver's reply to a part sent layer group by layer group
 
 
 class _Comm:
@@ -185,6 +195,8 @@ class NcclReceiver(ControlReceiver):
                         key = str(meta["sender"])
                     elif uid:
                         raise ValueError("a new communicator in the middle of a transfer")
+                    groups = check_layer_groups(meta["layers"], self._layout.num_layers) \
+                        if meta.get("layers") else None
                     segs = segments(src, dst[got:got + len(src)])
                 except (ValueError, KeyError, TypeError) as exc:
                     raise TransferError(f"bad nccl transfer metadata: {exc}") from None
@@ -197,11 +209,16 @@ class NcclReceiver(ControlReceiver):
                         entry.on_end(lambda: self._settle(key, pair, entry))
                     elif self._pairs.comms.get(key) is not comm or comm.aborted:
                         raise TransferError("NCCL communicator was replaced mid-transfer")
-                    comm.post(_ops(self._cache, self._layout, segs, "recv", 1), peer=0)
-                    # receives posted: the sender cuts its blocks into the same messages
-                    counts = ",".join(str(n) for _, _, n in segs)
-                    await loop.sock_sendall(conn, proto.encode_reply(proto.OK, len(segs), counts))
-                    event = await comm.queued(watch=conn)
+                    if groups:
+                        event = await self._receive_layers(loop, conn, comm,
+                                                           dst[got:got + len(src)], groups)
+                    else:
+                        comm.post(_ops(self._cache, self._layout, segs, "recv", 1), peer=0)
+                        # receives posted: the sender cuts its blocks into the same messages
+                        counts = ",".join(str(n) for _, _, n in segs)
+                        await loop.sock_sendall(conn, proto.encode_reply(proto.OK, len(segs),
+                                                                         counts))
+                        event = await comm.queued(watch=conn)
                 got += len(src)
             await wait_event(event, watch=conn, what="NCCL receive")
             comm.check()
@@ -210,6 +227,32 @@ class NcclReceiver(ControlReceiver):
             if comm is not None:
                 self._pairs.drop(key, comm)
             raise
+
+    async def _receive_layers(self, loop, conn: socket.socket, comm: _Comm, dst: list[int],
+                              groups: list[tuple[int, int]]) -> torch.cuda.Event:
+        """A part sent layer group by layer group (while the prefill computes it): per group
+        one message into a staging buffer, scattered into the destination blocks on the
+        same stream. Staging buffers come from the stream's allocator pool, so the next
+        group reuses the last one's memory only after its scatter (stream order)."""
+        per_layer = self._layout.block_bytes // self._layout.num_layers // \
+            self._layout.torch_dtype.itemsize
+        with torch.cuda.device(comm.device), torch.cuda.stream(comm.stream):
+            idx = torch.tensor(dst, dtype=torch.int64, device=comm.device)
+        for k, (lo, hi) in enumerate(groups):
+            with torch.cuda.device(comm.device), torch.cuda.stream(comm.stream):
+                staging = torch.empty((len(dst), hi - lo, per_layer),
+                                      dtype=self._layout.torch_dtype, device=comm.device)
+            comm.post([("recv", staging.data_ptr(), staging.numel() * staging.element_size())],
+                      peer=0)
+            if k == 0:  # posted: the sender may start (a new pair's set-up needs both sides)
+                await loop.sock_sendall(conn, proto.encode_reply(proto.OK, len(groups),
+                                                                 LAYERED))
+            await comm.queued(watch=conn)
+            with torch.cuda.device(comm.device), torch.cuda.stream(comm.stream):
+                scatter_layers(self._cache, idx, lo, hi, staging)
+        event = torch.cuda.Event(enable_timing=True, blocking=True)
+        event.record(comm.stream)
+        return event
 
     async def _join(self, key: str, uid: bytes, conn: socket.socket) -> _Comm:
         """The pair's communicator: a new one when the sender sent a unique id."""
@@ -234,47 +277,90 @@ class NcclSender(ControlSender):
     scheme = "nccl"
     kind = proto.KIND_NCCL
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+    def __init__(self, cache: torch.Tensor, layout: KVLayout,
+                 layers_per_message: int | None = None) -> None:
+        """``layers_per_message``: a part handed over with per-layer events (a prefill
+        chunk still computing) moves as one message per this many layers, each sent as
+        soon as its layers are written; 0 sends whole parts only. Default: the
+        ``PDSERVE_NCCL_LAYERS_PER_MESSAGE`` environment variable, else 4."""
         require_cuda(cache, "nccl")
         super().__init__(cache, layout)
         self._id = uuid.uuid4().hex
         self._pairs = _Pairs()  # by receiver endpoint
+        if layers_per_message is None:
+            layers_per_message = int(os.environ.get("PDSERVE_NCCL_LAYERS_PER_MESSAGE", "4"))
+        if layers_per_message < 0:
+            raise ValueError(f"layers_per_message must be >= 0, got {layers_per_message}")
+        self._groups = layer_groups(layout.num_layers, layers_per_message) \
+            if 0 < layers_per_message < layout.num_layers else None
 
     async def _send_payload(self, loop, sock: socket.socket, endpoint: str,
                             sm: TransferStateMachine, blocks: BlockStream) -> None:
         comm: _Comm | None = None
-        timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # whole-part sends
+        last = None  # completes with the last send queued
         try:
-            async for ids, ready in blocks.parts():
+            async for part in blocks.layered_parts():
+                groups = self._groups if part.layers is not None and \
+                    len(part.layers) == self._layout.num_layers else None
                 async with self._pairs.lock(endpoint):
                     comm, uid = self._pair_for(endpoint, comm)
-                    meta = {"sender": self._id, "src": ids,
+                    meta = {"sender": self._id, "src": part.ids,
                             "uid": base64.b64encode(uid).decode() if uid else ""}
+                    if groups:
+                        meta["layers"] = groups
                     await loop.sock_sendall(sock, proto.encode_blob(json.dumps(meta).encode()))
                     # the receiver answers once its receives are queued (after joining the
                     # comm), with the message sizes it posted (runs contiguous in both caches)
                     status, nsegs, text = await proto.read_reply(loop, sock)
                     if status == proto.ERROR:
                         raise TransferError(f"receiver could not post the receives: {text}")
-                    segs = _source_segments(ids, status, nsegs, text)
+                    if groups:
+                        if status != proto.OK or nsegs != len(groups) or text != LAYERED:
+                            raise TransferError("protocol error: receiver did not post the "
+                                                f"layer groups ({text[:80]!r})")
+                    else:
+                        segs = _source_segments(part.ids, status, nsegs, text)
                     if not comm.ready:
                         await comm.wait_idle(sock, "NCCL communicator init")
                         comm.ready = True
-                    if ready is not None:  # the part's KV is written once the prefill's
-                        comm.stream.wait_event(ready)  # event completes: the GPU waits, not us
+                    if groups:
+                        last = await self._send_layers(sock, comm, part, groups)
+                        continue
+                    if part.event is not None:  # the part's KV is written once the prefill's
+                        comm.stream.wait_event(part.event)  # event completes: the GPU waits
                     start = torch.cuda.Event(enable_timing=True)
                     start.record(comm.stream)
                     comm.post(_ops(self._cache, self._layout, segs, "send", 0), peer=1)
-                    timings.append((start, await comm.queued(watch=sock)))
+                    last = await comm.queued(watch=sock)
+                    timings.append((start, last))
             await await_ack(loop, sock)
-            await wait_event(timings[-1][1], what="NCCL send")
+            await wait_event(last, what="NCCL send")
             comm.check()
-            sm.data_seconds = sum(a.elapsed_time(b) for a, b in timings) / 1000.0
+            if timings:  # layer groups wait for the forward pass: no data-only time
+                sm.data_seconds = sum(a.elapsed_time(b) for a, b in timings) / 1000.0
         except BaseException:
             if comm is not None:  # abort, then let the aborted kernels drain: the caller
                 self._pairs.drop(endpoint, comm)  # frees the source blocks when send() returns
                 comm.stream.synchronize()
             raise
+
+    async def _send_layers(self, sock: socket.socket, comm: _Comm, part: Part,
+                           groups: list[tuple[int, int]]) -> torch.cuda.Event:
+        """Queue one message per layer group, each behind the event of its last layer: the
+        group's blocks are gathered into a staging buffer and sent while the prefill
+        computes the next layers. Staging buffers come from the stream's allocator pool
+        (reused only after the send that read them, in stream order)."""
+        with torch.cuda.device(comm.device), torch.cuda.stream(comm.stream):
+            idx = torch.tensor(part.ids, dtype=torch.int64, device=comm.device)
+        for lo, hi in groups:
+            with torch.cuda.device(comm.device), torch.cuda.stream(comm.stream):
+                comm.stream.wait_event(part.layers[hi - 1])
+                staging = gather_layers(self._cache, idx, lo, hi)
+            comm.post([("send", staging.data_ptr(), staging.numel() * staging.element_size())],
+                      peer=1)
+            done = await comm.queued(watch=sock)
+        return done
 
     def _pair_for(self, endpoint: str, current: _Comm | None) -> tuple[_Comm, bytes]:
         """The communicator for this part (and the unique id to send, for a new one). A

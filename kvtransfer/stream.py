@@ -22,9 +22,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from kvtransfer.base import TransferError
+
+
+@dataclass(frozen=True)
+class Part:
+    """Blocks handed over together: readable once ``event`` completes; with ``layers``,
+    layer ``i`` of every block is readable once ``layers[i]`` completes."""
+
+    ids: list[int]
+    event: Any = None
+    layers: list[Any] | None = None
 
 
 class BlockStream:
@@ -33,7 +44,7 @@ class BlockStream:
             raise ValueError(f"a transfer needs at least one block, got total={total!r}")
         self.total = total
         self._handed = 0  # ids given by the producer
-        self._parts: deque[tuple[list[int], Any]] = deque()
+        self._parts: deque[Part] = deque()
         self._error: str | None = None
         self._changed = asyncio.Event()
         self.completed_at: float | None = None  # time.monotonic() when the last id was handed
@@ -43,8 +54,8 @@ class BlockStream:
         """Block ids must be in ``[0, num_blocks)`` (the sender's cache): checked for the ids
         handed over so far (ValueError) and for every later ``extend``."""
         self._num_blocks = num_blocks
-        for ids, _ in self._parts:
-            self._check(ids)
+        for part in self._parts:
+            self._check(part.ids)
 
     def _check(self, ids: list[int]) -> None:
         if self._num_blocks is not None:
@@ -59,9 +70,11 @@ class BlockStream:
         return stream
 
     # ---------------------------------------------------------------- producer
-    def extend(self, ids: list[int], event: Any = None) -> None:
+    def extend(self, ids: list[int], event: Any = None, layers: list[Any] | None = None) -> None:
         """The next ``ids`` (in transfer order) are readable once ``event`` (an object with
-        ``query()``, e.g. a CUDA event; None: now) completes."""
+        ``query()``, e.g. a CUDA event; None: now) completes. ``layers``: optionally one
+        event per model layer, the ``i``-th completing once layer ``i`` of these blocks is
+        written (earlier than ``event``): a sender may move the blocks layer by layer."""
         if self._error is not None:
             raise ValueError(f"stream already failed: {self._error}")
         if not ids:
@@ -71,7 +84,7 @@ class BlockStream:
                              f"{self._handed + len(ids)}")
         ids = [int(i) for i in ids]
         self._check(ids)
-        self._parts.append((ids, event))
+        self._parts.append(Part(ids, event, list(layers) if layers else None))
         self._handed += len(ids)
         if self._handed == self.total:
             self.completed_at = time.monotonic()
@@ -92,28 +105,40 @@ class BlockStream:
         return self._handed == self.total
 
     # ---------------------------------------------------------------- consumer
-    async def next_part(self) -> tuple[list[int], Any] | None:
-        """Every id handed over since the last call, merged, with the last one's event
-        (events of one stream complete in order); None once the whole stream was taken."""
+    async def next_layered(self) -> Part | None:
+        """Every id handed over since the last call, merged into one part with the last
+        one's event and layer events (events of one stream complete in order: a later
+        part's layer ``i`` completes after every earlier part); None once the whole stream
+        was taken."""
         while True:
             if self._error is not None:
                 raise TransferError(self._error)
             if self._parts:
-                ids: list[int] = []
-                event = None
+                merged = self._parts.popleft()
                 while self._parts:
-                    part, ev = self._parts.popleft()
-                    ids.extend(part)
-                    event = ev if ev is not None else event
-                return ids, event
+                    part = self._parts.popleft()
+                    merged = Part(merged.ids + part.ids,
+                                  part.event if part.event is not None else merged.event,
+                                  part.layers)
+                return merged
             if self.complete:
                 return None
             self._changed.clear()
             await self._changed.wait()
 
+    async def next_part(self) -> tuple[list[int], Any] | None:
+        """Like :meth:`next_layered`, as ``(ids, event)``."""
+        part = await self.next_layered()
+        return None if part is None else (part.ids, part.event)
+
     async def parts(self):
         """``async for ids, event in stream.parts()``: each part as it becomes available."""
         while (part := await self.next_part()) is not None:
+            yield part
+
+    async def layered_parts(self):
+        """``async for part in stream.layered_parts()``: each :class:`Part` as it comes."""
+        while (part := await self.next_layered()) is not None:
             yield part
 
     async def ready_parts(self, watch=None):

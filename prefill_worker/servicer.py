@@ -102,7 +102,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         t0, t0_ns = time.perf_counter(), time.time_ns()
         # the send starts now: its handshake, and the KV of each finished prefill chunk,
         # overlap the rest of the prompt's forward pass
-        feed = _ChunkFeed(len(kv.dst_block_ids), kv.skip_blocks, bs)
+        feed = _ChunkFeed(len(kv.dst_block_ids), kv.skip_blocks, bs, len(ids))
         sending = asyncio.ensure_future(self._send(rid, kv, feed.stream, sender, span))
         if self.clock is not None:
             self.clock.watch(rid)
@@ -208,23 +208,28 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
 
 class _ChunkFeed:
-    """Feeds a transfer's BlockStream from the engine: the blocks each finished prefill chunk
-    filled (full blocks only; the prompt's last, partial block comes with the first token).
-    Transfer block ``i`` is the prompt's block ``skip + i`` (the decode worker already holds
-    the first ``skip`` blocks)."""
+    """Feeds a transfer's BlockStream from the engine: the blocks each prefill chunk fills,
+    handed over as soon as the chunk is queued on the device, with the events that complete
+    once its KV (per layer, on a GPU) is written; full blocks only, but for the last chunk,
+    which completes the prompt's partial last block too. Transfer block ``i`` is the
+    prompt's block ``skip + i`` (the decode worker already holds the first ``skip``)."""
 
-    def __init__(self, total: int, skip: int, block_size: int) -> None:
+    def __init__(self, total: int, skip: int, block_size: int, prompt_tokens: int) -> None:
         self.stream = BlockStream(total)
         self.total, self.skip, self.block_size = total, skip, block_size
+        self.prompt_tokens = prompt_tokens
         self.handed = 0
-        self.parts = 0  # extends so far (1: everything after the prompt was computed)
+        self.parts = 0  # extends so far (one per prefill chunk that completed blocks)
 
     def progress(self, p: PrefillProgress) -> None:
         if p.reset:
             self.fail("the prefill was preempted on the prefill worker (its blocks were freed)")
             return
-        full = min(p.num_computed_tokens // self.block_size, self.skip + self.total)
-        self._hand(p.block_ids, full, p.ready)
+        done = p.num_computed_tokens
+        # the last chunk completes the prompt's partial last block too
+        full = -(-done // self.block_size) if done >= self.prompt_tokens else \
+            done // self.block_size
+        self._hand(p.block_ids, min(full, self.skip + self.total), p.ready, p.layer_ready)
 
     def finish(self, block_ids: list[int] | None) -> None:
         if not block_ids or len(block_ids) - self.skip < self.total:
@@ -233,10 +238,10 @@ class _ChunkFeed:
             return
         self._hand(block_ids, self.skip + self.total, None)
 
-    def _hand(self, block_ids: list[int], upto: int, ready) -> None:
+    def _hand(self, block_ids: list[int], upto: int, ready, layers=None) -> None:
         start = self.skip + self.handed
         if upto > start and not self.stream.failed:
-            self.stream.extend(block_ids[start:upto], ready)
+            self.stream.extend(block_ids[start:upto], ready, layers)
             self.handed = upto - self.skip
             self.parts += 1
 

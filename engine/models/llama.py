@@ -6,6 +6,8 @@ an ``AttentionBackend`` so the GPU path can swap in Triton kernels without touch
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -172,11 +174,16 @@ class LlamaForCausalLM(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend,
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """``after_layer(i)`` is called once layer ``i``'s work (its KV-cache write included)
+        has been queued: the runner records an event there for layer-by-layer KV sending."""
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, self.rotary, backend, kv_cache, meta)
+            if after_layer is not None:
+                after_layer(i)
         x, _ = self.norm(x, residual)
         return x
 

@@ -119,3 +119,25 @@ def test_engine_thread_on_second_gpu_matches_first():
 
     first, second = asyncio.run(gen("cuda:0")), asyncio.run(gen("cuda:1"))
     assert first == second
+
+
+def test_prefill_progress_carries_one_event_per_layer():
+    """Prefill role on a GPU: each chunk is reported when it is queued, with one event per
+    layer (layer-by-layer KV sending waits on them) and a final event; by the time the
+    request's output is read they have all completed, and the last report names the whole
+    block table."""
+    llm = LLM("dummy:tiny", dtype="bfloat16", device="cuda", max_num_batched_tokens=64,
+              block_size=16)
+    eng = llm.engine
+    eng.add_request("p", list(range(1, 151)), SamplingParams(max_tokens=4, temperature=0),
+                    prefill_only=True, report_progress=True)
+    outs = []
+    while not outs:
+        outs = eng.step()
+    layers = eng.runner.model.config.num_layers
+    assert [p.num_computed_tokens for p in eng.progress] == [64, 128, 150]
+    for p in eng.progress:
+        assert p.ready is not None and p.ready.query()
+        assert len(p.layer_ready) == layers and all(e.query() for e in p.layer_ready)
+    assert eng.progress[-1].block_ids == outs[0].held_block_ids
+    eng.release("p")

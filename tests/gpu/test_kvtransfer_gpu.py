@@ -122,6 +122,51 @@ def test_streamed_send_waits_for_each_parts_event(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_layered_send_waits_for_each_layers_event(backend):
+    """As the prefill worker hands a chunk over: when the chunk is queued, before it
+    computes, with one event per layer. The nccl sender moves it layer by layer (one
+    message per layer here, gathered from scattered blocks); every backend must wait for
+    each layer's event, or stale zeros land."""
+    async def main():
+        src, dst = cache(64, SRC), cache(64, DST)
+        rx = make_receiver(backend, dst, LAYOUT)
+        await rx.start()
+        opts = {"layers_per_message": 1} if backend == "nccl" else {}
+        tx = make_sender(backend, src, LAYOUT, **opts)
+        if backend == "nccl":
+            assert tx._groups == [(0, 1), (1, 2), (2, 3), (3, 4)]  # noqa: SLF001
+        s_ids, d_ids = [5, 6, 7, 8, 30, 2, 41, 40], [0, 1, 2, 3, 60, 10, 11, 12]
+        want = cache(len(s_ids), SRC, seed=7)
+        torch.cuda.synchronize(SRC)
+        handle = rx.expect("ly", d_ids, 30)
+        blocks = BlockStream(len(s_ids))
+        task = asyncio.create_task(tx.send("ly", rx.endpoint, blocks, 30))
+        await asyncio.sleep(0.2)  # handshake and communicator set-up
+        compute = torch.cuda.Stream(SRC)
+        with torch.cuda.device(SRC), torch.cuda.stream(compute):
+            for lo, hi in ((0, 4), (4, 8)):  # two chunks, each queued before it runs
+                layers = []
+                for layer in range(LAYOUT.num_layers):
+                    torch.cuda._sleep(20_000_000)  # the layer's forward pass
+                    src[s_ids[lo:hi], layer] = want[lo:hi, layer]
+                    layers.append(torch.cuda.Event())
+                    layers[-1].record(compute)
+                torch.cuda._sleep(5_000_000)  # norm, logits, sampling
+                final = torch.cuda.Event()
+                final.record(compute)
+                blocks.extend(s_ids[lo:hi], final, layers)
+        res = await task
+        got = await handle.wait()
+        assert res.state is TransferState.DONE, res.error
+        assert got.state is TransferState.DONE, got.error
+        assert torch.equal(dst[d_ids].cpu(), want.cpu()), "stale layers landed"
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_concurrent_transfers(backend):
     async def main():
         src, dst = cache(64, SRC, seed=2), cache(64, DST)

@@ -17,6 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -251,3 +252,18 @@ def test_cli_compare_writes_json_and_plots(gateway, tmp_path, capsys):
     assert (tmp_path / "r_cdf.png").stat().st_size > 1000
     assert (tmp_path / "r_throughput.png").stat().st_size > 1000
     assert "B/A" in capsys.readouterr().out
+
+
+def test_max_rate_at_slo_is_the_last_rate_of_the_unbroken_run():
+    """Goodput as DistServe defines it: the highest rate of the sweep up to which every rate
+    kept 90% of its requests within the SLO; a later recovery does not count."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from disagg_report import max_rate_at_slo
+
+    def rows(*pairs):
+        return [{"rate": r, "summary": {"slo_attainment": a}} for r, a in pairs]
+
+    assert max_rate_at_slo(rows((16, 0.95), (4, 1.0), (8, 0.99), (24, 0.5))) == 16
+    assert max_rate_at_slo(rows((4, 1.0), (8, 0.7), (16, 0.95))) == 4
+    assert max_rate_at_slo(rows((4, 0.89))) is None
+    assert max_rate_at_slo(rows((4, 0.9), (8, None))) == 4

@@ -117,9 +117,10 @@ def test_bad_prompts(tiny):
         tiny.generate([[5] * 100000], SamplingParams())
 
 
-def test_prefill_progress_reports_each_finished_chunk():
-    """Prefill role with streamed KV: after every chunk but the last the engine reports how
-    many prompt tokens have KV and in which blocks, so they can be sent while the rest
+def test_prefill_progress_reports_each_chunk():
+    """Prefill role with streamed KV: for every chunk, the last one included, the engine
+    reports how many prompt tokens will have KV after it and in which blocks, as soon as the
+    chunk is queued (before its token is read), so they can be sent while the prompt
     computes; a preempted request reports a reset."""
     llm = LLM("dummy:tiny", block_size=4, num_blocks=64, max_num_batched_tokens=16)
     eng = llm.engine
@@ -129,13 +130,15 @@ def test_prefill_progress_reports_each_finished_chunk():
     outs = []
     while not outs:
         outs = eng.step()
-    assert [p.num_computed_tokens for p in eng.progress] == [16, 32, 48]
+    assert [p.num_computed_tokens for p in eng.progress] == [16, 32, 48, 50]
     assert all(p.ready is None and not p.reset for p in eng.progress)  # CPU: done at once
     held = outs[0].held_block_ids
     assert len(held) == 13
     for p in eng.progress:  # each report's full blocks are the final table's first blocks
         full = p.num_computed_tokens // 4
         assert p.block_ids[:full] == held[:full]
+    assert eng.progress[-1].block_ids == held  # the last chunk: the whole table
+    assert all(p.layer_ready is None for p in eng.progress)  # CPU: no layer events
     eng.progress.clear()
     assert eng.release("p")
     # without report_progress nothing is reported
