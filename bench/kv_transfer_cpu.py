@@ -20,6 +20,7 @@ import platform
 import random
 import shlex
 import statistics
+import logging
 import subprocess
 import sys
 import time
@@ -306,6 +307,14 @@ async def main(args: argparse.Namespace, script: str = __file__) -> None:
         print(f"wrote {args.out}")
 
 
+def log_timelines(role: str) -> None:
+    """With PDSERVE_KV_TIMELINE=1, print each transfer's phases (kvtransfer logs them)."""
+    if os.environ.get("PDSERVE_KV_TIMELINE", "") not in ("", "0"):
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format=f"[{role}] %(message)s")
+
+
 if __name__ == "__main__":
     ns = parse_args()
+    log_timelines(ns.role)
     asyncio.run(receiver_main(ns) if ns.role == "receiver" else main(ns))

@@ -44,6 +44,7 @@ def main() -> None:
             importlib.util.find_spec("nixl_cu13") is None:
         print("nixl_cu13 not importable: skipping the nixl backend", flush=True)
         args.backends = ",".join(b for b in args.backends.split(",") if b != "nixl")
+    driver.log_timelines(args.role)
     asyncio.run(driver.main(args, script=__file__))
 
 

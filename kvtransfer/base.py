@@ -30,6 +30,8 @@ from __future__ import annotations
 import abc
 import enum
 import logging
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -144,6 +146,11 @@ class IllegalTransition(RuntimeError):
     """A transfer was moved along an edge its state machine does not have."""
 
 
+# PDSERVE_KV_TIMELINE=1: every transfer logs, when it ends, the time of each phase its
+# backend marked (ms since the transfer began, per side): where a transfer's time goes
+TIMELINE = os.environ.get("PDSERVE_KV_TIMELINE", "") not in ("", "0")
+
+
 class TransferStateMachine:
     """The state of one transfer; every change is checked and logged with the transfer id."""
 
@@ -153,7 +160,14 @@ class TransferStateMachine:
         self.state = TransferState.PENDING
         self.num_bytes = 0  # payload bytes moved so far
         self.data_seconds: float | None = None  # the data movement alone, where measured
+        self._t0 = time.perf_counter() if TIMELINE else 0.0
+        self._marks: list[tuple[str, float]] = []
         logger.debug("%s transfer %s: pending", side, transfer_id)
+
+    def mark(self, what: str) -> None:
+        """Note that phase ``what`` was reached now (kept only with PDSERVE_KV_TIMELINE)."""
+        if TIMELINE:
+            self._marks.append((what, time.perf_counter()))
 
     def advance(self, new: TransferState, reason: str | None = None) -> None:
         if new not in ALLOWED_TRANSITIONS[self.state]:
@@ -165,6 +179,9 @@ class TransferStateMachine:
             new.value, f" ({reason})" if reason else "",
         )
         self.state = new
+        if TIMELINE and new.terminal:
+            logger.info("kv timeline %s %s %s: %s", self.side, self.transfer_id, new.value,
+                        " ".join(f"{w}={1000 * (t - self._t0):.3f}" for w, t in self._marks))
 
 
 @dataclass(frozen=True)

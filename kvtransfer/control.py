@@ -26,6 +26,8 @@ import asyncio
 import concurrent.futures
 import logging
 import socket
+import threading
+import time
 
 import torch
 
@@ -149,7 +151,9 @@ class ControlReceiver(TrackedReceiver):
                 await loop.sock_sendall(conn, proto.encode_reply(proto.ERROR, 0, str(exc)))
                 return
             await loop.sock_sendall(conn, proto.encode_reply(proto.OK))
+            entry.mark("hello_ok")
             await self._receive_payload(loop, conn, entry)
+            entry.mark("landed")
             entry.finish(TransferState.DONE)
             await loop.sock_sendall(conn, proto.encode_reply(proto.OK))
         except asyncio.CancelledError:
@@ -197,8 +201,10 @@ class ControlSender(RunnerSender):
             await loop.sock_sendall(sock, proto.encode_hello(self.kind, self._layout,
                                                              sm.transfer_id, blocks.total))
             await proto.expect_ok(loop, sock, "rejected the transfer")
+            sm.mark("hello_ok")
             sm.advance(TransferState.TRANSFERRING)
             await self._send_payload(loop, sock, endpoint, sm, blocks)
+            sm.mark("acked")
             sm.num_bytes = blocks.total * self._layout.block_bytes
             return sm.num_bytes
         finally:
@@ -253,7 +259,14 @@ async def wait_event(event, *, watch: socket.socket | None = None,
     if event is None or event.query():
         return
     loop = asyncio.get_running_loop()
-    done = loop.run_in_executor(_EVENT_WAITERS, event.synchronize)
+    await _until_done(loop, loop.run_in_executor(_EVENT_WAITERS, event.synchronize), watch,
+                      what)
+
+
+async def _until_done(loop: asyncio.AbstractEventLoop, done: asyncio.Future,
+                      watch: socket.socket | None, what: str) -> None:
+    """Await ``done`` (a helper thread's wait); with ``watch``, a peer that reports an error
+    or hangs up first raises TransferError."""
     if watch is None:
         await done
         return
@@ -278,12 +291,42 @@ async def wait_event(event, *, watch: socket.socket | None = None,
         failed.cancel()
 
 
+async def poll_in_thread(done, *, interval_s: float = 0.00002, max_interval_s: float = 0.0002,
+                         watch: socket.socket | None = None, what: str = "device work") -> None:
+    """Like :func:`poll_until`, but a helper thread polls ``done()`` (which must be safe to
+    call from another thread, like NCCL's communicator state): the event loop's timers have
+    millisecond granularity (epoll, libuv), so a 20-200 us back-off on the loop costs a
+    whole millisecond per wait, while a thread's sleep is that short (and holds no GIL).
+    The thread stops when the wait ends for any reason (cancellation, the peer giving up)."""
+    if done():
+        return
+    stop = threading.Event()
+
+    def spin() -> None:
+        delay = interval_s
+        while not stop.is_set() and not done():
+            time.sleep(delay)
+            delay = min(delay * 2, max_interval_s)
+
+    loop = asyncio.get_running_loop()
+    job = _EVENT_WAITERS.submit(spin)
+    try:
+        await _until_done(loop, asyncio.wrap_future(job), watch, what)
+    finally:
+        stop.set()
+        # the thread is at most one back-off from seeing ``stop``: let it finish its call,
+        # so whatever the caller does next (abort the communicator) never races with it
+        concurrent.futures.wait([job], timeout=1.0)
+
+
 async def poll_until(done, *, interval_s: float = 0.00005, max_interval_s: float = 0.0002,
                      watch: socket.socket | None = None, what: str = "device work") -> None:
-    """Await until ``done()`` is true (a NCCL communicator state, a NIXL request) without
-    blocking the event loop, polling with a short back-off (CUDA events: :func:`wait_event`).
-    With ``watch``, a control socket on which the peer reports an error or hangs up first
-    raises TransferError with the peer's reason (a pending OK is left unread for its owner)."""
+    """Await until ``done()`` is true (a NIXL request) without blocking the event loop,
+    polling on the loop with a short back-off (whose sleeps the loop rounds up to 1 ms; a
+    ``done`` callable from any thread: :func:`poll_in_thread`; CUDA events:
+    :func:`wait_event`). With ``watch``, a control socket on which the peer reports an error
+    or hangs up first raises TransferError with the peer's reason (a pending OK is left
+    unread for its owner)."""
     loop = asyncio.get_running_loop()
     readable: asyncio.Event | None = None
     if watch is not None:

@@ -89,7 +89,9 @@ class CudaIpcSender(ControlSender):
         await loop.sock_sendall(sock, proto.encode_blob(json.dumps(self._export).encode()))
         async for ids in blocks.ready_parts(watch=sock):  # each part once its KV is written
             await loop.sock_sendall(sock, proto.encode_blob(json.dumps({"src": ids}).encode()))
+            sm.mark("part")
         done = await proto.expect_ok(loop, sock, "could not copy the blocks")  # copies complete
+        sm.mark("copied")
         sm.data_seconds = proto.parse_data_seconds(done)
         # still inside send(), so the source blocks were leased for the whole copy
         await loop.sock_sendall(sock, proto.encode_blob(CONFIRM))
@@ -177,6 +179,7 @@ class CudaIpcReceiver(ControlReceiver):
         while got < len(dst_ids):  # one BLOB per part of the sender's stream
             try:
                 src = [int(i) for i in json.loads(await proto.read_blob(loop, conn))["src"]]
+                entry.mark("part")
                 if not src or got + len(src) > len(dst_ids):
                     raise ValueError(f"sender sent {got + len(src)} of {len(dst_ids)} blocks")
                 segs = segments(src, dst_ids[got:got + len(src)])
@@ -199,6 +202,7 @@ class CudaIpcReceiver(ControlReceiver):
             copies.append((start, event))
             got += len(src)
         await wait_event(copies[-1][1], watch=conn, what="CUDA IPC copy")
+        entry.mark("copied")
         # the copy is one-sided: it only counts if the sender still held its blocks
         # (had not timed out or been cancelled) when it completed
         seconds = sum(a.elapsed_time(b) for a, b in copies) / 1000.0
@@ -206,6 +210,7 @@ class CudaIpcReceiver(ControlReceiver):
             proto.OK, 0, proto.data_seconds_message("copied", seconds)))
         if await proto.read_blob(loop, conn) != CONFIRM:
             raise TransferError("protocol error: sender did not confirm the copy")
+        entry.mark("confirmed")
         entry.add_bytes(len(dst_ids) * self._layout.block_bytes)
 
     def _close_backend(self) -> None:

@@ -29,7 +29,7 @@ in the same order on both sides: the sender holds a per-pair lock from its BLOB 
 sends are queued, and the receiver queues its receives before it answers, so at most one
 transfer per pair is between those two points.
 
-Communicators are non-blocking: nothing here waits on a peer except through ``poll_until`` /
+Communicators are non-blocking: nothing here waits on a peer except through ``poll_in_thread`` /
 ``wait_event``, which the transfer's timeout / cancellation interrupts. Any failure after a
 communicator was touched aborts it (ending queued kernels, so a dead peer never wedges the GPU stream) and
 drops it; the next transfer to that peer creates a new one.
@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import uuid
 
 import torch
@@ -53,7 +54,7 @@ from kvtransfer.control import (
     ControlReceiver,
     ControlSender,
     await_ack,
-    poll_until,
+    poll_in_thread,
     require_cuda,
     segments,
     wait_event,
@@ -75,12 +76,18 @@ class _Comm:
         self.device = device
         self.ready = False
         self.aborted = False
+        # state polls run in a helper thread (poll_in_thread): the guard keeps every NCCL
+        # call on this communicator from overlapping or following its abort
+        self._guard = threading.Lock()
         with torch.cuda.device(device):
             self.stream = torch.cuda.Stream(device)
             self.handle = _checked(self.lib.init_rank, uid, 2, rank)
 
     def state(self) -> int:
-        return _checked(self.lib.state, self.handle)
+        with self._guard:
+            if self.aborted:
+                raise TransferError("NCCL communicator was aborted")
+            return _checked(self.lib.state, self.handle)
 
     def check(self) -> None:
         """After our work completed: it only counts if the communicator was not aborted
@@ -93,13 +100,15 @@ class _Comm:
     async def wait_idle(self, watch: socket.socket | None, what: str) -> None:
         from kvtransfer.nccl_lib import IN_PROGRESS
 
-        await poll_until(lambda: self.state() != IN_PROGRESS, watch=watch, what=what)
+        await poll_in_thread(lambda: self.state() != IN_PROGRESS, watch=watch, what=what)
 
     def post(self, ops: list[tuple[str, int, int]], peer: int) -> None:
         """Start queueing ``ops`` as one group. On a pair's first transfer the group stays
         in progress until the PEER posts its matching group (connection setup), so the
         other side must be told to go ahead before :meth:`queued` is awaited."""
-        with torch.cuda.device(self.device):
+        with self._guard, torch.cuda.device(self.device):
+            if self.aborted:
+                raise TransferError("NCCL communicator was aborted")
             _checked(self.lib.group, self.handle, ops, peer, self.stream.cuda_stream)
 
     async def queued(self, watch: socket.socket | None) -> torch.cuda.Event:
@@ -110,7 +119,9 @@ class _Comm:
         return event
 
     def abort(self) -> None:
-        if not self.aborted:
+        with self._guard:
+            if self.aborted:
+                return
             self.aborted = True
             try:
                 self.lib.abort(self.handle)
@@ -189,6 +200,7 @@ class NcclReceiver(ControlReceiver):
             while got < len(dst):  # one BLOB per part the sender's stream handed over
                 try:
                     meta = json.loads(await proto.read_blob(loop, conn))
+                    entry.mark("blob")
                     src = [int(i) for i in meta["src"]]
                     uid = base64.b64decode(meta["uid"]) if meta.get("uid") else b""
                     if comm is None:
@@ -219,8 +231,10 @@ class NcclReceiver(ControlReceiver):
                         await loop.sock_sendall(conn, proto.encode_reply(proto.OK, len(segs),
                                                                          counts))
                         event = await comm.queued(watch=conn)
+                entry.mark("queued")
                 got += len(src)
             await wait_event(event, watch=conn, what="NCCL receive")
+            entry.mark("received")
             comm.check()
             entry.add_bytes(len(dst) * self._layout.block_bytes)
         except BaseException:
@@ -301,6 +315,7 @@ class NcclSender(ControlSender):
         last = None  # completes with the last send queued
         try:
             async for part in blocks.layered_parts():
+                sm.mark("part")
                 groups = self._groups if part.layers is not None and \
                     len(part.layers) == self._layout.num_layers else None
                 async with self._pairs.lock(endpoint):
@@ -313,6 +328,7 @@ class NcclSender(ControlSender):
                     # the receiver answers once its receives are queued (after joining the
                     # comm), with the message sizes it posted (runs contiguous in both caches)
                     status, nsegs, text = await proto.read_reply(loop, sock)
+                    sm.mark("reply")
                     if status == proto.ERROR:
                         raise TransferError(f"receiver could not post the receives: {text}")
                     if groups:
@@ -326,6 +342,7 @@ class NcclSender(ControlSender):
                         comm.ready = True
                     if groups:
                         last = await self._send_layers(sock, comm, part, groups)
+                        sm.mark("queued")
                         continue
                     if part.event is not None:  # the part's KV is written once the prefill's
                         comm.stream.wait_event(part.event)  # event completes: the GPU waits
@@ -333,8 +350,10 @@ class NcclSender(ControlSender):
                     start.record(comm.stream)
                     comm.post(_ops(self._cache, self._layout, segs, "send", 0), peer=1)
                     last = await comm.queued(watch=sock)
+                    sm.mark("queued")
                     timings.append((start, last))
             await await_ack(loop, sock)
+            sm.mark("ack")
             await wait_event(last, what="NCCL send")
             comm.check()
             if timings:  # layer groups wait for the forward pass: no data-only time

@@ -77,6 +77,9 @@ class ExpectedTransfer(TransferHandle):
         else:
             self._cleanups.append(cleanup)
 
+    def mark(self, what: str) -> None:
+        self._sm.mark(what)
+
     def add_bytes(self, n: int) -> None:
         self.num_bytes += n
         self._tracker.bytes_received += n

@@ -171,3 +171,45 @@ def test_gpu_backends_refuse_cpu_caches(backend):
         make_sender(backend, c, LAYOUT)
     with pytest.raises(ValueError, match="CUDA"):
         make_receiver(backend, c, LAYOUT)
+
+
+def test_poll_in_thread_wakes_at_once_stops_when_cancelled_and_raises_errors():
+    """The helper-thread poll (nccl enqueue / communicator init): it returns within a few
+    hundred microseconds of ``done`` turning true (the event loop would round a short
+    sleep up to a millisecond), its thread stops once the waiter is cancelled, and an
+    error raised by ``done`` reaches the waiter."""
+    import threading
+    import time
+
+    from kvtransfer.control import poll_in_thread
+    from kvtransfer.tracking import TransferError
+
+    async def main():
+        flag = threading.Event()
+        threading.Timer(0.02, flag.set).start()
+        t0 = time.perf_counter()
+        await poll_in_thread(flag.is_set)
+        assert time.perf_counter() - t0 < 0.5
+
+        calls = []
+
+        def never() -> bool:
+            calls.append(1)
+            return False
+
+        task = asyncio.ensure_future(poll_in_thread(never))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        n = len(calls)
+        await asyncio.sleep(0.01)
+        assert len(calls) == n  # the thread stopped with the wait
+
+        def broken() -> bool:
+            raise TransferError("communicator failed")
+
+        with pytest.raises(TransferError, match="communicator failed"):
+            await poll_in_thread(broken)
+
+    asyncio.run(main())
