@@ -104,6 +104,18 @@ def _by_layer(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(cache.shape[0], cache.shape[1], -1)
 
 
+def device_index(ids: list[int], device: torch.device) -> torch.Tensor:
+    """``ids`` as an int64 tensor on ``device``, copied on the CURRENT stream without the
+    host waiting: a plain ``torch.tensor(ids, device=...)`` synchronizes that stream, and
+    on a transfer stream whose earlier messages wait for a prefill's forward pass that
+    would block the worker's event loop for as long (pinned host memory makes the copy
+    asynchronous; torch keeps the pinned block until the copy has run)."""
+    host = torch.tensor(ids, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def gather_layers(cache: torch.Tensor, idx: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Layers ``[lo, hi)`` of blocks ``idx`` (an index tensor on the cache's device) as one
     new contiguous tensor ``[len(idx), hi - lo, per_layer]``: one gather kernel, so a

@@ -59,7 +59,13 @@ from kvtransfer.control import (
     segments,
     wait_event,
 )
-from kvtransfer.blocks import check_layer_groups, gather_layers, layer_groups, scatter_layers
+from kvtransfer.blocks import (
+    check_layer_groups,
+    device_index,
+    gather_layers,
+    layer_groups,
+    scatter_layers,
+)
 from kvtransfer.stream import BlockStream, Part
 from kvtransfer.tracking import ExpectedTransfer, TransferError
 
@@ -251,7 +257,7 @@ class NcclReceiver(ControlReceiver):
         per_layer = self._layout.block_bytes // self._layout.num_layers // \
             self._layout.torch_dtype.itemsize
         with torch.cuda.device(comm.device), torch.cuda.stream(comm.stream):
-            idx = torch.tensor(dst, dtype=torch.int64, device=comm.device)
+            idx = device_index(dst, comm.device)
         for k, (lo, hi) in enumerate(groups):
             with torch.cuda.device(comm.device), torch.cuda.stream(comm.stream):
                 staging = torch.empty((len(dst), hi - lo, per_layer),
@@ -371,7 +377,7 @@ class NcclSender(ControlSender):
         computes the next layers. Staging buffers come from the stream's allocator pool
         (reused only after the send that read them, in stream order)."""
         with torch.cuda.device(comm.device), torch.cuda.stream(comm.stream):
-            idx = torch.tensor(part.ids, dtype=torch.int64, device=comm.device)
+            idx = device_index(part.ids, comm.device)
         for lo, hi in groups:
             with torch.cuda.device(comm.device), torch.cuda.stream(comm.stream):
                 comm.stream.wait_event(part.layers[hi - 1])
