@@ -207,17 +207,20 @@ class LLMEngine:
             self.progress.extend(items)
 
     def _launch_ahead(self, prev: StepHandle) -> StepHandle | None:
-        """Launch the step after ``prev`` now, if nothing can change it: every running
-        sequence is in ``prev`` and still running, each computes one token, none can reach
-        its length limit in ``prev``, nothing waits, and blocks for the next position exist.
-        Its rows are ``prev``'s; a row whose sequence finishes in ``prev`` (EOS, stop string,
-        abort) is computed and thrown away. Blocks freed meanwhile stay out of the free pool
-        until the launched step is read, so no new owner's KV lands under its writes."""
+        """Launch the step after ``prev`` now, if nothing can change it: every sequence of
+        ``prev`` is still running, each computes one token, none can reach its length limit
+        in ``prev``, nothing waits, and blocks for the next position exist. Its rows are
+        ``prev``'s (a row whose sequence finishes in ``prev`` -- EOS, stop string, abort --
+        is computed and thrown away), then the running sequences that joined since ``prev``
+        was scheduled with one token to compute (a decode worker's transferred prompts:
+        their input token is on the host), so a join does not cost the device a step's host
+        time. Blocks freed meanwhile stay out of the free pool until the launched step is
+        read, so no new owner's KV lands under its writes."""
         if not self.config.async_decode:
             return None
         items = prev.sched.scheduled
         sc = self.scheduler
-        if not items or sc.waiting or len(sc.running) != len(items):
+        if not items or sc.waiting:
             return None
         for item in items:
             s = item.seq
@@ -229,10 +232,20 @@ class LLMEngine:
         running = {id(s) for s in sc.running}
         if any(id(item.seq) not in running for item in items):
             return None
+        in_prev = {id(item.seq) for item in items}
+        joined = [s for s in sc.running if id(s) not in in_prev]
+        for s in joined:
+            if (s.num_tokens - s.num_computed_tokens != 1 or s.prefill_only
+                    or s.report_progress or s.num_tokens + 1 > self.max_model_len):
+                return None
         for item in items:  # the next position of each row (harmless if we stop here)
             if not self.block_manager.allocate_slots(item.seq, 2):
                 return None
-        nxt = SchedulerOutput([ScheduledSeq(item.seq, 1) for item in items])
+        for s in joined:
+            if not self.block_manager.allocate_slots(s, 1):
+                return None
+        nxt = SchedulerOutput([ScheduledSeq(item.seq, 1) for item in items]
+                              + [ScheduledSeq(s, 1) for s in joined])
         handle = self.runner.launch_next(nxt, prev)
         if handle is not None:
             self.block_manager.hold_frees()

@@ -75,28 +75,29 @@ class BlockTableRows:
 
 def fill_decode_inputs(out: SchedulerOutput, b: int, block_size: int, i64: np.ndarray,
                        seq_lens: np.ndarray, tables: np.ndarray, table_rows: BlockTableRows,
-                       chained: bool = False) -> None:
+                       chained: int = 0) -> None:
     """Host side of a CUDA-graph decode step: write the first ``b`` rows of the static inputs
     for ``out`` (one token per sequence). ``i64`` is [3, >=b] (ids, positions, slots),
     ``seq_lens`` [>=b], ``tables`` [>=b, width]. Rows past ``len(out.scheduled)`` are padding:
-    slot -1 (no KV write) and length 0 (no attention). ``chained``: each row computes position
-    num_computed_tokens + 1 and its id row is left for the device to fill."""
+    slot -1 (no KV write) and length 0 (no attention). The first ``chained`` rows compute
+    position num_computed_tokens + 1 and their ids are left for the device to fill (the
+    previous step's tokens, not read yet); the other rows take their last token."""
     n = len(out.scheduled)
     tables[:b] = 0
     i64[:, :b] = 0
     i64[2, :b] = -1
     seq_lens[:b] = 0
-    offset = 1 if chained else 0
     pos, slots = [], []  # built as lists, then one numpy assignment each
     for i, item in enumerate(out.scheduled):
         s = item.seq
-        p = s.num_computed_tokens + offset
+        p = s.num_computed_tokens + (1 if i < chained else 0)
         bt = s.block_table
         pos.append(p)
         slots.append(bt[p // block_size] * block_size + p % block_size)
         tables[i, :len(bt)] = table_rows.get(s.request_id, bt)
-    if not chained:
-        i64[0, :n] = [item.seq.token_ids[p] for item, p in zip(out.scheduled, pos)]
+    if chained < n:
+        i64[0, chained:n] = [item.seq.token_ids[p] for item, p in
+                             zip(out.scheduled[chained:], pos[chained:])]
     i64[1, :n] = pos
     i64[2, :n] = slots
     seq_lens[:n] = i64[1, :n] + 1
@@ -270,14 +271,15 @@ class ModelRunner:
         if self._stage_done[k] is not None:
             self._stage_done[k].synchronize()  # its previous copy has run (in practice: long ago)
         h64, h32 = self.h_i64_np[k], self.h_i32_np[k]
+        chained = len(prev.greedy) if prev is not None else 0
         fill_decode_inputs(out, b, bs, h64, h32[:mb], h32[mb:].reshape(mb, self.graph_width),
-                           self.table_rows, chained=prev is not None)
+                           self.table_rows, chained=chained)
         self.g_i64[:, :b].copy_(self.h_i64[k][:, :b], non_blocking=True)
         self.g_i32[:b].copy_(self.h_i32[k][:b], non_blocking=True)
         w = self.graph_width
         self.g_i32[mb:mb + b * w].copy_(self.h_i32[k][mb:mb + b * w], non_blocking=True)
-        if prev is not None:  # same batch, same bucket: prev.greedy is still this graph's output
-            self.g_i64[0, :n].copy_(prev.greedy)
+        if prev is not None:  # prev's rows come first; prev.greedy (its graph's output) is
+            self.g_i64[0, :chained].copy_(prev.greedy)  # read before any replay rewrites it
         g, logits, greedy = self.graphs[b]
         g.replay()
         host = self.h_tok[k]
@@ -296,7 +298,8 @@ class ModelRunner:
     # ---------------------------------------------------------------- inputs
     def prepare(self, out: SchedulerOutput, next_ids: list[int] | None = None):
         """Flat inputs for ``out``. With ``next_ids`` (a chained launch, one token per row)
-        row i computes position num_computed_tokens + 1 with input token next_ids[i]."""
+        row i < len(next_ids) computes position num_computed_tokens + 1 with input token
+        next_ids[i]; later rows (joined since) take their last token."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -306,14 +309,15 @@ class ModelRunner:
         qlens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
+        chained = 0 if next_ids is None else len(next_ids)
         for i, item in enumerate(out.scheduled):
             s = item.seq
-            start = s.num_computed_tokens + (0 if next_ids is None else 1)
+            start = s.num_computed_tokens + (1 if i < chained else 0)
             end = start + item.num_new_tokens
-            if next_ids is None:
-                input_ids.extend(s.token_ids[start:end])
-            else:
+            if i < chained:
                 input_ids.append(next_ids[i])
+            else:
+                input_ids.extend(s.token_ids[start:end])
             positions.extend(range(start, end))
             bt = s.block_table
             slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
@@ -409,10 +413,13 @@ class ModelRunner:
 
         ``out`` holds prev's sequences, one token each, in prev's order; their block tables
         already cover position num_computed_tokens + 1. Row i's input is the token prev
-        sampled for row i. Only greedy, logprob-free steps where every row sampled chain;
-        returns None (nothing launched) otherwise."""
-        if not self.config.async_decode or prev.rows is not None or not prev.sampled_ids \
-                or len(prev.sampled_ids) != len(out.scheduled):
+        sampled for row i. Rows after prev's are sequences that joined since (one token to
+        compute, their input the last token they hold). Only greedy, logprob-free steps
+        where every row of prev sampled chain; returns None (nothing launched) otherwise."""
+        n_prev = len(prev.sampled_ids)
+        if not self.config.async_decode or prev.rows is not None or not n_prev \
+                or n_prev > len(out.scheduled) or prev.sampled_ids != \
+                [item.seq.request_id for item in out.scheduled[:n_prev]]:
             return None
         batch = self._sampling_batch(out, every_row=True)
         if not batch.all_greedy or batch.want_logprobs:

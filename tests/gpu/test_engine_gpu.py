@@ -141,3 +141,41 @@ def test_prefill_progress_carries_one_event_per_layer():
         assert len(p.layer_ready) == layers and all(e.query() for e in p.layer_ready)
     assert eng.progress[-1].block_ids == outs[0].held_block_ids
     eng.release("p")
+
+
+def test_transferred_request_joins_a_cuda_graph_chain_with_the_same_tokens():
+    """Decode role with async decode on CUDA graphs: a request whose KV lands while a step
+    is launched ahead joins the next launched-ahead step (a bigger graph bucket, its input
+    token from the host, the others' from the device) and decodes the tokens lockstep
+    stepping gives."""
+    def run(ahead: bool):
+        pre = LLM("dummy:tiny", dtype="bfloat16", device="cuda", max_num_seqs=8)
+        dec = LLM("dummy:tiny", dtype="bfloat16", device="cuda", max_num_seqs=8,
+                  async_decode=ahead)
+        sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        outs: dict = {}
+        for k, n in enumerate((5, 9)):
+            dec.engine.add_request(f"a{k}", list(range(3, 3 + n)), sp)
+        for _ in range(4):
+            for o in dec.engine.step():
+                outs.setdefault(o.request_id, []).extend(o.token_ids)
+        prompt = list(range(20, 53))
+        pre.engine.add_request("x", prompt, sp, prefill_only=True)
+        first = []
+        while not first:
+            first = pre.engine.step()
+        dst = dec.engine.preallocate("x", prompt, sp)
+        dec.engine.runner.kv_cache[dst] = pre.engine.runner.kv_cache[first[0].held_block_ids]
+        outs["x"] = list(dec.engine.commit_transferred("x", first[0].token_ids[0]).token_ids)
+        joined = False
+        while dec.engine.has_work:
+            for o in dec.engine.step():
+                outs.setdefault(o.request_id, []).extend(o.token_ids)
+            a = dec.engine._ahead
+            joined |= a is not None and "x" in [i.seq.request_id for i in a.sched.scheduled]
+        return outs, joined
+
+    want, _ = run(False)
+    got, joined = run(True)
+    assert joined
+    assert got == want

@@ -105,3 +105,52 @@ def test_waiting_requests_stop_the_chain_and_are_admitted_next_step():
     while eng.has_work:
         eng.step()
 
+
+
+def _transfer_and_decode(async_decode: bool, n_steps_before: int):
+    """A decode-role engine running one request when a second one's prompt KV "lands"
+    (copied from a prefill-role engine with the same weights) and is committed mid-run."""
+    pre = _llm()
+    dec = _llm(async_decode=async_decode)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    dec.engine.add_request("a", [3, 4, 5, 6, 7], sp)
+    for _ in range(n_steps_before):
+        dec.engine.step()
+    prompt = list(range(20, 33))
+    pre.engine.add_request("x", prompt, sp, prefill_only=True)
+    first = []
+    while not first:
+        first = pre.engine.step()
+    src = first[0].held_block_ids
+    dst = dec.engine.preallocate("x", prompt, sp)
+    dec.engine.runner.kv_cache[dst] = pre.engine.runner.kv_cache[src]
+    chained_before = dec.engine.chained_steps
+    outs = {"x": list(first[0].token_ids)}
+    out = dec.engine.commit_transferred("x", first[0].token_ids[0])
+    assert out.token_ids == first[0].token_ids
+    outs.setdefault("a", [])
+    if async_decode:  # the step launched before the join is read; the next one has "x" too
+        assert dec.engine._ahead is not None
+        for o in dec.engine.step():
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+        ahead = dec.engine._ahead
+        assert ahead is not None and ahead.chained
+        assert [i.seq.request_id for i in ahead.sched.scheduled] == ["a", "x"]
+    while dec.engine.has_work:
+        for o in dec.engine.step():
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+    bm = dec.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    return outs, dec.engine.chained_steps - chained_before
+
+
+def test_a_transferred_request_joins_the_chain_with_the_same_tokens():
+    """Decode role: a request whose KV arrived joins while a step is launched ahead; the
+    next step is launched ahead with it appended (no lockstep step for the join), and
+    every token equals stepping in lockstep."""
+    for before in (2, 4):
+        want, _ = _transfer_and_decode(False, before)
+        got, chained = _transfer_and_decode(True, before)
+        assert got == want
+        assert chained >= 8  # the join did not end the chain
+        assert len(want["x"]) == 12 and len(want["a"]) >= 12 - before
