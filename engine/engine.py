@@ -207,30 +207,38 @@ class LLMEngine:
             self.progress.extend(items)
 
     def _launch_ahead(self, prev: StepHandle) -> StepHandle | None:
-        """Launch the step after ``prev`` now, if nothing can change it: every sequence of
-        ``prev`` is still running, each computes one token, none can reach its length limit
-        in ``prev``, nothing waits, and blocks for the next position exist. Its rows are
-        ``prev``'s (a row whose sequence finishes in ``prev`` -- EOS, stop string, abort --
-        is computed and thrown away), then the running sequences that joined since ``prev``
+        """Launch the step after ``prev`` now, before ``prev``'s tokens are read, if nothing
+        waits. Its rows: ``prev``'s sequences still running and below their length limit
+        after ``prev``, each computing one token (its input is ``prev``'s token for it,
+        still on the device; a row whose sequence ends in ``prev`` otherwise -- EOS, stop
+        string, abort -- is computed and thrown away, and is left out of the step after),
+        then the running sequences that joined since ``prev``
         was scheduled with one token to compute (a decode worker's transferred prompts:
-        their input token is on the host), so a join does not cost the device a step's host
-        time. Blocks freed meanwhile stay out of the free pool until the launched step is
-        read, so no new owner's KV lands under its writes."""
+        their input token is on the host). So neither a request ending nor one joining
+        costs the device a step's host time. Blocks freed meanwhile stay out of the free
+        pool until the launched step is read, so no new owner's KV lands under its
+        writes."""
         if not self.config.async_decode:
             return None
         items = prev.sched.scheduled
         sc = self.scheduler
         if not items or sc.waiting:
             return None
-        for item in items:
+        keep: list[int] = []  # prev's rows that go on, by index in prev
+        for j, item in enumerate(items):
             s = item.seq
-            if (s.status is not SeqStatus.RUNNING or item.num_new_tokens != 1
-                    or s.prefill_only or s.report_progress
-                    or s.num_output_tokens + 2 > s.sampling.max_tokens
+            if s.status is not SeqStatus.RUNNING or \
+                    s.num_output_tokens + 1 >= s.sampling.max_tokens:
+                continue  # ended when the step before prev was read, or ends in prev
+            if (item.num_new_tokens != 1 or s.prefill_only or s.report_progress
                     or s.num_tokens + 2 > self.max_model_len):
                 return None
+            keep.append(j)
+        if not keep:
+            return None
+        on = [items[j] for j in keep]
         running = {id(s) for s in sc.running}
-        if any(id(item.seq) not in running for item in items):
+        if any(id(item.seq) not in running for item in on):
             return None
         in_prev = {id(item.seq) for item in items}
         joined = [s for s in sc.running if id(s) not in in_prev]
@@ -238,15 +246,15 @@ class LLMEngine:
             if (s.num_tokens - s.num_computed_tokens != 1 or s.prefill_only
                     or s.report_progress or s.num_tokens + 1 > self.max_model_len):
                 return None
-        for item in items:  # the next position of each row (harmless if we stop here)
+        for item in on:  # the next position of each row (harmless if we stop here)
             if not self.block_manager.allocate_slots(item.seq, 2):
                 return None
         for s in joined:
             if not self.block_manager.allocate_slots(s, 1):
                 return None
-        nxt = SchedulerOutput([ScheduledSeq(item.seq, 1) for item in items]
+        nxt = SchedulerOutput([ScheduledSeq(item.seq, 1) for item in on]
                               + [ScheduledSeq(s, 1) for s in joined])
-        handle = self.runner.launch_next(nxt, prev)
+        handle = self.runner.launch_next(nxt, prev, keep)
         if handle is not None:
             self.block_manager.hold_frees()
         return handle

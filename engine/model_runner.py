@@ -257,10 +257,13 @@ class ModelRunner:
         logger.info("captured %d decode CUDA graphs (batch %s, table width %d)",
                     len(self.graphs), self.graph_buckets, width)
 
-    def _graph_step(self, out: SchedulerOutput, prev: StepHandle | None = None):
+    def _graph_step(self, out: SchedulerOutput, prev: StepHandle | None = None,
+                    keep: list[int] | None = None):
         """Fill the static buffers for a decode-only step and replay its bucket's graph.
-        With ``prev`` (a chained launch) each row computes position num_computed_tokens + 1
-        and its input token is prev's device argmax, copied on the GPU. Returns (logits [n, V],
+        With ``prev`` (a chained launch) row i < len(keep) computes position
+        num_computed_tokens + 1 and its input token is prev's device argmax of row keep[i],
+        copied on the GPU; later rows (joined since) take their last token from the host.
+        Returns (logits [n, V],
         greedy [n] views for the n scheduled rows, pinned host copy of greedy, its event)."""
         n = len(out.scheduled)
         b = next(x for x in self.graph_buckets if x >= n)
@@ -271,7 +274,9 @@ class ModelRunner:
         if self._stage_done[k] is not None:
             self._stage_done[k].synchronize()  # its previous copy has run (in practice: long ago)
         h64, h32 = self.h_i64_np[k], self.h_i32_np[k]
-        chained = len(prev.greedy) if prev is not None else 0
+        if prev is not None and keep is None:
+            keep = list(range(len(prev.greedy)))
+        chained = len(keep) if prev is not None else 0
         fill_decode_inputs(out, b, bs, h64, h32[:mb], h32[mb:].reshape(mb, self.graph_width),
                            self.table_rows, chained=chained)
         self.g_i64[:, :b].copy_(self.h_i64[k][:, :b], non_blocking=True)
@@ -279,7 +284,11 @@ class ModelRunner:
         w = self.graph_width
         self.g_i32[mb:mb + b * w].copy_(self.h_i32[k][mb:mb + b * w], non_blocking=True)
         if prev is not None:  # prev's rows come first; prev.greedy (its graph's output) is
-            self.g_i64[0, :chained].copy_(prev.greedy)  # read before any replay rewrites it
+            src = prev.greedy  # read before any replay rewrites it
+            if keep != list(range(len(src))):  # rows that ended are left out: gather on the
+                idx = torch.tensor(keep, dtype=torch.int64).pin_memory()  # device, no sync
+                src = src.index_select(0, idx.to(src.device, non_blocking=True))
+            self.g_i64[0, :chained].copy_(src)
         g, logits, greedy = self.graphs[b]
         g.replay()
         host = self.h_tok[k]
@@ -408,18 +417,22 @@ class ModelRunner:
         return StepHandle(out, sampled, tokens=tokens, logprobs=logprobs)
 
     @torch.inference_mode()
-    def launch_next(self, out: SchedulerOutput, prev: StepHandle) -> StepHandle | None:
+    def launch_next(self, out: SchedulerOutput, prev: StepHandle,
+                    keep: list[int] | None = None) -> StepHandle | None:
         """Launch the step after ``prev`` before prev's tokens are read (``async_decode``).
 
-        ``out`` holds prev's sequences, one token each, in prev's order; their block tables
-        already cover position num_computed_tokens + 1. Row i's input is the token prev
-        sampled for row i. Rows after prev's are sequences that joined since (one token to
-        compute, their input the last token they hold). Only greedy, logprob-free steps
-        where every row of prev sampled chain; returns None (nothing launched) otherwise."""
-        n_prev = len(prev.sampled_ids)
-        if not self.config.async_decode or prev.rows is not None or not n_prev \
-                or n_prev > len(out.scheduled) or prev.sampled_ids != \
-                [item.seq.request_id for item in out.scheduled[:n_prev]]:
+        ``out``'s first rows continue prev's rows ``keep`` (default: all, in order), one
+        token each; their block tables already cover position num_computed_tokens + 1.
+        Row i's input is the token prev sampled for its row keep[i]. Later rows are
+        sequences that joined since (one token to compute, their input the last token they
+        hold). Only greedy, logprob-free steps where every row of prev sampled chain;
+        returns None (nothing launched) otherwise."""
+        if keep is None:
+            keep = list(range(len(prev.sampled_ids)))
+        if not self.config.async_decode or prev.rows is not None or not keep \
+                or len(keep) > len(out.scheduled) \
+                or any(prev.sampled_ids[j] != item.seq.request_id
+                       for j, item in zip(keep, out.scheduled)):
             return None
         batch = self._sampling_batch(out, every_row=True)
         if not batch.all_greedy or batch.want_logprobs:
@@ -428,11 +441,11 @@ class ModelRunner:
         if prev.greedy is not None:
             if not self._can_graph(out):
                 return None
-            _, greedy, host, landed = self._graph_step(out, prev)
+            _, greedy, host, landed = self._graph_step(out, prev, keep)
             return StepHandle(out, ids, greedy=greedy, host=host, event=landed, chained=True)
         if prev.tokens is None:
             return None
-        x, pos, meta, rows = self.prepare(out, next_ids=prev.tokens)
+        x, pos, meta, rows = self.prepare(out, next_ids=[prev.tokens[j] for j in keep])
         hidden = self.model(x, pos, self.kv_cache, meta, self.backend)
         tokens, _ = self.sampler(self.model.compute_logits(hidden[rows]), batch)
         return StepHandle(out, ids, tokens=tokens, chained=True)

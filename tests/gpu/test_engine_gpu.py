@@ -179,3 +179,19 @@ def test_transferred_request_joins_a_cuda_graph_chain_with_the_same_tokens():
     got, joined = run(True)
     assert joined
     assert got == want
+
+
+def test_requests_ending_mid_chain_leave_the_graph_step_with_the_same_tokens():
+    """Async decode on CUDA graphs: when requests reach their length limits at different
+    steps, the step launched ahead drops their rows (the others' tokens gathered on the
+    device) and keeps the lockstep batch, so the tokens are lockstep's exactly."""
+    sps = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+           for n in (3, 30, 8, 17, 5, 24, 12, 9, 40, 2)]
+    got = []
+    for ahead in (False, True):
+        llm = LLM("dummy:tiny", dtype="bfloat16", device="cuda", max_num_seqs=16,
+                  async_decode=ahead)
+        got.append([o.token_ids for o in llm.generate(prompts(), sps)])
+        if ahead:
+            assert llm.engine.chained_steps >= 20
+    assert got[0] == got[1]

@@ -154,3 +154,18 @@ def test_a_transferred_request_joins_the_chain_with_the_same_tokens():
         assert got == want
         assert chained >= 8  # the join did not end the chain
         assert len(want["x"]) == 12 and len(want["a"]) >= 12 - before
+
+
+def test_requests_ending_do_not_end_the_chain(pair):
+    """Rows of requests that reached their length limit (or EOS) are left out of the next
+    step launched ahead; every decode step after the first is launched ahead, and the
+    tokens are lockstep's."""
+    sync, ahead = pair
+    sp = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 7, 12)]
+    prompts = [[3, 4, 5], [9, 8, 7, 6], [11, 12]]
+    eng = ahead.engine
+    steps, chained = eng.steps, eng.chained_steps
+    assert _run(ahead, prompts, sp) == _run(sync, prompts, sp)
+    # a prefill step, a decode step in lockstep, then 10 launched ahead (a request whose
+    # last token the step before computes gets no row)
+    assert (eng.steps - steps, eng.chained_steps - chained) == (12, 10)
