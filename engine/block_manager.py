@@ -10,7 +10,7 @@ Events: every block hash that becomes cached is recorded as ``stored`` and every
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 import logging
 
@@ -65,8 +65,10 @@ class BlockManager:
         self.prefix_hit_tokens = 0
         # while a step launched ahead may still write KV (engine async_decode), freed blocks
         # wait here instead of entering the free pool: a new owner could fill them meanwhile
-        # (a KV transfer lands on another stream) and the in-flight write would clobber it
-        self._held_frees: list[int] | None = None
+        # (a KV transfer lands on another stream) and the in-flight write would clobber it.
+        # One list per step launched ahead (a generation): the frees made while that step
+        # was the latest launched, released once it has been read
+        self._held: deque[list[int]] = deque()
 
     # ---------------------------------------------------------------- queries
     @property
@@ -202,8 +204,8 @@ class BlockManager:
     def free_seq(self, seq: Sequence) -> None:
         """Drop ``seq``'s references. Tail blocks are queued for eviction before head blocks,
         since a shared prefix is likelier to be hit again than a request's own tail."""
-        if self._held_frees is not None:
-            self._held_frees.extend(reversed(seq.block_table))
+        if self._held:
+            self._held[-1].extend(reversed(seq.block_table))
         else:
             for bid in reversed(seq.block_table):
                 self._unref(bid)
@@ -211,16 +213,22 @@ class BlockManager:
         seq.num_hashed_blocks = 0
 
     def hold_frees(self) -> None:
-        """From now on, freed blocks are kept out of the free pool until
-        :meth:`release_held_frees` (idempotent)."""
-        if self._held_frees is None:
-            self._held_frees = []
+        """A step was launched ahead: from now on, freed blocks are kept out of the free
+        pool (in a new generation) until :meth:`release_held_frees` releases it."""
+        self._held.append([])
 
-    def release_held_frees(self) -> None:
-        """Return the blocks freed since :meth:`hold_frees` to the pool, in free order."""
-        held, self._held_frees = self._held_frees, None
-        for bid in held or ():
-            self._unref(bid)
+    def release_held_frees(self, keep_latest: bool = False) -> None:
+        """Return held blocks to the pool, in free order: every generation, or (with
+        ``keep_latest``, while the latest step launched ahead is still unread) all but the
+        latest one, whose blocks that step may still write."""
+        while len(self._held) > (1 if keep_latest else 0):
+            for bid in self._held.popleft():
+                self._unref(bid)
+
+    @property
+    def held_blocks(self) -> list[int]:
+        """Freed blocks not yet back in the pool (a step launched ahead may write them)."""
+        return [bid for gen in self._held for bid in gen]
 
     def _unref(self, bid: int) -> None:
         blk = self.blocks[bid]

@@ -279,8 +279,9 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
             outs.append(self._emit(seq, tok, logprobs.get(seq.request_id)))
-        if self._ahead is None:
-            self.block_manager.release_held_frees()
+        # ``handle`` is read: what was freed while it was the latest step launched ahead is
+        # safe now; what was freed since the step launched after it may still be written
+        self.block_manager.release_held_frees(keep_latest=self._ahead is not None)
         return outs
 
     def _emit(self, seq: Sequence, tok: int, logprob: float | None) -> RequestOutput:

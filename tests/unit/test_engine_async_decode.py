@@ -169,3 +169,30 @@ def test_requests_ending_do_not_end_the_chain(pair):
     # a prefill step, a decode step in lockstep, then 10 launched ahead (a request whose
     # last token the step before computes gets no row)
     assert (eng.steps - steps, eng.chained_steps - chained) == (12, 10)
+
+
+def test_a_chain_that_never_breaks_does_not_keep_freed_blocks():
+    """Decode role under steady load: a request joins every step and another ends, so the
+    chain of steps launched ahead never breaks. Blocks freed while a step was in flight
+    must return to the pool once that step is read (two steps later at most), not when the
+    chain ends: here the held blocks stay under a few requests' worth."""
+    eng = _llm(async_decode=True).engine
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    eng.add_request("seed", prompt, SamplingParams(max_tokens=80, temperature=0,
+                                                   ignore_eos=True))
+    eng.step()
+    eng.step()
+    most_held = 0
+    for i in range(60):
+        ids = eng.preallocate(f"j{i}", prompt, sp)
+        assert ids is not None
+        eng.commit_transferred(f"j{i}", 3)
+        eng.step()
+        most_held = max(most_held, len(eng.block_manager.held_blocks))
+    assert eng.chained_steps >= 55  # joins and ends did not break the chain
+    assert most_held <= 3 * 3  # blocks of the requests that ended in the last two steps
+    while eng.has_work:
+        eng.step()
+    bm = eng.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not bm.held_blocks

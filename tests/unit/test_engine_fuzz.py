@@ -24,7 +24,7 @@ def check(eng):
     for seq in eng.scheduler.requests.values():
         if seq.status is not SeqStatus.FINISHED:
             refs.update(seq.block_table)
-    held = Counter(bm._held_frees or ())
+    held = Counter(bm.held_blocks)
     for blk in bm.blocks:
         want = refs[blk.block_id] + held[blk.block_id]
         assert blk.ref_count == want, (blk.block_id, blk.ref_count, want)
