@@ -16,9 +16,11 @@ so there is nothing to abort: a cancelled receive stops after the copies already
 Requirements: both processes on one host and both GPUs visible to both processes (the
 sender's device is matched by UUID, so CUDA_VISIBLE_DEVICES orderings may differ).
 
-Caution: its copies are the fastest (379 GB/s on two H200s), but 1P1D serving with cuda_ipc
-as the first backend stalled the prefill worker from 16 req/s on, where nccl did not (not
-understood yet; bench/disagg_notes.md). List it after nccl.
+Its copies are the fastest (385 GB/s on two H200s), but a part moves only once its prefill
+chunk is computed (the sender waits for the chunk's event on the host), while nccl moves a
+chunk layer by layer as it computes: list nccl first. (Earlier sessions saw 1P1D with
+cuda_ipc first stall from 16 req/s on; at 16 req/s with the current code it served 322 of
+324 requests, the other two refused by a block leak since fixed: bench/disagg_notes.md.)
 """
 
 from __future__ import annotations
