@@ -242,9 +242,13 @@ def segments(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int
     return out
 
 
-# threads that block on CUDA events for the event loop (a blocked thread holds no GIL)
-_EVENT_WAITERS = concurrent.futures.ThreadPoolExecutor(max_workers=32,
+# threads that block on CUDA events for the event loop (a blocked thread holds no GIL); a
+# receive waits in one for as long as the prefill computes, so under load many are taken
+_EVENT_WAITERS = concurrent.futures.ThreadPoolExecutor(max_workers=64,
                                                        thread_name_prefix="kv-event-wait")
+# threads that poll NCCL for a few hundred microseconds each (poll_in_thread): their own
+# pool, so they never queue behind the long event waits above
+_POLLERS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-poll")
 
 
 async def wait_event(event, *, watch: socket.socket | None = None,
@@ -309,14 +313,15 @@ async def poll_in_thread(done, *, interval_s: float = 0.00002, max_interval_s: f
             delay = min(delay * 2, max_interval_s)
 
     loop = asyncio.get_running_loop()
-    job = _EVENT_WAITERS.submit(spin)
+    job = _POLLERS.submit(spin)
     try:
         await _until_done(loop, asyncio.wrap_future(job), watch, what)
     finally:
         stop.set()
-        # the thread is at most one back-off from seeing ``stop``: let it finish its call,
-        # so whatever the caller does next (abort the communicator) never races with it
-        concurrent.futures.wait([job], timeout=1.0)
+        # a started poll is at most one back-off from seeing ``stop``: let it finish its
+        # call, so whatever the caller does next (abort the communicator) never races with it
+        if not job.cancel():
+            concurrent.futures.wait([job], timeout=1.0)
 
 
 async def poll_until(done, *, interval_s: float = 0.00005, max_interval_s: float = 0.0002,
