@@ -15,7 +15,8 @@ Lifecycle of one transfer (both sides keep the same state machine)::
     res = await handle.wait()
 
 A sender may start before its source blocks are computed (a ``BlockStream``): the
-handshake and the blocks of finished prefill chunks then move while later chunks compute.
+handshake then overlaps the forward pass, and each prefill chunk's blocks move while later
+chunks compute (nccl: while the chunk itself computes, layer by layer).
 
 Every transfer ends in exactly one of DONE, FAILED, TIMED_OUT, CANCELLED, and always by its
 timeout. Leases: the sender reads the source blocks only while ``send()`` runs, so the caller

@@ -12,7 +12,8 @@ while the data moves over NVLink / NCCL / NIXL::
                                           <- OK (the blocks are in place) | ERROR (why)
 
 A sender connects when its request arrives, so HELLO and the backend's set-up overlap the
-prompt's forward pass; parts (the blocks of finished prefill chunks) follow as they are ready.
+prompt's forward pass; parts (each prefill chunk's blocks, handed over when the chunk is
+queued on the GPU) follow, each moved once its KV is written.
 
 The control connection is also how each side learns that the other gave up: a side that
 times out, is cancelled or fails closes it (after an ERROR saying why when it can), and the

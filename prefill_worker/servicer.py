@@ -100,7 +100,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                 f"decode worker expects {len(kv.dst_block_ids)} blocks after "
                                 f"skipping {kv.skip_blocks}; the prompt has {prompt_blocks}")
         t0, t0_ns = time.perf_counter(), time.time_ns()
-        # the send starts now: its handshake, and the KV of each finished prefill chunk,
+        # the send starts now: its handshake, and the KV of each prefill chunk (as it computes),
         # overlap the rest of the prompt's forward pass
         feed = _ChunkFeed(len(kv.dst_block_ids), kv.skip_blocks, bs, len(ids))
         sending = asyncio.ensure_future(self._send(rid, kv, feed.stream, sender, span))
