@@ -53,4 +53,7 @@ def test_disagg_bench_quick_cpu(tmp_path):
     load = cmp_["agreement_under_load"]["total"]
     assert load["requests_compared"] > 0 and load["token_agreement"] is not None
     assert set(cmp_["pass"]) == {"ttft_added", "exact_sequential", "itl_p99_3x_at_rates",
-                                 "goodput_1.3x_at_rates"}
+                                 "goodput_1.3x_at_rates", "max_rate_at_slo_1.3x"}
+    top = cmp_["max_rate_at_slo"]  # goodput as the highest rate kept at 90% within the SLO
+    assert top["rates"] == [2.0, 4.0] and top["attainment"] == 0.9
+    assert isinstance(top["pass"], bool)
