@@ -227,12 +227,13 @@ class LLMEngine:
         keep: list[int] = []  # prev's rows that go on, by index in prev
         for j, item in enumerate(items):
             s = item.seq
-            if s.status is not SeqStatus.RUNNING or \
-                    s.num_output_tokens + 1 >= s.sampling.max_tokens:
-                continue  # ended when the step before prev was read, or ends in prev
+            if s.status is not SeqStatus.RUNNING:
+                continue  # ended when the step before prev was read
             if (item.num_new_tokens != 1 or s.prefill_only or s.report_progress
                     or s.num_tokens + 2 > self.max_model_len):
-                return None
+                return None  # a prefill chunk in prev (more may follow), or near the context
+            if s.num_output_tokens + 1 >= s.sampling.max_tokens:
+                continue  # prev computes its last token
             keep.append(j)
         if not keep:
             return None

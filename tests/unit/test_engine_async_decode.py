@@ -196,3 +196,30 @@ def test_a_chain_that_never_breaks_does_not_keep_freed_blocks():
         eng.step()
     bm = eng.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not bm.held_blocks
+
+
+def test_a_chunked_prefill_with_one_token_to_make_is_not_left_behind():
+    """A request still in chunked prefill whose only token its last chunk will sample
+    (max_tokens=1) is not a row that "ends in the previous step": while its chunks remain,
+    no decode step is launched ahead without it (its next chunk waits for a schedule)."""
+    llm = LLM("dummy:tiny", block_size=4, num_blocks=256, max_num_seqs=8,
+              max_num_batched_tokens=8, async_decode=True)
+    eng = llm.engine
+    eng.add_request("long", list(range(3, 60)),
+                    SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    while eng.scheduler.requests["long"].num_output_tokens < 2:
+        eng.step()
+    eng.add_request("one", list(range(100, 130)), SamplingParams(max_tokens=1, temperature=0))
+    done = None
+    for _ in range(30):
+        for out in eng.step():
+            if out.request_id == "one" and out.finished:
+                done = out
+        if done is not None:
+            break
+        one = eng.scheduler.requests["one"]
+        if one.num_computed_tokens < one.num_tokens:  # still in prefill: nothing ahead
+            assert eng._ahead is None, [i.seq.request_id for i in eng._ahead.sched.scheduled]
+    assert done is not None and len(done.token_ids) == 1
+    while eng.has_work:
+        eng.step()
