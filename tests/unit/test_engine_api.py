@@ -1,6 +1,8 @@
 """Offline API behaviour: sampling options, seeds, stops, logprobs, abort, chat, validation."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -113,6 +115,11 @@ def test_bad_prompts(tiny):
         tiny.generate([[]], SamplingParams())
     with pytest.raises(ValueError, match="vocabulary"):
         tiny.generate([[10**6]], SamplingParams())
+    for prompt, named in (([3, -1, 4], "-1"), ([3, 4.0], "4.0"), ([3, "4"], "'4'"),
+                          ([None], "None")):  # the first offending id is named
+        with pytest.raises(ValueError, match=f"token id {re.escape(named)} is outside"):
+            tiny.engine.validate(prompt, SamplingParams())
+    tiny.engine.validate([True, 3, 4], SamplingParams())  # ints (bool is one) pass
     with pytest.raises(ValueError, match="context"):
         tiny.generate([[5] * 100000], SamplingParams())
 
