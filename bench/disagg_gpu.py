@@ -2,7 +2,7 @@
 product: a real redis-server, a real gateway, real worker processes (pdserve.cluster.LocalCluster).
 
     PYTHONPATH=. python3 bench/disagg_gpu.py --out bench/results/disagg_gpu_h200.json
-        (2 x H200: about 6-7 min; --time-budget 450 s drops the top rates if start-up is slow)
+        (2 x H200: about 7.5 min; --time-budget 540 s drops the top rates if start-up is slow)
     python bench/disagg_gpu.py --quick --devices cpu --model dummy:tiny --dtype float32 \\
         --kv-backend tcp --out /tmp/disagg_cpu.json              (CPU smoke run, ~40 s)
     python bench/disagg_gpu.py --print-commands ...              (the worker command lines)
@@ -32,7 +32,8 @@ Workers also get PDSERVE_GEMV=off (``--gemv``): the per-process GEMV tuner may p
 kernels in different workers, and bf16 rounding differences flip greedy near-ties between the
 deployments; only batch-1 decode steps use the GEMV, so the mixed workload barely notices.
 
-Rates: ``4,8,16,32`` req/s by default. Prefill of this mix costs ~1,260 tokens per request
+Rates: ``4,8,12,16,20,24,28,32`` req/s by default (a grid fine enough to place each
+deployment's highest rate with 90% of requests within the SLO). Prefill of this mix costs ~1,260 tokens per request
 (~35-40 ms of one H200): 1P1D's single prefill GPU nears saturation around 25-30 req/s, two
 colocated GPUs share prefill and decode; the low rates show the ITL cost of prefill
 interference, the top rate where 1P1D's prefill side runs out.
@@ -90,10 +91,10 @@ T0 = time.monotonic()
 MIXED_TOKENS: dict[tuple[str, int], dict[str, list[int]]] = {}  # (deployment, rate index)
 
 # What changes between a GPU run and the CPU smoke run (--quick): None = flag not given.
-GPU_DEFAULTS = dict(rates="4,8,16,32", duration=20.0, ttft_repeats=8, exact_prompts=8,
+GPU_DEFAULTS = dict(rates="4,8,12,16,20,24,28,32", duration=20.0, ttft_repeats=8, exact_prompts=8,
                     exact_max_tokens=32, warmup_rounds=2, warmup_size=8, short_len="128:512",
                     output_len="128:256", timeout=60.0, startup_timeout=420.0,
-                    time_budget=450.0)
+                    time_budget=540.0)
 QUICK_DEFAULTS = dict(prompt_len=512, rates="2,4", duration=5.0, ttft_repeats=3,
                       exact_prompts=6, exact_max_tokens=16, warmup_rounds=1, warmup_size=4,
                       short_len="16:64", output_len="8:16", timeout=60.0, startup_timeout=180.0,
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt token ids are drawn from [10, V) (0: the dummy model's vocab)")
     w = p.add_argument_group("workload (defaults: GPU values; --quick scales them down)")
     w.add_argument("--prompt-len", type=int, default=None, help="long prompt tokens [4096]")
-    w.add_argument("--rates", default=None, help="mixed workload req/s, rising [4,8,16,32]")
+    w.add_argument("--rates", default=None, help="mixed workload req/s, rising [4,8,...,32]")
     w.add_argument("--duration", type=float, default=None, help="s of arrivals per rate [20]")
     w.add_argument("--num-requests", type=int, default=None,
                    help="requests per rate instead of --duration")

@@ -11,7 +11,7 @@
 #   engine-best  bench/gpu_engine.py sections d,a,c,b with engine-a's fastest variant       ~3
 #   engine-full  bench/gpu_engine.py sections d,a,c,b with FLAGS=... (and env)             ~3
 #   transfer     bench/kv_transfer_gpu.py (2 GPUs)                                          ~2
-#   disagg       bench/disagg_gpu.py nccl 1P1D vs colocated, rates 4,8,16,32 (2 GPUs)     ~7
+#   disagg       bench/disagg_gpu.py nccl 1P1D vs colocated, rates 4,8,...,32 (2 GPUs)    ~8
 #   ttft         bench/ttft_breakdown.py: where a 1P1D request's TTFT goes (2 GPUs)         ~1
 #   ipc16        bench/disagg_gpu.py 1P1D only, 16 req/s, cuda_ipc then nccl (2 GPUs)      ~4
 set -u
@@ -49,7 +49,8 @@ PY
         --out "$OUT/gpu_engine_h200.json" || echo "=== FAILED: engine-best $v" >&2 ;;
     engine-full) run python3 bench/gpu_engine.py --sections d,a,c,b ${FLAGS:-} \
         --out "$OUT/gpu_engine_h200.json" ;;
-    transfer) run python3 bench/kv_transfer_gpu.py --out "$OUT/kv_transfer_gpu_h200.json" ;;
+    transfer) PDSERVE_KV_TIMELINE=1 run python3 bench/kv_transfer_gpu.py \
+        --out "$OUT/kv_transfer_gpu_h200.json" ;;
     disagg) run python3 bench/disagg_gpu.py --kv-backend nccl,cuda_ipc \
         --colocated-kv-backend nccl --time-budget 540 --out "$OUT/disagg_gpu_h200_nccl.json" ;;
     ttft) run python3 bench/ttft_breakdown.py --devices gpu --kv-backend nccl,cuda_ipc \
