@@ -209,15 +209,14 @@ class LLMEngine:
     def _launch_ahead(self, prev: StepHandle) -> StepHandle | None:
         """Launch the step after ``prev`` now, before ``prev``'s tokens are read, if nothing
         waits. Its rows: ``prev``'s sequences still running and below their length limit
-        after ``prev``, each computing one token (its input is ``prev``'s token for it,
-        still on the device; a row whose sequence ends in ``prev`` otherwise -- EOS, stop
-        string, abort -- is computed and thrown away, and is left out of the step after),
-        then the running sequences that joined since ``prev``
-        was scheduled with one token to compute (a decode worker's transferred prompts:
-        their input token is on the host). So neither a request ending nor one joining
-        costs the device a step's host time. Blocks freed meanwhile stay out of the free
-        pool until the launched step is read, so no new owner's KV lands under its
-        writes."""
+        after ``prev``, each computing one token (its input is ``prev``'s token for it, still
+        on the device; a row whose sequence ends in ``prev`` otherwise -- EOS, stop string,
+        abort -- is computed and thrown away, and is left out of the step after), then the
+        running sequences that joined since ``prev`` was scheduled with one token to compute
+        (a decode worker's transferred prompts: their input token is on the host). So
+        neither a request ending nor one joining costs the device a step's host time.
+        Blocks freed meanwhile stay out of the free pool until the launched step is read,
+        so no new owner's KV lands under its writes."""
         if not self.config.async_decode:
             return None
         items = prev.sched.scheduled
@@ -238,11 +237,10 @@ class LLMEngine:
         if not keep:
             return None
         on = [items[j] for j in keep]
-        running = {id(s) for s in sc.running}
-        if any(id(item.seq) not in running for item in on):
-            return None
-        in_prev = {id(item.seq) for item in items}
-        joined = [s for s in sc.running if id(s) not in in_prev]
+        joined: list = []  # running but not in prev (the rows kept are all running)
+        if len(sc.running) != len(on):
+            in_prev = {id(item.seq) for item in items}
+            joined = [s for s in sc.running if id(s) not in in_prev]
         for s in joined:
             if (s.num_tokens - s.num_computed_tokens != 1 or s.prefill_only
                     or s.report_progress or s.num_tokens + 1 > self.max_model_len):

@@ -258,13 +258,13 @@ class ModelRunner:
                     len(self.graphs), self.graph_buckets, width)
 
     def _graph_step(self, out: SchedulerOutput, prev: StepHandle | None = None,
-                    keep: list[int] | None = None):
+                    keep: list[int] = ()):
         """Fill the static buffers for a decode-only step and replay its bucket's graph.
         With ``prev`` (a chained launch) row i < len(keep) computes position
         num_computed_tokens + 1 and its input token is prev's device argmax of row keep[i],
         copied on the GPU; later rows (joined since) take their last token from the host.
-        Returns (logits [n, V],
-        greedy [n] views for the n scheduled rows, pinned host copy of greedy, its event)."""
+        Returns (logits [n, V], greedy [n] views for the n scheduled rows, pinned host copy
+        of greedy, its event)."""
         n = len(out.scheduled)
         b = next(x for x in self.graph_buckets if x >= n)
         mb = self.graph_buckets[-1]
@@ -274,8 +274,6 @@ class ModelRunner:
         if self._stage_done[k] is not None:
             self._stage_done[k].synchronize()  # its previous copy has run (in practice: long ago)
         h64, h32 = self.h_i64_np[k], self.h_i32_np[k]
-        if prev is not None and keep is None:
-            keep = list(range(len(prev.greedy)))
         chained = len(keep) if prev is not None else 0
         fill_decode_inputs(out, b, bs, h64, h32[:mb], h32[mb:].reshape(mb, self.graph_width),
                            self.table_rows, chained=chained)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import os
@@ -88,6 +89,13 @@ class _Comm:
         with torch.cuda.device(device):
             self.stream = torch.cuda.Stream(device)
             self.handle = _checked(self.lib.init_rank, uid, 2, rank)
+
+    @contextlib.contextmanager
+    def current(self):
+        """This communicator's device and stream as the current ones (torch work queued
+        inside runs in order with its sends and receives)."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            yield
 
     def state(self) -> int:
         with self._guard:
@@ -256,19 +264,19 @@ class NcclReceiver(ControlReceiver):
         group reuses the last one's memory only after its scatter (stream order)."""
         per_layer = self._layout.block_bytes // self._layout.num_layers // \
             self._layout.torch_dtype.itemsize
-        with torch.cuda.device(comm.device), torch.cuda.stream(comm.stream):
+        with comm.current():
             idx = device_index(dst, comm.device)
         for k, (lo, hi) in enumerate(groups):
-            with torch.cuda.device(comm.device), torch.cuda.stream(comm.stream):
+            with comm.current():
                 staging = torch.empty((len(dst), hi - lo, per_layer),
                                       dtype=self._layout.torch_dtype, device=comm.device)
-            comm.post([("recv", staging.data_ptr(), staging.numel() * staging.element_size())],
+            comm.post([("recv", staging.data_ptr(), staging.nbytes)],
                       peer=0)
             if k == 0:  # posted: the sender may start (a new pair's set-up needs both sides)
                 await loop.sock_sendall(conn, proto.encode_reply(proto.OK, len(groups),
                                                                  LAYERED))
             await comm.queued(watch=conn)
-            with torch.cuda.device(comm.device), torch.cuda.stream(comm.stream):
+            with comm.current():
                 scatter_layers(self._cache, idx, lo, hi, staging)
         event = torch.cuda.Event(enable_timing=True, blocking=True)
         event.record(comm.stream)
@@ -376,13 +384,13 @@ class NcclSender(ControlSender):
         group's blocks are gathered into a staging buffer and sent while the prefill
         computes the next layers. Staging buffers come from the stream's allocator pool
         (reused only after the send that read them, in stream order)."""
-        with torch.cuda.device(comm.device), torch.cuda.stream(comm.stream):
+        with comm.current():
             idx = device_index(part.ids, comm.device)
         for lo, hi in groups:
-            with torch.cuda.device(comm.device), torch.cuda.stream(comm.stream):
+            with comm.current():
                 comm.stream.wait_event(part.layers[hi - 1])
                 staging = gather_layers(self._cache, idx, lo, hi)
-            comm.post([("send", staging.data_ptr(), staging.numel() * staging.element_size())],
+            comm.post([("send", staging.data_ptr(), staging.nbytes)],
                       peer=1)
             done = await comm.queued(watch=sock)
         return done
