@@ -14,6 +14,8 @@
 #   disagg       bench/disagg_gpu.py nccl 1P1D vs colocated, rates 4,8,...,32 (2 GPUs)    ~8
 #   ttft         bench/ttft_breakdown.py: where a 1P1D request's TTFT goes (2 GPUs)         ~1
 #   ipc16        bench/disagg_gpu.py 1P1D only, 16 req/s, cuda_ipc then nccl (2 GPUs)      ~4
+#   ttftgpu      bench/ttft_gpu.py: 1P1D set-ups vs colocated on the prefill GPU (2 GPUs)   ~4
+#   goodput      bench/disagg_gpu.py at 20,22,24,26,28 req/s: where each keeps 90% (2 GPUs) ~6
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -57,6 +59,12 @@ PY
         --out "$OUT/ttft_breakdown_h200.json" ;;
     ipc16) run python3 bench/disagg_gpu.py --deployments 1p1d --rates 16 \
         --kv-backend cuda_ipc,nccl --out "$OUT/disagg_gpu_h200_cuda_ipc_16.json" ;;
+    ttftgpu) run python3 bench/ttft_gpu.py --rounds 2 --configs \
+        coloc@0,1p1d@0:nccl,1p1d@0:nccl:PDSERVE_NCCL_LAYERS_PER_MESSAGE=2,1p1d@0:cuda_ipc,coloc@1,1p1d@1:nccl \
+        --out "$OUT/ttft_gpu_h200.json" ;;
+    goodput) run python3 bench/disagg_gpu.py --kv-backend nccl,cuda_ipc \
+        --colocated-kv-backend nccl --rates 20,22,24,26,28 --exact-prompts 4 --time-budget 560 \
+        --out "$OUT/disagg_gpu_h200_goodput_grid.json" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

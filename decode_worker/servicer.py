@@ -1,9 +1,9 @@
 """DecodeWorker servicer: the engine in decode role (continuous batching) plus a KV receiver.
 
 Lifecycle of one disaggregated request here:
-  Generate RPC -> pre-allocate blocks for the prompt (RESOURCE_EXHAUSTED if none) -> expect a
-  transfer into them -> PrefillWorker.Prefill on the worker the gateway chose -> wait for the
-  KV to land -> prompt counted as computed, first token emitted -> joins the running batch ->
+  Generate RPC -> expect a transfer of the prompt's block count -> PrefillWorker.Prefill on
+  the worker the gateway chose, while the blocks are pre-allocated (RESOURCE_EXHAUSTED if
+  none; the receiver writes nothing before it has their ids) -> wait for the KV to land -> prompt counted as computed, first token emitted -> joins the running batch ->
   tokens stream back. A failed transfer frees the blocks and is retried once per remaining KV
   backend (``--kv-backend nccl,cuda_ipc``); any other failure before the first token falls
   back to prefilling locally; a cancelled or expired call aborts the request and frees its
@@ -140,32 +140,41 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 telemetry.end_with_status(span, "OK" if outcome == "ok" else "CANCELLED")
 
     async def _remote_prefill(self, rid, ids, sp, address, context, span, backend, receiver):
-        """Pre-allocate, have ``address`` prefill and send the KV; returns the token stream."""
-        blocks = await self.aengine.preallocate(rid, ids, sp)  # ValueError: bad request
-        if blocks is None:
-            await _abort(span, context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         "decode worker has no free KV blocks for this prompt")
+        """Have ``address`` prefill and send the KV, while this worker reserves the blocks
+        it will land in (the prefill worker needs only their number; the receiver holds
+        the data back until it has the ids); returns the token stream."""
+        num_blocks = -(-len(ids) // self.layout.block_size)
         tid = f"{rid}-{uuid.uuid4().hex[:8]}"
         t0 = time.perf_counter()
         kspan = telemetry.child(span, "kv.receive", {
-            "pdserve.kv.backend": backend, "pdserve.kv.blocks": len(blocks),
+            "pdserve.kv.backend": backend, "pdserve.kv.blocks": num_blocks,
             "pdserve.kv.transfer_id": tid})
         ok = False
+        call = None
         try:  # from here on, any way out but success gives the pre-allocated blocks back
-            handle = receiver.expect(tid, blocks, self.transfer_timeout_s)
+            handle = receiver.expect(tid, num_blocks, self.transfer_timeout_s)
             req = worker_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=ids, sampling=sampling_to_proto(sp),
                 model=self.runtime.model_id,
                 kv_transfer=common_pb2.KVTransferParams(
                     transfer_id=tid, backend=backend,
-                    receiver_endpoint=receiver.endpoint, dst_block_ids=blocks,
+                    receiver_endpoint=receiver.endpoint, num_blocks=num_blocks,
                     timeout_ms=int(self.transfer_timeout_s * 1000),
                     layout=layout_to_proto(self.layout)))
-            timeout = context.time_remaining()
             pspan = telemetry.child(span, "prefill.remote", {"pdserve.prefill_address": address})
+            # the call starts now; the blocks are reserved meanwhile (under load the engine
+            # thread takes them between two steps)
+            call = self._peers.stub(address).Prefill(
+                req, timeout=context.time_remaining(),
+                metadata=telemetry.outgoing_metadata(pspan, context))
+            blocks = await self.aengine.preallocate(rid, ids, sp)  # ValueError: bad request
+            if blocks is None:
+                telemetry.end_with_status(pspan, "CANCELLED", "no free KV blocks")
+                await _abort(span, context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             "decode worker has no free KV blocks for this prompt")
+            handle.assign(blocks)
             try:
-                resp = await self._peers.stub(address).Prefill(
-                    req, timeout=timeout, metadata=telemetry.outgoing_metadata(pspan, context))
+                resp = await call
             except grpc.aio.AioRpcError as e:
                 telemetry.end_with_status(pspan, e.code().name, e.details() or "")
                 if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -176,7 +185,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     transfer=e.code() == grpc.StatusCode.FAILED_PRECONDITION) from None
             pspan.set_attribute("pdserve.cached_tokens", resp.num_cached_tokens)
             pspan.end()
-            if resp.transfer.state != common_pb2.TRANSFER_STATE_DONE:
+            # TRANSFERRING: the prefill worker answered once our receiver had accepted the
+            # transfer, which tells us below how it ends
+            if resp.transfer.state not in (common_pb2.TRANSFER_STATE_DONE,
+                                           common_pb2.TRANSFER_STATE_TRANSFERRING):
                 raise PrefillFailed(f"KV transfer over {backend} "
                                     f"{common_pb2.TransferState.Name(resp.transfer.state)}: "
                                     f"{resp.transfer.error}", transfer=True)
@@ -192,6 +204,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             ok = True
         finally:
             if not ok:
+                if call is not None:
+                    call.cancel()  # the prefill worker stops computing and sending
                 receiver.cancel(tid)
                 await _quiet(self.aengine.abort(rid))
             telemetry.end_with_status(kspan, "OK" if ok else "UNAVAILABLE")

@@ -29,6 +29,7 @@ them again, so the caller may free them.
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
 import logging
 import os
@@ -163,6 +164,7 @@ class TransferStateMachine:
         self.data_seconds: float | None = None  # the data movement alone, where measured
         self._t0 = time.perf_counter() if TIMELINE else 0.0
         self._marks: list[tuple[str, float]] = []
+        self.accepted: asyncio.Event | None = None  # set on TRANSFERRING (sender side)
         logger.debug("%s transfer %s: pending", side, transfer_id)
 
     def mark(self, what: str) -> None:
@@ -180,6 +182,8 @@ class TransferStateMachine:
             new.value, f" ({reason})" if reason else "",
         )
         self.state = new
+        if new is TransferState.TRANSFERRING and self.accepted is not None:
+            self.accepted.set()
         if TIMELINE and new.terminal:
             logger.info("kv timeline %s %s %s: %s", self.side, self.transfer_id, new.value,
                         " ".join(f"{w}={1000 * (t - self._t0):.3f}" for w, t in self._marks))
@@ -231,6 +235,11 @@ class TransferHandle(abc.ABC):
     async def wait(self) -> TransferResult:
         """The final result; returns no later than the transfer's timeout."""
 
+    @abc.abstractmethod
+    def assign(self, dst_block_ids: list[int]) -> None:
+        """The destination block ids of a transfer expected by count (ValueError if they do
+        not match it, or the transfer already has its ids)."""
+
 
 class KVReceiver(abc.ABC):
     """Decode side: writes incoming blocks into its cache."""
@@ -245,9 +254,13 @@ class KVReceiver(abc.ABC):
         """Opaque address a sender connects to, e.g. ``tcp://127.0.0.1:5555``."""
 
     @abc.abstractmethod
-    def expect(self, transfer_id: str, dst_block_ids: list[int],
+    def expect(self, transfer_id: str, dst_block_ids: list[int] | int,
                timeout_s: float) -> TransferHandle:
-        """Register a transfer before the sender sends; must be called in the event loop."""
+        """Register a transfer before the sender sends; must be called in the event loop.
+
+        ``dst_block_ids``: the blocks to write, or their number, the ids following through
+        ``handle.assign`` (a sender may connect before that; nothing is written until then,
+        and the transfer's timeout still runs)."""
 
     @abc.abstractmethod
     def cancel(self, transfer_id: str) -> bool:
@@ -266,9 +279,14 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     async def send(
-        self, transfer_id: str, endpoint: str, src_block_ids, timeout_s: float
+        self, transfer_id: str, endpoint: str, src_block_ids, timeout_s: float,
+        accepted: asyncio.Event | None = None,
     ) -> TransferResult:
         """Send the blocks; DONE only once the receiver acked having them.
+
+        ``accepted`` is set once the receiver accepted the transfer: from then on the
+        receiver hears of its end however it ends (its waiter gets the result), so a caller
+        may tell the decode side to rely on the receiver before ``send()`` returns.
 
         ``src_block_ids``: a list of ids, or a :class:`kvtransfer.stream.BlockStream` that
         hands them over while the prompt still computes (the handshake and the parts already

@@ -153,6 +153,7 @@ class ControlReceiver(TrackedReceiver):
                 return
             await loop.sock_sendall(conn, proto.encode_reply(proto.OK))
             entry.mark("hello_ok")
+            await entry.destination()  # expected by count: the ids may still be on their way
             await self._receive_payload(loop, conn, entry)
             entry.mark("landed")
             entry.finish(TransferState.DONE)

@@ -80,7 +80,7 @@ class FakeReceiver(TrackedReceiver):
             if self._stall:
                 await asyncio.Event().wait()  # never acks; ends by timeout or cancel
             await asyncio.sleep(0)  # a transfer takes at least one loop turn, like a real one
-            scatter(self._cache, entry.dst_block_ids, blocks.to(self._cache.device))
+            scatter(self._cache, await entry.destination(), blocks.to(self._cache.device))
             entry.add_bytes(blocks.numel() * blocks.element_size())
             entry.finish(TransferState.DONE)
         except asyncio.CancelledError:

@@ -177,7 +177,7 @@ class ShmReceiver(TrackedReceiver):
                 if fd is not None:
                     os.close(fd)  # the mapping (if any) keeps the memory alive
             await loop.sock_sendall(conn, proto.encode_reply(proto.OK))
-            ids = entry.dst_block_ids
+            ids = await entry.destination()
             cb, slots = hello.chunk_blocks, hello.num_slots
             num_chunks = -(-len(ids) // cb)
             for c in range(num_chunks):

@@ -42,13 +42,22 @@ def check_block_ids(ids: list[int], num_blocks: int, *, unique: bool) -> list[in
 
 
 class ExpectedTransfer(TransferHandle):
-    """One transfer the receiver waits for. Ends exactly once, at the latest at its deadline."""
+    """One transfer the receiver waits for. Ends exactly once, at the latest at its deadline.
 
-    def __init__(self, tracker: ReceiverTracker, transfer_id: str, dst_block_ids: list[int],
-                 timeout_s: float) -> None:
+    The destination block ids may come later than the expectation (``assign``): the decode
+    worker then asks for the prefill while it is still reserving the blocks, and a backend
+    that starts receiving first awaits ``destination()`` (the handshake goes on meanwhile).
+    """
+
+    def __init__(self, tracker: ReceiverTracker, transfer_id: str,
+                 dst_block_ids: list[int] | None, num_blocks: int, timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
         self.transfer_id = transfer_id
         self.dst_block_ids = dst_block_ids
+        self.num_blocks = num_blocks
+        self._assigned = asyncio.Event()
+        if dst_block_ids is not None:
+            self._assigned.set()
         self.num_bytes = 0
         self._tracker = tracker
         self._sm = TransferStateMachine(transfer_id, "recv")
@@ -64,6 +73,23 @@ class ExpectedTransfer(TransferHandle):
 
     async def wait(self) -> TransferResult:
         return await asyncio.shield(self._future)
+
+    def assign(self, dst_block_ids: list[int]) -> None:
+        """Give the destination block ids of a transfer expected by count."""
+        if self.dst_block_ids is not None:
+            raise ValueError(f"transfer {self.transfer_id} already has its destination blocks")
+        ids = check_block_ids(dst_block_ids, self._tracker.num_blocks, unique=True)
+        if len(ids) != self.num_blocks:
+            raise ValueError(f"transfer {self.transfer_id} expects {self.num_blocks} blocks, "
+                             f"got {len(ids)} destination ids")
+        self.dst_block_ids = ids
+        self._assigned.set()
+
+    async def destination(self) -> list[int]:
+        """The destination block ids, once assigned (backends await this before they write;
+        a transfer that ends meanwhile cancels its owner, which ends this wait)."""
+        await self._assigned.wait()
+        return self.dst_block_ids
 
     def start(self, owner: asyncio.Task | None) -> None:
         """The data began to arrive; ``owner`` is cancelled if the transfer ends elsewhere."""
@@ -120,7 +146,7 @@ class ReceiverTracker:
         self._done = 0
         self._failed = 0
 
-    def expect(self, transfer_id: str, dst_block_ids: list[int],
+    def expect(self, transfer_id: str, dst_block_ids: list[int] | int,
                timeout_s: float) -> ExpectedTransfer:
         if not transfer_id or len(transfer_id.encode()) > 1024:
             raise ValueError("transfer_id must be a non-empty string of at most 1024 bytes")
@@ -128,8 +154,15 @@ class ReceiverTracker:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if transfer_id in self._active:
             raise ValueError(f"transfer {transfer_id} is already expected")
-        ids = check_block_ids(dst_block_ids, self.num_blocks, unique=True)
-        entry = ExpectedTransfer(self, transfer_id, ids, timeout_s)
+        if isinstance(dst_block_ids, int) and not isinstance(dst_block_ids, bool):
+            if not 0 < dst_block_ids <= self.num_blocks:
+                raise ValueError(f"a transfer of {dst_block_ids} blocks does not fit a cache of "
+                                 f"{self.num_blocks}")
+            ids, count = None, dst_block_ids
+        else:
+            ids = check_block_ids(dst_block_ids, self.num_blocks, unique=True)
+            count = len(ids)
+        entry = ExpectedTransfer(self, transfer_id, ids, count, timeout_s)
         self._active[transfer_id] = entry
         return entry
 
@@ -146,9 +179,9 @@ class ReceiverTracker:
         if entry.state is not TransferState.PENDING:
             raise TransferError(f"transfer {transfer_id!r} is already {entry.state.value}")
         error = layout_error
-        if error is None and num_blocks != len(entry.dst_block_ids):
+        if error is None and num_blocks != entry.num_blocks:
             error = (f"block count mismatch: sender has {num_blocks} blocks, "
-                     f"receiver expects {len(entry.dst_block_ids)}")
+                     f"receiver expects {entry.num_blocks}")
         if error is not None:
             entry.finish(TransferState.FAILED, error)
             raise TransferError(error)
@@ -189,12 +222,14 @@ class SendRunner:
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: set[str] = set()
 
-    async def run(self, transfer_id: str, timeout_s: float, body: SendBody) -> TransferResult:
+    async def run(self, transfer_id: str, timeout_s: float, body: SendBody,
+                  accepted: asyncio.Event | None = None) -> TransferResult:
         if transfer_id in self._tasks:
             raise ValueError(f"transfer {transfer_id} is already being sent")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         sm = TransferStateMachine(transfer_id, "send")
+        sm.accepted = accepted
         t0 = time.monotonic()
         task = asyncio.create_task(self._guarded(sm, timeout_s, body))
         self._tasks[transfer_id] = task
@@ -249,7 +284,7 @@ class TrackedReceiver(KVReceiver):
 
     _tracker: ReceiverTracker
 
-    def expect(self, transfer_id: str, dst_block_ids: list[int],
+    def expect(self, transfer_id: str, dst_block_ids: list[int] | int,
                timeout_s: float) -> ExpectedTransfer:
         return self._tracker.expect(transfer_id, dst_block_ids, timeout_s)
 
@@ -272,7 +307,7 @@ class RunnerSender(KVSender):
         self._runner = SendRunner()
 
     async def send(self, transfer_id: str, endpoint: str, src_block_ids,
-                   timeout_s: float) -> TransferResult:
+                   timeout_s: float, accepted: asyncio.Event | None = None) -> TransferResult:
         if isinstance(src_block_ids, BlockStream):
             blocks = src_block_ids
             blocks.limit(self._cache.shape[0])  # ValueError for ids outside this cache
@@ -283,7 +318,7 @@ class RunnerSender(KVSender):
         async def body(sm: TransferStateMachine) -> int:
             return await self._send(sm, endpoint, blocks)
 
-        result = await self._runner.run(transfer_id, timeout_s, body)
+        result = await self._runner.run(transfer_id, timeout_s, body, accepted)
         tail = None
         if blocks.completed_at is not None:
             tail = max(0.0, min(result.seconds, time.monotonic() - blocks.completed_at))

@@ -1,10 +1,13 @@
 """PrefillWorker servicer: the engine in prefill role plus a KV sender.
 
 Lifecycle of one request here:
-  Prefill RPC -> engine computes the prompt (reusing its prefix cache) and samples the first
-  token -> blocks HELD -> KV sent to the decode worker's receiver -> response; the blocks are
-  released in the background as soon as the send ended (on DONE, FAILED, TIMED_OUT,
-  cancellation or any error: the lease always ends; Stats and shutdown wait for releases).
+  Prefill RPC -> the KV transfer to the decode worker's receiver starts (its handshake and
+  each chunk's KV overlap the forward pass) -> engine computes the prompt (reusing its prefix
+  cache) and samples the first token -> blocks HELD -> response, as soon as the receiver has
+  accepted the transfer (state TRANSFERRING: the decode worker's receiver reports how it ends)
+  or it ended (its final state) -> the blocks are released in the background once the send
+  ended (on DONE, FAILED, TIMED_OUT, cancellation or any error: the lease always ends; Stats,
+  shutdown and a retry of the same request id wait for releases).
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.metrics = metrics or WorkerMetrics("prefill")
         self.clock = telemetry.StepClock(aengine) if telemetry.ENABLED else None
         self._releases: set[asyncio.Task] = set()
+        self._sends: dict[str, asyncio.Future] = {}  # request id -> its send's end + release
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context):
         rid = request.request_id
@@ -95,15 +99,25 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         ids = list(request.prompt_token_ids)
         bs = self.layout.block_size
         prompt_blocks = -(-len(ids) // bs)
-        if not kv.dst_block_ids or kv.skip_blocks + len(kv.dst_block_ids) > prompt_blocks:
+        count = kv.num_blocks or len(kv.dst_block_ids)
+        if kv.num_blocks and kv.dst_block_ids and kv.num_blocks != len(kv.dst_block_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"decode worker expects {len(kv.dst_block_ids)} blocks after "
+                                f"kv_transfer.num_blocks is {kv.num_blocks} but "
+                                f"{len(kv.dst_block_ids)} dst_block_ids were given")
+        if not count or kv.skip_blocks + count > prompt_blocks:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"decode worker expects {count} blocks after "
                                 f"skipping {kv.skip_blocks}; the prompt has {prompt_blocks}")
+        previous = self._sends.get(rid)
+        if previous is not None:  # a retry (over another backend) of a transfer still ending
+            await _settled(previous)
         t0, t0_ns = time.perf_counter(), time.time_ns()
         # the send starts now: its handshake, and the KV of each prefill chunk (as it computes),
         # overlap the rest of the prompt's forward pass
-        feed = _ChunkFeed(len(kv.dst_block_ids), kv.skip_blocks, bs, len(ids))
-        sending = asyncio.ensure_future(self._send(rid, kv, feed.stream, sender, span))
+        feed = _ChunkFeed(count, kv.skip_blocks, bs, len(ids))
+        accepted = asyncio.Event()
+        sending = asyncio.ensure_future(self._send(rid, kv, feed.stream, sender, span,
+                                                   accepted))
         if self.clock is not None:
             self.clock.watch(rid)
         try:
@@ -137,14 +151,22 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                                      state=common_pb2.TRANSFER_STATE_DONE)
             else:
                 feed.finish(first.held_block_ids)
-                result = await sending
-        finally:
-            # the lease ends with send(); answering need not wait for the engine thread
-            # (busy with a step under load) to take the blocks back
-            if not sending.done():
+                # answer once the receiver accepted the transfer (it then learns of its end
+                # itself, however it ends): the first token travels while the last KV moves
+                await _first_done(sending, asyncio.ensure_future(accepted.wait()))
+                result = sending.result() if sending.done() else common_pb2.KVTransferResult(
+                    transfer_id=kv.transfer_id, state=common_pb2.TRANSFER_STATE_TRANSFERRING,
+                    num_blocks=feed.stream.total)
+        except BaseException:
+            if not sending.done():  # (the RPC was cancelled: the decode side gave up)
                 feed.fail("prefill worker gave up the request")
-                await _settled(sending)
-            self._release_later(rid)
+                sender.cancel(kv.transfer_id)
+            raise
+        finally:
+            # the lease ends with send(), in the background if we answer before it ends;
+            # answering need not wait for the engine thread (busy with a step under load)
+            # to take the blocks back
+            self._release_after(rid, sending)
         resp = worker_pb2.PrefillResponse(
             request_id=rid, first_token_id=first.token_ids[0],
             num_cached_tokens=first.num_cached_tokens, transfer=result)
@@ -155,14 +177,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     common_pb2.TransferState.Name(result.state), feed.parts, result.duration_ms)
         return resp
 
-    async def _send(self, rid, kv, stream, sender, span) -> common_pb2.KVTransferResult:
+    async def _send(self, rid, kv, stream, sender, span,
+                    accepted: asyncio.Event | None = None) -> common_pb2.KVTransferResult:
         self.runtime.active_transfers += 1
         tspan = telemetry.child(span, "kv.transfer", {
             "pdserve.kv.backend": kv.backend, "pdserve.kv.blocks": stream.total,
             "pdserve.kv.transfer_id": kv.transfer_id})
         try:
             res = await sender.send(kv.transfer_id, kv.receiver_endpoint, stream,
-                                    max(kv.timeout_ms, 1) / 1000.0)
+                                    max(kv.timeout_ms, 1) / 1000.0, accepted)
         except ValueError as e:  # e.g. a transfer id this worker is already sending
             telemetry.end_with_status(tspan, "INVALID_ARGUMENT", str(e))
             return common_pb2.KVTransferResult(
@@ -188,18 +211,35 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             transfer_id=kv.transfer_id, state=STATE_PB[res.state], error=res.error or "",
             num_blocks=stream.total, num_bytes=res.num_bytes, duration_ms=tail * 1000)
 
-    def _release_later(self, rid: str) -> None:
-        task = asyncio.ensure_future(_shielded(self.aengine.release(rid)))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+    def _release_after(self, rid: str, sending: asyncio.Future) -> None:
+        """Once the send ended, give the request's blocks back (the lease ends with send()).
+        A new Prefill of the same request id (a retry over another backend) waits for it."""
+        async def release() -> None:
+            try:
+                await _settled(sending)
+            finally:
+                await _shielded(self.aengine.release(rid))
 
-    async def drain(self) -> None:
-        """Wait for pending block releases (shutdown)."""
+        task = asyncio.ensure_future(release())
+        self._releases.add(task)
+        self._sends[rid] = task
+
+        def done(t: asyncio.Future) -> None:
+            self._releases.discard(t)
+            if self._sends.get(rid) is t:
+                del self._sends[rid]
+        task.add_done_callback(done)
+
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """Wait for the sends still ending and their block releases (shutdown: all of them;
+        Stats: for at most ``timeout_s``)."""
         if self._releases:
-            await asyncio.gather(*self._releases, return_exceptions=True)
+            await asyncio.wait(set(self._releases), timeout=timeout_s)
 
     async def Stats(self, request, context):
-        await self.drain()  # a Stats answer never shows blocks whose release is in flight
+        # a Stats answer does not show blocks whose release is in flight (unless a transfer
+        # is still running after a second: then its blocks are in use)
+        await self.drain(timeout_s=1.0)
         return await self.runtime.stats_proto()
 
     async def Abort(self, request, context):
@@ -259,6 +299,15 @@ async def _settled(task: asyncio.Future) -> None:
         raise
     except Exception:  # noqa: BLE001 - the send's own result/span says what went wrong
         pass
+
+
+async def _first_done(*futures: asyncio.Future) -> None:
+    """Wait until one of ``futures`` is done; the others are left running, but for the
+    helper waits, which are cancelled."""
+    try:
+        await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        futures[-1].cancel()
 
 
 async def _shielded(coro) -> None:

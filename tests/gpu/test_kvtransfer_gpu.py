@@ -82,6 +82,31 @@ def test_round_trip_scattered_and_repeated(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_destination_given_after_the_sender_connected(backend):
+    """Expected by count (the decode worker reserves its blocks while the prefill runs): the
+    sender is already connected, the ids follow; the data lands exactly there."""
+    async def main():
+        src, dst = cache(32, SRC, seed=5), cache(32, DST)
+        rx, tx = await pair(backend, src, dst)
+        for rep in range(2):  # a new pair (set-up waits for the ids), then an existing one
+            handle = rx.expect(f"late{rep}", 4, timeout_s=30)
+            task = asyncio.create_task(tx.send(f"late{rep}", rx.endpoint, [1, 2, 3, 9], 30))
+            while handle.state is TransferState.PENDING:
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.05)
+            assert not task.done()
+            handle.assign([31, 4, 5, 6 + rep])
+            res, got = await task, await handle.wait()
+            assert res.state is got.state is TransferState.DONE, (res.error, got.error)
+            assert torch.equal(dst[[31, 4, 5, 6 + rep]].cpu(), src[[1, 2, 3, 9]].cpu())
+            dst.zero_()
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_streamed_send_waits_for_each_parts_event(backend):
     """As on a prefill worker: the send starts before the KV exists, and each part is handed
     over with the CUDA event of the kernel that writes it, while that kernel is still queued

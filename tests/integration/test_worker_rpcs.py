@@ -11,7 +11,7 @@ from kvtransfer.base import KVLayout
 from pdserve.cluster import LocalCluster
 from prefill_worker.servicer import layout_to_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from tests.integration.helpers import run, wait_all_free
+from tests.integration.helpers import run, wait_all_free, worker_stats
 
 
 def test_malformed_prefill_requests_get_a_status_and_leave_nothing_held():
@@ -81,3 +81,101 @@ def test_malformed_prefill_requests_get_a_status_and_leave_nothing_held():
             assert (stats.kv_blocks_used, stats.num_running, stats.num_waiting,
                     stats.active_transfers) == (0, 0, 0, 0)
         assert pre.proc.poll() is None and dec.proc.poll() is None
+
+
+def test_decode_worker_without_room_refuses_and_calls_off_the_prefill():
+    """The decode worker asks for the prefill while it reserves the blocks: when the
+    reservation fails, the caller gets RESOURCE_EXHAUSTED and the prefill already started
+    is called off (its compute and transfer end, nothing stays held on either side); a
+    request that fits still works afterwards."""
+    sp_long = common_pb2.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    sp = common_pb2.SamplingParams(max_tokens=4, temperature=0.0)
+    prompt = list(range(3, 3 + 16 * 5))  # 5 blocks of a 8-block cache
+
+    async def main(dec, pre):
+        async with grpc.aio.insecure_channel(dec.address) as ch:
+            stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+
+            def call(rid, sampling):
+                return stub.Generate(worker_pb2.DecodeRequest(
+                    request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                    prefill_address=pre.address), timeout=60)
+            holder = call("holder", sp_long)
+            await holder.read()  # first token: the holder's 5+ blocks are in use
+            try:
+                async for _ in call("squeezed", sp):
+                    pass
+                refused = None
+            except grpc.aio.AioRpcError as e:
+                refused = (e.code(), e.details())
+            holder.cancel()
+            ok = [r async for r in call("after", sp)]
+            return refused, ok
+
+    with LocalCluster("dummy:tiny", prefill=1, decode=1,
+                      worker_args=("--num-blocks", "8")) as c:
+        pre = next(w for w in c.workers if w.kind == "prefill")
+        dec = next(w for w in c.workers if w.kind == "decode")
+        refused, ok = run(main(dec, pre))
+        assert refused == (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           "decode worker has no free KV blocks for this prompt")
+        assert ok and ok[-1].finish_reason in ("stop", "length")
+        for stats in run(wait_all_free([pre.address, dec.address], timeout_s=15)):
+            assert (stats.kv_blocks_used, stats.num_running, stats.num_waiting,
+                    stats.active_transfers) == (0, 0, 0, 0)
+        assert pre.proc.poll() is None and dec.proc.poll() is None
+
+
+def test_prefill_answers_once_the_receiver_accepted_and_a_retry_waits_for_the_lease():
+    """The Prefill answer goes out with the first token once the receiver has accepted the
+    transfer (TRANSFERRING), not after the last byte; the blocks stay leased until the send
+    ends, and a second Prefill of the same request id (a retry over another backend) waits
+    for that instead of failing as a duplicate."""
+    import torch
+
+    from kvtransfer import make_receiver, TransferState
+
+    mc = load_config("dummy:tiny")
+    layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, 16, "float32")
+    sp = common_pb2.SamplingParams(max_tokens=4, temperature=0.0)
+    ids = list(range(3, 3 + 40))  # 3 blocks
+
+    async def main(address):
+        cache = torch.zeros(8, *layout.block_shape)
+        rx = make_receiver("tcp", cache, layout)
+        await rx.start()
+
+        def req(tid):
+            return worker_pb2.PrefillRequest(
+                request_id="same", prompt_token_ids=ids, sampling=sp,
+                kv_transfer=common_pb2.KVTransferParams(
+                    transfer_id=tid, backend="tcp", receiver_endpoint=rx.endpoint,
+                    num_blocks=3, timeout_ms=20000, layout=layout_to_proto(layout)))
+        try:
+            async with grpc.aio.insecure_channel(address) as ch:
+                stub = worker_pb2_grpc.PrefillWorkerStub(ch)
+                first = rx.expect("t1", 3, timeout_s=20)  # ids withheld: the data waits
+                resp = await stub.Prefill(req("t1"), timeout=20)
+                assert resp.transfer.state == common_pb2.TRANSFER_STATE_TRANSFERRING
+                assert resp.transfer.num_blocks == 3 and first.state is TransferState.TRANSFERRING
+                held = (await worker_stats(address)).kv_blocks_used
+                second = rx.expect("t2", [3, 4, 5], timeout_s=20)
+                retry = asyncio.ensure_future(stub.Prefill(req("t2"), timeout=20))
+                await asyncio.sleep(0.3)
+                assert not retry.done()  # waits for the first send to end
+                first.assign([0, 1, 2])
+                assert (await first.wait()).state is TransferState.DONE
+                resp2 = await retry
+                assert resp2.first_token_id == resp.first_token_id
+                assert (await second.wait()).state is TransferState.DONE
+                assert torch.equal(cache[[0, 1, 2]], cache[[3, 4, 5]]) and cache[0].any()
+                return held
+        finally:
+            await rx.close()
+
+    with LocalCluster("dummy:tiny", prefill=1, decode=0) as c:
+        pre = next(w for w in c.workers if w.kind == "prefill")
+        held = run(main(pre.address))
+        assert held >= 3  # leased while its transfer ran
+        for stats in run(wait_all_free([pre.address], timeout_s=15)):
+            assert (stats.kv_blocks_used, stats.num_running, stats.active_transfers) == (0, 0, 0)

@@ -150,6 +150,74 @@ def test_round_trip(backend, loop):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_destination_given_after_the_sender_connected(backend):
+    """Expected by count, the ids assigned once the sender is already waiting (the decode
+    worker reserves its blocks while the prefill runs): nothing lands before the ids, then
+    exactly there."""
+    async def main():
+        src, dst = cache(SMALL, 16, seed=21), cache(SMALL, 16)
+        rx, tx = await pair(backend, src, dst)
+        handle = rx.expect("late-ids", 4, timeout_s=5)
+        task = asyncio.create_task(tx.send("late-ids", rx.endpoint, [1, 2, 3, 9], 5))
+        while handle.state is TransferState.PENDING:  # claimed: the sender is connected
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        assert not task.done() and not dst.any()
+        handle.assign([15, 4, 5, 6])
+        res, got = await task, await handle.wait()
+        assert res.state is got.state is TransferState.DONE, (res.error, got.error)
+        assert torch.equal(dst[[15, 4, 5, 6]], src[[1, 2, 3, 9]])
+        assert not dst[[b for b in range(16) if b not in (15, 4, 5, 6)]].any()
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_destination_never_given_times_out_and_cancel_ends_it(backend):
+    async def main():
+        src, dst = cache(SMALL, 8, seed=22), cache(SMALL, 8)
+        rx, tx = await pair(backend, src, dst)
+        handle = rx.expect("no-ids", 2, timeout_s=0.3)
+        res = await tx.send("no-ids", rx.endpoint, [0, 1], 5)
+        assert (await handle.wait()).state is TransferState.TIMED_OUT
+        assert res.state is TransferState.FAILED
+        handle = rx.expect("cancelled", 2, timeout_s=5)
+        task = asyncio.create_task(tx.send("cancelled", rx.endpoint, [0, 1], 5))
+        while handle.state is TransferState.PENDING:
+            await asyncio.sleep(0.001)
+        assert rx.cancel("cancelled")
+        res = await asyncio.wait_for(task, 3)
+        assert res.state is TransferState.FAILED
+        assert not dst.any() and rx.stats().active_transfers == 0
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+def test_destination_ids_are_checked_against_the_count():
+    async def main():
+        rx = make_receiver("tcp", cache(SMALL, 8), SMALL)
+        await rx.start()
+        handle = rx.expect("n", 2, timeout_s=5)
+        for bad in ([0], [0, 1, 2], [3, 3], [0, 8]):
+            with pytest.raises(ValueError):
+                handle.assign(bad)
+        handle.assign([6, 7])
+        with pytest.raises(ValueError, match="already"):
+            handle.assign([0, 1])
+        with pytest.raises(ValueError, match="does not fit"):
+            rx.expect("huge", 9, timeout_s=5)
+        with pytest.raises(ValueError):
+            rx.expect("none", 0, timeout_s=5)
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_concurrent_transfers(backend):
     async def main():
         src, dst = cache(SMALL, 64, seed=2), cache(SMALL, 64)

@@ -98,7 +98,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
-    __slots__ = ("transfer_id", "backend", "receiver_endpoint", "dst_block_ids", "skip_blocks", "timeout_ms", "layout")
+    __slots__ = ("transfer_id", "backend", "receiver_endpoint", "dst_block_ids", "skip_blocks", "timeout_ms", "layout", "num_blocks")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class KVTransferParams(_message.Message):
     SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     backend: str
     receiver_endpoint: str
@@ -113,7 +114,8 @@ class KVTransferParams(_message.Message):
     skip_blocks: int
     timeout_ms: int
     layout: KVLayout
-    def __init__(self, transfer_id: _Optional[str] = ..., backend: _Optional[str] = ..., receiver_endpoint: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., skip_blocks: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+    num_blocks: int
+    def __init__(self, transfer_id: _Optional[str] = ..., backend: _Optional[str] = ..., receiver_endpoint: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., skip_blocks: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class KVTransferResult(_message.Message):
     __slots__ = ("transfer_id", "state", "error", "num_blocks", "num_bytes", "duration_ms")
