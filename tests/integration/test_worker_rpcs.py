@@ -109,6 +109,7 @@ def test_decode_worker_without_room_refuses_and_calls_off_the_prefill():
             except grpc.aio.AioRpcError as e:
                 refused = (e.code(), e.details())
             holder.cancel()
+            await wait_all_free([dec.address], timeout_s=15)  # the holder's blocks come back
             ok = [r async for r in call("after", sp)]
             return refused, ok
 
