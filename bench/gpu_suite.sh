@@ -60,7 +60,7 @@ PY
     ipc16) run python3 bench/disagg_gpu.py --deployments 1p1d --rates 16 \
         --kv-backend cuda_ipc,nccl --out "$OUT/disagg_gpu_h200_cuda_ipc_16.json" ;;
     ttftgpu) run python3 bench/ttft_gpu.py --rounds 2 --configs \
-        coloc@0,1p1d@0:nccl,1p1d@0:nccl:PDSERVE_NCCL_LAYERS_PER_MESSAGE=2,1p1d@0:cuda_ipc,coloc@1,1p1d@1:nccl \
+        ${TTFT_CONFIGS:-coloc@0,1p1d@0:nccl,1p1d@0:cuda_ipc,coloc@1,1p1d@1:nccl} \
         --out "$OUT/ttft_gpu_h200.json" ;;
     goodput) run python3 bench/disagg_gpu.py --kv-backend nccl,cuda_ipc \
         --colocated-kv-backend nccl --rates 20,22,24,26,28 --exact-prompts 4 --time-budget 560 \

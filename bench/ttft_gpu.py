@@ -9,7 +9,7 @@ named GPU, and the set-ups take turns (``--rounds`` passes over the list, a fres
 each time, new prompts each round), so drift over the run (clocks, temperature) hits all.
 
 Set-ups (``--configs``, comma-separated):
-  ``coloc@G``                 one colocated worker on cuda:G
+  ``coloc@G[:K=V...]``        one colocated worker on cuda:G
   ``1p1d@G:BACKEND[:K=V...]`` prefill on cuda:G, decode on the other GPU, KV over BACKEND,
                               K=V set in the workers' environment (e.g.
                               ``PDSERVE_NCCL_LAYERS_PER_MESSAGE=2``)
@@ -18,7 +18,7 @@ Per set-up: the TTFT of ``--repeats`` distinct random ``--prompt-len``-token pro
 round, sent one at a time through the gateway (the client's time to the first token), after
 a warm-up; the workers are disagg_gpu.py's (same arguments, GEMV off). Reported: median and
 spread of all its prompts, and for every 1P1D set-up the added TTFT against ``coloc@G`` of
-its prefill GPU. Where both GPUs have both, ``pooled``: the mean of the 1P1D medians over the
+its prefill GPU (with the same K=V where that set-up exists). Where both GPUs have both, ``pooled``: the mean of the 1P1D medians over the
 two prefill GPUs against the mean of the two colocated medians (the prefill GPU of a
 deployment being either one).
 
@@ -47,8 +47,11 @@ DEFAULT_CONFIGS = "coloc@0,1p1d@0:nccl,coloc@1,1p1d@1:nccl"
 def parse_config(text: str) -> dict:
     kind, _, rest = text.partition("@")
     gpu, *more = rest.split(":")
-    if kind not in ("coloc", "1p1d") or gpu not in ("0", "1") or (kind == "1p1d") != bool(more):
-        raise SystemExit(f"bad set-up {text!r}: coloc@G or 1p1d@G:BACKEND[:K=V...]")
+    if kind == "coloc":
+        more = [""] + more  # no backend
+    if kind not in ("coloc", "1p1d") or gpu not in ("0", "1") or not more or \
+            any("=" not in kv for kv in more[1:]):
+        raise SystemExit(f"bad set-up {text!r}: coloc@G[:K=V...] or 1p1d@G:BACKEND[:K=V...]")
     env = dict(kv.split("=", 1) for kv in more[1:])
     other = "1" if gpu == "0" else "0"
     if kind == "coloc":
@@ -100,7 +103,8 @@ def summarize(cfgs: list[dict], runs: dict[str, list[dict]]) -> dict:
                 round(statistics.median(r["ttft_ms_each"]), 2) for r in runs[c["name"]]
                 if r["ttft_ms_each"]]}
     for c in cfgs:
-        base = f"coloc@{c['gpu']}"
+        env = "".join(f":{k}={v}" for k, v in c["env"].items())
+        base = f"coloc@{c['gpu']}{env}" if f"coloc@{c['gpu']}{env}" in med else f"coloc@{c['gpu']}"
         if c["kind"] == "1p1d" and c["name"] in med and base in med:
             added = med[c["name"]] - med[base]
             out["added"][c["name"]] = {"vs": base, "added_ms": round(added, 2),

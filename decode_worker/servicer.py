@@ -85,7 +85,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     try:
                         stream = await self._remote_prefill(
                             rid, ids, sp, request.prefill_address, context, span,
-                            backend, receiver)
+                            backend, receiver, request.prompt_token_ids)
                         kind = "decode_remote"
                         break
                     except ValueError as e:
@@ -139,7 +139,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 dspan.end()
                 telemetry.end_with_status(span, "OK" if outcome == "ok" else "CANCELLED")
 
-    async def _remote_prefill(self, rid, ids, sp, address, context, span, backend, receiver):
+    async def _remote_prefill(self, rid, ids, sp, address, context, span, backend, receiver,
+                              prompt_pb):
         """Have ``address`` prefill and send the KV, while this worker reserves the blocks
         it will land in (the prefill worker needs only their number; the receiver holds
         the data back until it has the ids); returns the token stream."""
@@ -154,7 +155,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         try:  # from here on, any way out but success gives the pre-allocated blocks back
             handle = receiver.expect(tid, num_blocks, self.transfer_timeout_s)
             req = worker_pb2.PrefillRequest(
-                request_id=rid, prompt_token_ids=ids, sampling=sampling_to_proto(sp),
+                request_id=rid, prompt_token_ids=prompt_pb, sampling=sampling_to_proto(sp),
                 model=self.runtime.model_id,
                 kv_transfer=common_pb2.KVTransferParams(
                     transfer_id=tid, backend=backend,

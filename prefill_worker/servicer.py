@@ -153,7 +153,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 feed.finish(first.held_block_ids)
                 # answer once the receiver accepted the transfer (it then learns of its end
                 # itself, however it ends): the first token travels while the last KV moves
-                await _first_done(sending, asyncio.ensure_future(accepted.wait()))
+                if not (accepted.is_set() or sending.done()):
+                    await _first_done(sending, asyncio.ensure_future(accepted.wait()))
                 result = sending.result() if sending.done() else common_pb2.KVTransferResult(
                     transfer_id=kv.transfer_id, state=common_pb2.TRANSFER_STATE_TRANSFERRING,
                     num_blocks=feed.stream.total)
