@@ -11,7 +11,6 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 import concurrent.futures
 import logging
-import os
 import queue
 import threading
 import time
@@ -21,12 +20,6 @@ from engine.engine import LLMEngine
 from engine.request import PrefillProgress, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-# After running commands, the engine thread can pause this long before its next step, so the
-# event loop (which the commands' callers await) takes the GIL at once: a step's Python holds
-# it for up to the interpreter's switch interval (5 ms) otherwise. Off by default (it costs
-# the engine this much per batch of commands); PDSERVE_ENGINE_YIELD_US=200 turns it on.
-YIELD_S = float(os.environ.get("PDSERVE_ENGINE_YIELD_US", "0") or 0) / 1e6
 
 
 class EngineDeadError(RuntimeError):
@@ -73,7 +66,6 @@ class AsyncEngine:
     def _serve(self) -> None:
         eng = self.engine
         while not self._stopping:
-            ran = False
             while True:
                 try:
                     fn, fut = self._cmds.get_nowait()
@@ -83,7 +75,6 @@ class AsyncEngine:
                 # (set_result on a cancelled one raised and killed this thread). A command
                 # whose caller already gave up still runs: its caller's clean-up (an abort)
                 # is queued behind it and relies on that order.
-                ran = True
                 wanted = fut.set_running_or_notify_cancel()
                 try:
                     res = fn(eng)
@@ -95,8 +86,6 @@ class AsyncEngine:
                 else:
                     if wanted:
                         fut.set_result(res)
-            if ran and YIELD_S:
-                time.sleep(YIELD_S)
             if not eng.has_work:
                 self._wake.wait(0.05)
                 self._wake.clear()
