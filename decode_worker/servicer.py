@@ -3,8 +3,9 @@
 Lifecycle of one disaggregated request here:
   Generate RPC -> expect a transfer of the prompt's block count -> PrefillWorker.Prefill on
   the worker the gateway chose, while the blocks are pre-allocated (RESOURCE_EXHAUSTED if
-  none; the receiver writes nothing before it has their ids) -> wait for the KV to land -> prompt counted as computed, first token emitted -> joins the running batch ->
-  tokens stream back. A failed transfer frees the blocks and is retried once per remaining KV
+  none; the receiver writes nothing before it has their ids) -> wait for the KV to land ->
+  prompt counted as computed, first token emitted -> joins the running batch -> tokens
+  stream back. A failed transfer frees the blocks and is retried once per remaining KV
   backend (``--kv-backend nccl,cuda_ipc``); any other failure before the first token falls
   back to prefilling locally; a cancelled or expired call aborts the request and frees its
   blocks.

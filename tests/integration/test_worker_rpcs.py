@@ -41,6 +41,9 @@ def test_malformed_prefill_requests_get_a_status_and_leave_nothing_held():
                   "vocabulary"),
         "endpoint": (req("f", receiver_endpoint="garbage"), None, "not a tcp:// endpoint"),
         "refused": (req("g"), None, "ConnectionRefused"),
+        "count-only": (req("h", dst_block_ids=[], num_blocks=3), None, "ConnectionRefused"),
+        "count-disagrees": (req("i", num_blocks=2), grpc.StatusCode.INVALID_ARGUMENT,
+                            "num_blocks is 2 but 3 dst_block_ids"),
     }
 
     async def probe(address):
