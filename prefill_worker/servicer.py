@@ -154,7 +154,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 # answer once the receiver accepted the transfer (it then learns of its end
                 # itself, however it ends): the first token travels while the last KV moves
                 if not (accepted.is_set() or sending.done()):
-                    await _first_done(sending, asyncio.ensure_future(accepted.wait()))
+                    waiter = asyncio.ensure_future(accepted.wait())
+                    try:
+                        await asyncio.wait({sending, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        waiter.cancel()
                 result = sending.result() if sending.done() else common_pb2.KVTransferResult(
                     transfer_id=kv.transfer_id, state=common_pb2.TRANSFER_STATE_TRANSFERRING,
                     num_blocks=feed.stream.total)
@@ -300,15 +304,6 @@ async def _settled(task: asyncio.Future) -> None:
         raise
     except Exception:  # noqa: BLE001 - the send's own result/span says what went wrong
         pass
-
-
-async def _first_done(*futures: asyncio.Future) -> None:
-    """Wait until one of ``futures`` is done; the others are left running, but for the
-    helper waits, which are cancelled."""
-    try:
-        await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        futures[-1].cancel()
 
 
 async def _shielded(coro) -> None:
