@@ -32,6 +32,17 @@ Workers also get PDSERVE_GEMV=off (``--gemv``): the per-process GEMV tuner may p
 kernels in different workers, and bf16 rounding differences flip greedy near-ties between the
 deployments; only batch-1 decode steps use the GEMV, so the mixed workload barely notices.
 
+Conditional disaggregation (``1p1d`` only, off by default): ``--gateway-args
+'--local-prefill-max-tokens 512 --local-prefill-queue-tokens 8192'`` has the gateway send a
+short prompt to the decode worker alone while the prefill worker has that many prompt tokens
+queued, and ``--decode-worker-args '--max-num-batched-tokens 512'`` bounds the stall such a
+local prefill adds to the decode worker's running requests. Measured on 2 x H200 (session 6,
+``bench/results/disagg_gpu_h200_conditional.json``) it made 1P1D WORSE at every rate from 12
+req/s on: prefill steps on the decode worker cost its running requests far more than their
+share (TPOT p50 22 vs 13 ms at 24 req/s with 170 local prefills), p99 ITL rose to 37-114 ms,
+and the SLO limit fell to 20 req/s. So plain 1P1D is the default; each rate's routing
+decisions by mode (``local_prefill`` among them) are recorded from the gateway's /metrics.
+
 Rates: ``4,8,12,16,20,24,28,32`` req/s by default (a grid fine enough to place each
 deployment's highest rate with 90% of requests within the SLO). Prefill of this mix costs ~1,260 tokens per request
 (~35-40 ms of one H200): 1P1D's single prefill GPU nears saturation around 25-30 req/s, two
@@ -94,11 +105,11 @@ MIXED_TOKENS: dict[tuple[str, int], dict[str, list[int]]] = {}  # (deployment, r
 GPU_DEFAULTS = dict(rates="4,8,12,16,20,24,28,32", duration=20.0, ttft_repeats=8, exact_prompts=8,
                     exact_max_tokens=32, warmup_rounds=2, warmup_size=8, short_len="128:512",
                     output_len="128:256", timeout=60.0, startup_timeout=420.0,
-                    time_budget=540.0)
+                    time_budget=540.0, gateway_args="", decode_worker_args="")
 QUICK_DEFAULTS = dict(prompt_len=512, rates="2,4", duration=5.0, ttft_repeats=3,
                       exact_prompts=6, exact_max_tokens=16, warmup_rounds=1, warmup_size=4,
                       short_len="16:64", output_len="8:16", timeout=60.0, startup_timeout=180.0,
-                      time_budget=0.0)
+                      time_budget=0.0, gateway_args="", decode_worker_args="")
 
 
 def log(msg: str) -> None:
@@ -124,7 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-args", default="",
                    help="extra worker flags, appended after the defaults (later flags win)")
     p.add_argument("--no-default-worker-args", action="store_true",
-                   help="do not pass the GPU worker defaults (only --dtype and --worker-args)")
+                   help="do not pass the GPU worker defaults (only --dtype and --worker-args; "
+                        "--decode-worker-args has its own default)")
+    p.add_argument("--gateway-args", default=None,
+                   help="1P1D only: extra gateway flags, e.g. '--local-prefill-max-tokens 512 "
+                        "--local-prefill-queue-tokens 8192' (conditional disaggregation) [none]")
+    p.add_argument("--decode-worker-args", default=None,
+                   help="1P1D only: extra flags of the decode worker, after --worker-args "
+                        "[none]")
     p.add_argument("--gemv", default="off", choices=["off", "auto", "force", "unset"],
                    help="GPU: PDSERVE_GEMV of every worker. 'auto' times Triton GEMV configs "
                         "against cuBLAS in each process and may pick different kernels in "
@@ -225,6 +243,15 @@ def worker_args(a) -> list[str]:
         args += ["--kv-cache-memory-bytes", str(40 * GiB), "--max-model-len", "8192",
                  "--max-num-seqs", "128", "--max-num-batched-tokens", "2048"]
     return args + shlex.split(a.worker_args)
+
+
+def deployment_args(a, name: str) -> tuple[list[str], dict[str, list[str]]]:
+    """The gateway's flags and the per-role worker flags of deployment ``name`` (1P1D only:
+    conditional disaggregation and the decode worker's token budget)."""
+    if name != "1p1d":
+        return [], {}
+    dec = shlex.split(a.decode_worker_args)
+    return shlex.split(a.gateway_args), ({"decode": dec} if dec else {})
 
 
 # ------------------------------------------------------------------------------ prompts
@@ -345,11 +372,14 @@ def errors_of(results: list[RequestResult]) -> dict:
 
 def make_cluster(a, name: str) -> LocalCluster:
     spec = DEPLOYMENTS[name]
+    gateway_args, role_args = deployment_args(a, name)
     return LocalCluster(a.model, kv_backend=a.kv_backend if name == "1p1d" else
                         a.colocated_kv_backend, worker_args=tuple(worker_args(a)),
+                        gateway_args=tuple(gateway_args),
+                        role_args={r: tuple(x) for r, x in role_args.items()},
                         devices=spec["gpu"] if a.devices == "gpu" else None,
                         startup_timeout_s=a.startup_timeout, echo=a.echo, env=a.worker_env,
-                        **spec["counts"])
+                        metrics=True, **spec["counts"])
 
 
 def print_commands(a) -> None:
@@ -362,16 +392,38 @@ def print_commands(a) -> None:
             for i in range(n):
                 print(f"pdserve {role} " + " ".join(shlex.quote(x)
                                                     for x in c.worker_cmd_args(role, i)))
+        print("pdserve gateway " + " ".join(shlex.quote(x) for x in c.gateway_cmd_args()))
+
+
+def route_counts(cluster: LocalCluster) -> dict[str, float]:
+    """The gateway's routing decisions so far, by mode (its /metrics)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    port = cluster.gateway.metrics_port if cluster.gateway else 0
+    if not port:
+        return {}
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    return {s.labels["mode"]: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "pdserve_routing_decisions_total"}
 
 
 def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None) -> dict:
     spec = DEPLOYMENTS[name]
     cluster = make_cluster(a, name)
     dep = {"name": name, "cluster": spec["counts"], "devices": cluster.devices or None,
-           "kv_backend": cluster.kv_backend, "worker_args": list(cluster.worker_args)}
+           "kv_backend": cluster.kv_backend, "worker_args": list(cluster.worker_args),
+           "role_args": {r: list(x) for r, x in cluster.role_args.items()},
+           "gateway_args": list(cluster.gateway_args)}
     doc["deployments"][name] = dep
     log(f"{name}: starting {spec['counts']} devices={dep['devices']} kv={cluster.kv_backend} "
-        f"args={' '.join(dep['worker_args'])}")
+        f"args={' '.join(dep['worker_args'])}"
+        + "".join(f" {r}+={' '.join(x)}" for r, x in dep["role_args"].items())
+        + (f" gateway={' '.join(dep['gateway_args'])}" if dep["gateway_args"] else ""))
     t = time.monotonic()
     try:
         cluster.start()
@@ -430,6 +482,7 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
             items = rate_items(a, k, rate)
             long_ids = {it.id for it in items if it.extra.get("long")}
             t = time.monotonic()
+            routes0 = route_counts(cluster)
             res, toks, queues = asyncio.run(drive(
                 addr, items, rate=rate, timeout_s=a.timeout, seed=a.seed * 1000 + 200 + k,
                 duration_s=None if a.num_requests else a.duration,
@@ -443,16 +496,19 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
                 for kind, sub in (("long", [r for r in res if r.id in long_ids]),
                                   ("short", [r for r in res if r.id not in long_ids]))}
             MIXED_TOKENS[(name, k)] = toks  # compared in memory: too big for the JSON
+            routes = {m: int(v - routes0.get(m, 0)) for m, v in route_counts(cluster).items()
+                      if v - routes0.get(m, 0)}
             dep["mixed"].append({"rate": rate, "wall_s": round(time.monotonic() - t, 1),
                                  "summary": s, "errors": errors_of(res),
-                                 "worker_queues": queues,
+                                 "worker_queues": queues, "routes": routes,
                                  "request_fields": REQUEST_FIELDS,
                                  "requests": [_row(r, r.id in long_ids) for r in res]})
             log(f"{name}: rate {rate:g}: {s['num_ok']}/{s['num_requests']} ok, ITL p50/p99 "
                 f"{s['itl_ms']['p50']}/{s['itl_ms']['p99']} ms, TTFT p50/p99 "
                 f"{s['ttft_ms']['p50']}/{s['ttft_ms']['p99']} ms, TPOT p50 "
                 f"{s['tpot_ms']['p50']} ms, goodput {s['goodput']} req/s "
-                f"({s['num_good']} good), {s['output_token_throughput']} tok/s")
+                f"({s['num_good']} good), {s['output_token_throughput']} tok/s, routes "
+                f"{routes}")
             save()
     finally:
         t = time.monotonic()
@@ -493,6 +549,8 @@ def main(argv=None) -> int:
     doc = {"command": "python3 bench/disagg_gpu.py " + " ".join(shlex.quote(x) for x in argv),
            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "note": a.note,
            "settings": settings(a), "worker_args": worker_args(a),
+           "deployment_args": {n: dict(zip(("gateway", "roles"), deployment_args(a, n)))
+                               for n in a.deps},
            "environment": environment(a), "deployments": {}, "complete": False}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
 

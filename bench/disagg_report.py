@@ -206,7 +206,8 @@ def settings(a) -> dict:
         "vocab_size", "prompt_len", "rate_list", "duration", "num_requests", "long_frac",
         "short_len", "output_len", "ttft_repeats", "ttft_max_tokens", "exact_prompts",
         "exact_max_tokens", "warmup_rounds", "warmup_size", "timeout", "startup_timeout",
-        "slo_ttft_ms", "slo_tpot_ms", "deps", "gemv", "worker_env", "time_budget")}
+        "slo_ttft_ms", "slo_tpot_ms", "deps", "gemv", "worker_env", "time_budget",
+        "gateway_args", "decode_worker_args")}
 
 
 def _f(v, spec=".3g"):

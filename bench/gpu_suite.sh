@@ -11,6 +11,9 @@
 #   engine-best  bench/gpu_engine.py sections d,a,c,b with engine-a's fastest variant       ~3
 #   engine-full  bench/gpu_engine.py sections d,a,c,b with FLAGS=... (and env)             ~3
 #   transfer     bench/kv_transfer_gpu.py (2 GPUs)                                          ~2
+#   xfer-sweep   bench/kv_transfer_gpu.py per backend setting (env): cuda_ipc copy lanes,
+#                NCCL channel / chunk settings, NIXL descriptor size (2 GPUs)               ~4
+#   xfer-tests   pytest -m gpu tests/gpu/test_kvtransfer_gpu.py (2 GPUs)                    ~2
 #   disagg       bench/disagg_gpu.py nccl 1P1D vs colocated, rates 4,8,...,32 (2 GPUs)    ~8
 #   ttft         bench/ttft_breakdown.py: where a 1P1D request's TTFT goes (2 GPUs)         ~1
 #   ipc16        bench/disagg_gpu.py 1P1D only, 16 req/s, cuda_ipc then nccl (2 GPUs)      ~4
@@ -51,6 +54,23 @@ PY
         --out "$OUT/gpu_engine_h200.json" || echo "=== FAILED: engine-best $v" >&2 ;;
     engine-full) run python3 bench/gpu_engine.py --sections d,a,c,b ${FLAGS:-} \
         --out "$OUT/gpu_engine_h200.json" ;;
+    xfer-tests) run python3 -m pytest -q -m gpu tests/gpu/test_kvtransfer_gpu.py \
+        -p no:cacheprovider ;;
+    xfer-sweep)  # one process pair per setting; "name|backend|env"
+      for spec in ${XFER_SWEEP:-"ipc_l1|cuda_ipc|PDSERVE_CUDA_IPC_LANES=1" \
+          "ipc_l2|cuda_ipc|PDSERVE_CUDA_IPC_LANES=2" "ipc_l4|cuda_ipc|PDSERVE_CUDA_IPC_LANES=4" \
+          "nccl_base|nccl|" "nccl_ch32|nccl|NCCL_MIN_NCHANNELS=32,NCCL_MIN_P2P_NCHANNELS=32" \
+          "nccl_chunk|nccl|NCCL_P2P_NVL_CHUNKSIZE=2097152,NCCL_BUFFSIZE=16777216" \
+          "nccl_memcpy|nccl|NCCL_P2P_USE_CUDA_MEMCPY=1" "nixl_d0|nixl|" \
+          "nixl_d128m|nixl|PDSERVE_NIXL_MAX_DESCRIPTOR_BYTES=134217728" \
+          "nixl_d32m|nixl|PDSERVE_NIXL_MAX_DESCRIPTOR_BYTES=33554432"}; do
+        IFS='|' read -r name backend envs <<<"$spec"
+        echo "=== xfer-sweep $name: $backend ${envs//,/ }" >&2
+        env ${envs//,/ } PDSERVE_KV_TIMELINE=1 timeout 120 python3 bench/kv_transfer_gpu.py \
+          --backends "$backend" --modes send,ahead --runs ${XFER_RUNS:-10} \
+          --out "$OUT/kv_transfer_gpu_h200_$name.json" 2>"$OUT/kv_timeline_$name.log" \
+          || echo "=== FAILED: xfer-sweep $name" >&2
+      done ;;
     transfer) PDSERVE_KV_TIMELINE=1 run python3 bench/kv_transfer_gpu.py \
         --out "$OUT/kv_transfer_gpu_h200.json" ;;
     disagg) run python3 bench/disagg_gpu.py --kv-backend nccl,cuda_ipc \

@@ -33,7 +33,9 @@ async def serve_gateway(settings: GatewaySettings) -> None:
         index = PrefixIndex(settings.redis_url, model_id, **kw)
     router = Router(model=model_id, block_size=settings.block_size,
                     prefix_weight=settings.prefix_weight, registry=registry, index=index,
-                    static_prefill=settings.prefill_addrs, static_decode=settings.decode_addrs)
+                    static_prefill=settings.prefill_addrs, static_decode=settings.decode_addrs,
+                    local_prefill_max_tokens=settings.local_prefill_max_tokens,
+                    local_prefill_queue_tokens=settings.local_prefill_queue_tokens)
     await router.refresh()
     metrics = GatewayMetrics()
     metrics.watch_router(router)

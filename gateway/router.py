@@ -12,6 +12,17 @@ Scores (higher wins; ties go to fewer in-flight requests, then round robin)::
 lookup. With the default weight 1, a worker holding the whole prompt wins unless it is about
 one full batch (its capacity) busier than the others. If Redis is down, ``cached_w`` is 0 for
 everyone (load-only routing) and the last known worker list is kept.
+
+Placement: the best prefill worker ``p`` and the best decode worker ``d``; with no prefill
+worker, a colocated one alone. Conditional disaggregation (``local_prefill_max_tokens`` > 0;
+0, the default, is off): the request goes to ``d`` alone, which prefills it itself, when
+
+    prompt_tokens - cached_d <= local_prefill_max_tokens
+    and pending_prefill_tokens_p >= local_prefill_queue_tokens
+
+``pending_prefill_tokens_p`` is this gateway's own count of uncached prompt tokens it sent to
+``p`` whose first token has not come back yet (exact, instant, like ``inflight_w``): a short
+prompt is computed on the decode worker instead of queueing behind a backed-up prefill worker.
 """
 from __future__ import annotations
 
@@ -31,6 +42,7 @@ logger = logging.getLogger(__name__)
 class Worker:
     info: WorkerInfo
     inflight: int = 0
+    pending_prefill_tokens: int = 0  # uncached prompt tokens sent here, first token not back
     failures_until: float = 0.0  # routed around until then, after a failed call
 
     @property
@@ -49,9 +61,12 @@ class Worker:
 class Route:
     decode: Worker
     prefill: Worker | None  # None: the decode (colocated) worker prefills itself
-    cached_tokens: int  # predicted prefix hit on the chosen prefill side
+    cached_tokens: int  # predicted prefix hit on the worker that prefills
     index_ok: bool
     scores: dict[str, float] = field(default_factory=dict)
+    local: bool = False  # prefill None because the prefill pool was busy (not colocated)
+    prefill_tokens: int = 0  # uncached prompt tokens charged to ``prefill`` while it works
+    prefilled: bool = False  # the charge was released (first token back, or the end)
 
 
 class NoWorkers(Exception):
@@ -66,18 +81,22 @@ class Router:
     def __init__(self, *, model: str, block_size: int, prefix_weight: float = 1.0,
                  registry: WorkerRegistry | None = None, index: PrefixIndex | None = None,
                  static_prefill: tuple[str, ...] = (), static_decode: tuple[str, ...] = (),
-                 static_capacity: int = 64, queue_factor: float = 2.0):
+                 static_capacity: int = 64, queue_factor: float = 2.0,
+                 local_prefill_max_tokens: int = 0, local_prefill_queue_tokens: int = 0):
         self.model = model
         self.block_size = block_size
         self.prefix_weight = prefix_weight
         self.registry = registry
         self.index = index
         self.queue_factor = queue_factor
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.local_prefill_queue_tokens = local_prefill_queue_tokens
         self.workers: dict[str, Worker] = {}
         self._rr = itertools.count()
         self.registry_ok = registry is None
         self.index_ok = index is None
-        self.stats = {"routed": 0, "prefix_routed": 0, "load_only": 0, "colocated": 0}
+        self.stats = {"routed": 0, "prefix_routed": 0, "load_only": 0, "colocated": 0,
+                      "local_prefill": 0}
         for addr in static_prefill:
             self._add_static(addr, "prefill", static_capacity)
         for addr in static_decode:
@@ -168,9 +187,22 @@ class Router:
             return Route(decode=d, prefill=None, cached_tokens=hit, index_ok=index_ok, scores=scores)
         p, scores = self._best(prefill_pool, prefix_score)
         d, _ = self._best(decode_pool, lambda w: -w.load())
+        d_hit = min(cached.get(d.id, 0) * self.block_size, prompt_len)
+        if self._prefill_locally(p, prompt_len - d_hit):
+            self.stats["local_prefill"] += 1
+            self._count(d_hit, index_ok)
+            return Route(decode=d, prefill=None, cached_tokens=d_hit, index_ok=index_ok,
+                         scores=scores, local=True)
         hit = cached.get(p.id, 0) * self.block_size
         self._count(hit, index_ok)
-        return Route(decode=d, prefill=p, cached_tokens=hit, index_ok=index_ok, scores=scores)
+        return Route(decode=d, prefill=p, cached_tokens=hit, index_ok=index_ok, scores=scores,
+                     prefill_tokens=prompt_len - min(hit, prompt_len))
+
+    def _prefill_locally(self, p: Worker, uncached_on_decode: int) -> bool:
+        """Conditional disaggregation: a short prompt while ``p`` is backed up."""
+        return (0 < self.local_prefill_max_tokens
+                and uncached_on_decode <= self.local_prefill_max_tokens
+                and p.pending_prefill_tokens >= self.local_prefill_queue_tokens)
 
     def _count(self, hit: int, index_ok: bool) -> None:
         if not index_ok:
@@ -182,8 +214,19 @@ class Router:
         route.decode.inflight += 1
         if route.prefill is not None:
             route.prefill.inflight += 1
+            route.prefill.pending_prefill_tokens += route.prefill_tokens
+
+    def prefilled(self, route: Route) -> None:
+        """The prompt of a begun ``route`` is computed (its first token came back): release
+        the prefill worker's pending tokens. Idempotent; :meth:`end` calls it too."""
+        if route.prefilled:
+            return
+        route.prefilled = True
+        if route.prefill is not None:
+            route.prefill.pending_prefill_tokens -= route.prefill_tokens
 
     def end(self, route: Route) -> None:
+        self.prefilled(route)
         route.decode.inflight -= 1
         if route.prefill is not None:
             route.prefill.inflight -= 1

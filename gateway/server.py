@@ -155,6 +155,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 metadata=telemetry.outgoing_metadata(span, context))
             try:
                 async for resp in call:
+                    if not started:
+                        self.router.prefilled(route)  # a first token: the prompt is computed
                     started = True
                     outcome.timer.tokens(len(resp.token_ids))
                     yield resp

@@ -154,10 +154,10 @@ class ControlReceiver(TrackedReceiver):
             await loop.sock_sendall(conn, proto.encode_reply(proto.OK))
             entry.mark("hello_ok")
             await entry.destination()  # expected by count: the ids may still be on their way
-            await self._receive_payload(loop, conn, entry)
+            message = await self._receive_payload(loop, conn, entry)
             entry.mark("landed")
             entry.finish(TransferState.DONE)
-            await loop.sock_sendall(conn, proto.encode_reply(proto.OK))
+            await loop.sock_sendall(conn, proto.encode_reply(proto.OK, 0, message or ""))
         except asyncio.CancelledError:
             if entry is not None:
                 proto.try_send_error(conn, f"transfer {entry.transfer_id} "
@@ -176,11 +176,12 @@ class ControlReceiver(TrackedReceiver):
             conn.close()
 
     async def _receive_payload(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
-                               entry: ExpectedTransfer) -> None:
+                               entry: ExpectedTransfer) -> str | None:
         """Bring the transfer's blocks into ``entry.dst_block_ids``; raise to fail it.
 
         Must not return before the data is in place (device work complete), and must
-        stop touching the blocks when cancelled.
+        stop touching the blocks when cancelled. May return a message for the final OK
+        (e.g. :func:`~kvtransfer.protocol.data_seconds_message`).
         """
         raise NotImplementedError
 
@@ -220,9 +221,52 @@ class ControlSender(RunnerSender):
         raise NotImplementedError
 
 
-async def await_ack(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    """The receiver's final OK: the blocks are in place on its side."""
-    await proto.expect_ok(loop, sock, "failed the transfer")
+async def await_ack(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> str:
+    """The receiver's final OK: the blocks are in place on its side (returns its message)."""
+    return await proto.expect_ok(loop, sock, "failed the transfer")
+
+
+LEASE_DRAIN_TIMEOUT_S = 10.0  # most a failed one-sided send waits for the receiver to stop
+
+
+async def until_receiver_stopped(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                                 reason: str) -> None:
+    """For backends where the RECEIVER reads the sender's blocks (cuda_ipc, nixl): a send
+    that fails after the receiver may have started reading (timeout, cancel, error) tells
+    the receiver (ERROR, then end of stream) and returns only once the receiver closed the
+    connection or answered, i.e. stopped reading; the caller frees the source blocks when
+    ``send()`` returns. This is what makes a receiver's completed read valid without a
+    confirmation round trip: while the receiver reads, the sender is still inside
+    ``send()``. Bounded by LEASE_DRAIN_TIMEOUT_S (a receiver that neither answers nor hangs
+    up for that long is stuck; the blocks are then released anyway, with an error logged).
+    A repeated cancellation does not cut the wait short: it is the lease."""
+    proto.try_send_error(sock, reason)
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+    async def drain() -> None:
+        while True:
+            try:
+                if not await loop.sock_recv(sock, 65536):
+                    return
+            except OSError:
+                return
+
+    task = loop.create_task(drain())
+    deadline = loop.time() + LEASE_DRAIN_TIMEOUT_S
+    while not task.done():
+        left = deadline - loop.time()
+        if left <= 0:
+            task.cancel()
+            logger.error("receiver still reading %.0fs after the send failed; releasing the "
+                         "source blocks anyway", LEASE_DRAIN_TIMEOUT_S)
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), left)
+        except (asyncio.CancelledError, TimeoutError):
+            pass  # the lease outlives a cancellation; the deadline bounds it
 
 
 def segments(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:

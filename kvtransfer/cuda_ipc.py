@@ -5,13 +5,21 @@ sharing); per transfer it sends that handle on the control connection (see
 :mod:`kvtransfer.control`), then the source block ids of each part of its BlockStream once
 the part's KV is written. The receiver maps the sender's cache once per sender (cached),
 queues the copies of each part as it arrives (so the blocks of finished prefill chunks move
-while the next chunk computes), copies each segment (runs contiguous in both caches) with a device-to-device
-copy over NVLink on its own stream, waits for the copy's event, says so, and counts the
-transfer DONE only once the sender confirms it is still inside ``send()`` (a sender that
-timed out may already have reused its blocks: a one-sided copy cannot tell); then it acks and
-the sender's ``send`` returns. No kernel runs on the sender's GPU and no communicator exists,
-so there is nothing to abort: a cancelled receive stops after the copies already queued
-(they only write blocks the receiver still owns, since ``cancel`` returns only after them).
+while the next chunk computes): segments (runs contiguous in both caches) cut into
+``copy_lanes`` equal shares, each a device-to-device copy over NVLink on its own stream
+(several copy engines pull at once), then waits for the copies' event, counts the transfer
+DONE and acks; the sender's ``send`` returns.
+
+The copy is one-sided: the receiver reads the sender's blocks, which the sender's caller
+may reuse once ``send()`` returned. So a send that fails after its first part went out
+(timeout, cancel, error) does not return at once: it tells the receiver and waits until the
+receiver hung up or answered (:func:`~kvtransfer.control.until_receiver_stopped`), and a
+receiver that hears of it (or loses the connection) waits for its queued copies before it
+hangs up. Every copy a receiver completes therefore ran while the sender still held its
+blocks, and DONE needs no confirmation round trip. No kernel runs on the sender's GPU and
+no communicator exists, so there is nothing to abort: a cancelled receive stops after the
+copies already queued (they only write blocks the receiver still owns, since ``cancel``
+returns only after them).
 
 Requirements: both processes on one host and both GPUs visible to both processes (the
 sender's device is matched by UUID, so CUDA_VISIBLE_DEVICES orderings may differ).
@@ -43,6 +51,7 @@ from kvtransfer.control import (
     await_ack,
     require_cuda,
     segments,
+    until_receiver_stopped,
     wait_event,
 )
 from kvtransfer.stream import BlockStream
@@ -50,7 +59,7 @@ from kvtransfer.tracking import ExpectedTransfer, TransferError
 
 logger = logging.getLogger(__name__)
 
-CONFIRM = b"pdkv-cuda-ipc-lease-held"
+COPY_LANES = 1  # default streams a transfer's copies are spread over (PDSERVE_CUDA_IPC_LANES)
 SWEEP_INTERVAL_S = 5.0  # how often mappings of exited senders are dropped
 _LOCAL_CACHES: dict[str, torch.Tensor] = {}  # sender id -> cache, for a same-process receiver
 
@@ -89,15 +98,19 @@ class CudaIpcSender(ControlSender):
                             sm: TransferStateMachine, blocks: BlockStream) -> None:
         # the export first: the receiver maps our cache while the prompt still computes
         await loop.sock_sendall(sock, proto.encode_blob(json.dumps(self._export).encode()))
-        async for ids in blocks.ready_parts(watch=sock):  # each part once its KV is written
-            await loop.sock_sendall(sock, proto.encode_blob(json.dumps({"src": ids}).encode()))
-            sm.mark("part")
-        done = await proto.expect_ok(loop, sock, "could not copy the blocks")  # copies complete
-        sm.mark("copied")
+        reading = False  # the receiver may be copying out of our blocks
+        try:
+            async for ids in blocks.ready_parts(watch=sock):  # each once its KV is written
+                reading = True
+                await loop.sock_sendall(sock, proto.encode_blob(
+                    json.dumps({"src": ids}).encode()))
+                sm.mark("part")
+            done = await await_ack(loop, sock)  # copies complete, transfer DONE over there
+        except BaseException as exc:
+            if reading:  # keep the blocks leased until the receiver stopped copying
+                await until_receiver_stopped(loop, sock, f"sender gave up: {exc!r}"[:200])
+            raise
         sm.data_seconds = proto.parse_data_seconds(done)
-        # still inside send(), so the source blocks were leased for the whole copy
-        await loop.sock_sendall(sock, proto.encode_blob(CONFIRM))
-        await await_ack(loop, sock)
 
     def _close_backend(self) -> None:
         _LOCAL_CACHES.pop(self._id, None)
@@ -107,10 +120,19 @@ class CudaIpcReceiver(ControlReceiver):
     scheme = "cuda_ipc"
     kind = proto.KIND_CUDA_IPC
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout, **opts) -> None:
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, copy_lanes: int | None = None,
+                 **opts) -> None:
+        """``copy_lanes``: streams a transfer's copies are spread over (default: the
+        ``PDSERVE_CUDA_IPC_LANES`` environment variable, else COPY_LANES)."""
         require_cuda(cache, "cuda_ipc")
         super().__init__(cache, layout, **opts)
-        self._stream = torch.cuda.Stream(cache.device)
+        lanes = int(os.environ.get("PDSERVE_CUDA_IPC_LANES", COPY_LANES)) \
+            if copy_lanes is None else copy_lanes
+        if lanes < 1:
+            raise ValueError(f"copy_lanes must be >= 1, got {lanes}")
+        self._stream = torch.cuda.Stream(cache.device)  # orders the lanes; the timing events
+        self._lanes = [self._stream] + [torch.cuda.Stream(cache.device)
+                                        for _ in range(lanes - 1)]
         self._peers: dict[str, tuple[int, torch.Tensor]] = {}  # sender id -> (pid, cache)
         self._sweeper: asyncio.Task | None = None
 
@@ -170,7 +192,7 @@ class CudaIpcReceiver(ControlReceiver):
                 pass
 
     async def _receive_payload(self, loop, conn: socket.socket,
-                               entry: ExpectedTransfer) -> None:
+                               entry: ExpectedTransfer) -> str:
         try:
             peer = self._peer_cache(json.loads(await proto.read_blob(loop, conn)))
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
@@ -189,34 +211,66 @@ class CudaIpcReceiver(ControlReceiver):
                 raise TransferError(f"cuda_ipc: bad part from the sender: {exc}") from None
             if any(s + n > peer.shape[0] for s, _, n in segs):
                 raise TransferError("cuda_ipc: source block ids beyond the sender's cache")
-            with torch.cuda.device(self._cache.device), torch.cuda.stream(self._stream):
-                start = torch.cuda.Event(enable_timing=True)
-                start.record(self._stream)
-                for s, d, n in segs:
-                    dst[d:d + n].copy_(peer[s:s + n], non_blocking=True)
-                event = torch.cuda.Event(enable_timing=True, blocking=True)
-                event.record(self._stream)
+            start, event = self._copy(dst, peer, segs)
             if not copies:
                 # however the transfer ends (timeout and cancel included), the queued copies
                 # finish before its waiter hears of it and may free the blocks: on_end runs
-                # before that (the stream is in order, so the last copy's event is enough)
+                # before that (the lanes join the ordering stream, so its last event is enough)
                 entry.on_end(lambda: copies[-1][1].synchronize())
             copies.append((start, event))
             got += len(src)
         await wait_event(copies[-1][1], watch=conn, what="CUDA IPC copy")
         entry.mark("copied")
-        # the copy is one-sided: it only counts if the sender still held its blocks
-        # (had not timed out or been cancelled) when it completed
-        seconds = sum(a.elapsed_time(b) for a, b in copies) / 1000.0
-        await loop.sock_sendall(conn, proto.encode_reply(
-            proto.OK, 0, proto.data_seconds_message("copied", seconds)))
-        if await proto.read_blob(loop, conn) != CONFIRM:
-            raise TransferError("protocol error: sender did not confirm the copy")
-        entry.mark("confirmed")
         entry.add_bytes(len(dst_ids) * self._layout.block_bytes)
+        seconds = sum(a.elapsed_time(b) for a, b in copies) / 1000.0
+        return proto.data_seconds_message("copied", seconds)
+
+    def _copy(self, dst: torch.Tensor, peer: torch.Tensor,
+              segs: list[tuple[int, int, int]]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """Queue one part's copies, spread over the lanes; events around all of them."""
+        main = self._stream
+        with torch.cuda.device(self._cache.device):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(main)
+            shares = lane_shares(segs, len(self._lanes))
+            for lane, share in zip(self._lanes, shares):
+                if lane is not main:
+                    lane.wait_event(start)
+                with torch.cuda.stream(lane):
+                    for s, d, n in share:
+                        dst[d:d + n].copy_(peer[s:s + n], non_blocking=True)
+                if lane is not main:
+                    joined = torch.cuda.Event()
+                    joined.record(lane)
+                    main.wait_event(joined)
+            event = torch.cuda.Event(enable_timing=True, blocking=True)
+            event.record(main)
+        return start, event
 
     def _close_backend(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
         self._peers.clear()
+
+
+def lane_shares(segs: list[tuple[int, int, int]], lanes: int) -> list[list[tuple[int, int, int]]]:
+    """Cut ``(src, dst, count)`` segments into at most ``lanes`` shares of (nearly) equal block
+    counts, splitting a segment where a share ends; empty shares are left out.
+
+    ``lane_shares([(0, 10, 4), (8, 20, 2)], 2)`` -> ``[[(0, 10, 3)], [(3, 13, 1), (8, 20, 2)]]``.
+    """
+    total = sum(n for _, _, n in segs)
+    lanes = max(1, min(lanes, total))
+    quota = [total // lanes + (1 if i < total % lanes else 0) for i in range(lanes)]
+    out: list[list[tuple[int, int, int]]] = [[] for _ in range(lanes)]
+    k = 0
+    for s, d, n in segs:
+        while n:
+            while quota[k] == 0:
+                k += 1
+            take = min(n, quota[k])
+            out[k].append((s, d, take))
+            quota[k] -= take
+            s, d, n = s + take, d + take, n - take
+    return [share for share in out if share]

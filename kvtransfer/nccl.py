@@ -114,7 +114,9 @@ class _Comm:
     async def wait_idle(self, watch: socket.socket | None, what: str) -> None:
         from kvtransfer.nccl_lib import IN_PROGRESS
 
-        await poll_in_thread(lambda: self.state() != IN_PROGRESS, watch=watch, what=what)
+        # enqueueing a group takes a few hundred microseconds: poll at most 50 us apart
+        await poll_in_thread(lambda: self.state() != IN_PROGRESS, max_interval_s=0.00005,
+                             watch=watch, what=what)
 
     def post(self, ops: list[tuple[str, int, int]], peer: int) -> None:
         """Start queueing ``ops`` as one group. On a pair's first transfer the group stays

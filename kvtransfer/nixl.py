@@ -15,15 +15,15 @@ Per transfer, on the control connection of :mod:`kvtransfer.control`::
     BLOB offer: agent name + metadata,       ->  load the sender's agent (first time only),
       cache base / device / memory type,         READ one descriptor per segment, poll it
       source block ids                           (a sender that hangs up ends it at once)
-                                             <-  OK (read done)
-    BLOB confirm                             ->  DONE
-                                             <-  OK (ack)
+                                             <-  OK (read done: DONE)
 
-The confirm exists because the READ is one-sided: the sender's cache is read by the
-receiver, not by ``send()``. A sender that gave up (timeout, cancel) has returned from
-``send()`` and its caller may already reuse the source blocks, so the receiver only calls a
-transfer DONE once the sender, still inside ``send()``, confirmed after the read completed;
-otherwise it ends FAILED. It costs one extra round trip on the control connection.
+The READ is one-sided: the sender's cache is read by the receiver, not by ``send()``, and
+the sender's caller may reuse the source blocks once ``send()`` returned. So a send that
+fails after its offer went out (timeout, cancel) does not return at once: it tells the
+receiver and waits until the receiver answered or hung up
+(:func:`~kvtransfer.control.until_receiver_stopped`); a receiver that hears of it stops its
+READ before it hangs up. A READ that completes therefore always ran while the sender held
+its blocks, and DONE needs no confirmation round trip.
 
 The receiver never writes into its blocks once the transfer ended: the end of a transfer
 (cancel, timeout, close) waits for a READ still in flight to stop and releases its handle
@@ -47,6 +47,7 @@ import logging
 import os
 import socket
 import struct
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -60,8 +61,9 @@ from kvtransfer.control import (
     ControlReceiver,
     ControlSender,
     await_ack,
-    poll_until,
+    poll_in_thread,
     segments,
+    until_receiver_stopped,
 )
 from kvtransfer.stream import BlockStream
 from kvtransfer.tracking import ExpectedTransfer, TransferError
@@ -77,7 +79,9 @@ DRAIN_TIMEOUT_S = 1.0  # most the end of a transfer waits (blocking) for a READ 
 SETTLE_TIMEOUT_S = 2.0  # most a failed transfer waits (not blocking) for its READ to stop
 MAX_REMOTE_AGENTS = 64  # sender agents a receiver keeps loaded (idle ones are evicted)
 OFFER_VERSION = 1
-CONFIRM = b"pdkv-nixl-lease-held"
+# descriptors are cut to at most this many bytes (0: one per segment), so UCX can move
+# the pieces of one large segment concurrently (PDSERVE_NIXL_MAX_DESCRIPTOR_BYTES)
+MAX_DESCRIPTOR_BYTES = 0
 
 _OFFER_HEAD = struct.Struct("!I")
 _nixl_module = None
@@ -242,12 +246,16 @@ class _Offer:
 
 
 class _Read:
-    """One posted nixl READ. ``abort`` guarantees nixl writes no more into the blocks."""
+    """One posted nixl READ. ``abort`` guarantees nixl writes no more into the blocks.
+
+    ``done`` may be polled from a helper thread: a lock keeps its state checks apart from
+    the handle's release in ``abort`` (which a transfer's end may run on the loop)."""
 
     def __init__(self, agent) -> None:
         self._agent = agent
         self._handle = None
         self._finished = False
+        self._lock = threading.RLock()
         self.broken = False  # nixl itself failed: the remote agent should be reloaded
 
     def post(self, local, remote, remote_agent: str) -> None:
@@ -278,19 +286,21 @@ class _Read:
 
     def done(self) -> bool:
         """True once the data is in place; TransferError if the READ failed."""
-        if self._finished:
-            return True
-        if self._handle is None:
-            raise TransferError("nixl READ aborted")
-        state = self._state()
-        if state == "ERR":
-            self.broken = True
-            raise TransferError("nixl READ failed (see the nixl log for the cause)")
-        self._finished = state == "DONE"
-        return self._finished
+        with self._lock:
+            if self._finished:
+                return True
+            if self._handle is None:
+                raise TransferError("nixl READ aborted")
+            state = self._state()
+            if state == "ERR":
+                self.broken = True
+                raise TransferError("nixl READ failed (see the nixl log for the cause)")
+            self._finished = state == "DONE"
+            return self._finished
 
     def _in_flight(self) -> bool:
-        return not self._finished and self._handle is not None and self._state() == "PROC"
+        with self._lock:
+            return not self._finished and self._handle is not None and self._state() == "PROC"
 
     async def settle(self) -> None:
         """Let a READ that is still running end by itself, without blocking the loop."""
@@ -303,6 +313,10 @@ class _Read:
     def abort(self) -> None:
         """Release the handle; a READ still in flight is first waited for (blocking, at most
         DRAIN_TIMEOUT_S): UCX cannot take back a posted RDMA/IPC read. Idempotent."""
+        with self._lock:
+            self._abort()
+
+    def _abort(self) -> None:
         if self._handle is None:
             return
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
@@ -338,6 +352,8 @@ class NixlReceiver(ControlReceiver):
     def __init__(self, cache: torch.Tensor, layout: KVLayout, host: str = "127.0.0.1",
                  port: int = 0, advertise_host: str | None = None) -> None:
         super().__init__(cache, layout, host, port, advertise_host)
+        limit = int(os.environ.get("PDSERVE_NIXL_MAX_DESCRIPTOR_BYTES", MAX_DESCRIPTOR_BYTES))
+        self._max_blocks = max(1, limit // layout.block_bytes) if limit > 0 else 0
         self._nixl = _Agent("rx", cache)
         self._remotes: OrderedDict[str, _Remote] = OrderedDict()
 
@@ -347,7 +363,7 @@ class NixlReceiver(ControlReceiver):
         self._nixl.close()
 
     async def _receive_payload(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
-                               entry: ExpectedTransfer) -> None:
+                               entry: ExpectedTransfer) -> str:
         offer = _Offer.decode(await proto.read_blob(loop, conn))
         bb = self._layout.block_bytes
         if offer.block_bytes != bb:
@@ -369,17 +385,17 @@ class NixlReceiver(ControlReceiver):
             t_post = time.perf_counter()
             read.post(local, remote, offer.agent)
             try:
-                await poll_until(read.done, interval_s=0.0001, max_interval_s=0.001,
-                                 watch=conn, what="the nixl READ")
+                # polled from a helper thread: the loop's timers would round each back-off
+                # up to a millisecond, as long as a whole 512 MiB READ over NVLink
+                await poll_in_thread(read.done, max_interval_s=0.0001, watch=conn,
+                                     what="the nixl READ")
             except TransferError:
                 await read.settle()
                 raise
+            seconds = time.perf_counter() - t_post
             read.abort()  # done: just releases the handle
             entry.add_bytes(len(entry.dst_block_ids) * bb)
-            await loop.sock_sendall(conn, proto.encode_reply(proto.OK, 0, proto.data_seconds_message(
-                "read done", time.perf_counter() - t_post)))
-            if await proto.read_blob(loop, conn) != CONFIRM:
-                raise TransferError("protocol error: bad nixl confirmation")
+            return proto.data_seconds_message("read done", seconds)
         finally:
             read.abort()
             remote_state.broken |= read.broken
@@ -389,7 +405,8 @@ class NixlReceiver(ControlReceiver):
         """Local and remote nixl descriptor lists: one ``(address, length, device)`` row per
         piece contiguous in both caches."""
         bb = self._layout.block_bytes
-        pieces = np.asarray(segments(offer.src_ids.tolist(), dst_ids), dtype=np.uint64)
+        pieces = np.asarray(split_pieces(segments(offer.src_ids.tolist(), dst_ids),
+                                         self._max_blocks), dtype=np.uint64)
         lengths = pieces[:, 2] * np.uint64(bb)
         local = np.empty((len(pieces), 3), dtype=np.uint64)
         local[:, 0] = np.uint64(self._nixl.base) + pieces[:, 1] * np.uint64(bb)
@@ -481,9 +498,25 @@ class NixlSender(ControlSender):
             raise TransferError("nixl sender closed")
         offer = _Offer(nixl.name, nixl.metadata, nixl.mem, nixl.dev, nixl.base,
                        self._layout.block_bytes, self._cache.shape[0], np.asarray(ids))
-        await loop.sock_sendall(sock, proto.encode_blob(offer.encode()))
-        done = await proto.expect_ok(loop, sock, "failed the nixl READ")
+        try:
+            await loop.sock_sendall(sock, proto.encode_blob(offer.encode()))
+            done = await await_ack(loop, sock)  # the READ is done and so is the transfer
+        except BaseException as exc:  # the receiver may be reading: keep the blocks leased
+            await until_receiver_stopped(loop, sock, f"sender gave up: {exc!r}"[:200])
+            raise
         sm.data_seconds = proto.parse_data_seconds(done)
-        # still inside send(): the source blocks were leased for the whole READ
-        await loop.sock_sendall(sock, proto.encode_blob(CONFIRM))
-        await await_ack(loop, sock)
+
+
+def split_pieces(pieces: list[tuple[int, int, int]],
+                 max_blocks: int) -> list[tuple[int, int, int]]:
+    """``(src, dst, count)`` pieces cut to at most ``max_blocks`` blocks each (0: as they are).
+
+    ``split_pieces([(0, 8, 5)], 2)`` -> ``[(0, 8, 2), (2, 10, 2), (4, 12, 1)]``.
+    """
+    if max_blocks <= 0:
+        return list(pieces)
+    out = []
+    for s, d, n in pieces:
+        for k in range(0, n, max_blocks):
+            out.append((s + k, d + k, min(max_blocks, n - k)))
+    return out

@@ -44,7 +44,8 @@ def make_sender(backend: str, cache: torch.Tensor, layout: KVLayout, **opts) -> 
 
 def make_receiver(backend: str, cache: torch.Tensor, layout: KVLayout, **opts) -> KVReceiver:
     """Options: tcp / nccl / cuda_ipc / nixl ``host``, ``port``, ``advertise_host`` (their
-    control listener); shm ``name``; fake ``stall``.
+    control listener); cuda_ipc ``copy_lanes`` (streams one transfer's copies are spread
+    over); shm ``name``; fake ``stall``.
 
     Call ``await receiver.start()`` before using ``endpoint`` / ``expect``.
     """

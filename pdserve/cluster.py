@@ -121,14 +121,18 @@ def _pump(svc: Service, ready: threading.Event, echo: bool) -> None:
 
 
 def _check_devices(devices: dict[str, list[str]] | None, counts: dict[str, int],
-                   worker_args) -> dict[str, list[str]]:
+                   worker_args, role_args: dict[str, tuple[str, ...]]) -> dict[str, list[str]]:
     devices = {role: list(ds) for role, ds in (devices or {}).items()}
     for role, ds in devices.items():
         if role not in counts:
             raise ValueError(f"devices: unknown role {role!r} (one of {', '.join(counts)})")
         if not ds or not all(isinstance(d, str) and d for d in ds):
             raise ValueError(f"devices[{role!r}] must be a non-empty list of device names")
-    if devices and "--device" in worker_args:
+    for role in role_args:
+        if role not in counts:
+            raise ValueError(f"role_args: unknown role {role!r} (one of {', '.join(counts)})")
+    if devices and ("--device" in worker_args
+                    or any("--device" in a for a in role_args.values())):
         raise ValueError("give the device either in devices or as --device in worker_args")
     return devices
 
@@ -140,17 +144,22 @@ class LocalCluster:
     their role's list. Every worker still sees every GPU (CUDA_VISIBLE_DEVICES is left alone:
     GPU-to-GPU KV transfer needs both devices visible), and when any device is a GPU every
     process gets :data:`GPU_ENV`. Roles left out (and ``devices=None``) keep the worker
-    default (CPU)."""
+    default (CPU).
+
+    ``worker_args`` go to every worker, then ``role_args[role]`` to the workers of that role
+    only (``{"decode": ("--max-num-batched-tokens", "512")}``; later flags win)."""
 
     def __init__(self, model: str = "smollm2-135m", *, prefill: int = 1, decode: int = 1,
                  colocated: int = 0, gateway_port: int = 0, redis: bool = True,
                  kv_backend: str = "tcp", worker_args: tuple[str, ...] = (),
                  gateway_args: tuple[str, ...] = (), env: dict | None = None, echo: bool = False,
                  startup_timeout_s: float = 180.0, metrics: bool = False,
-                 devices: dict[str, list[str]] | None = None):
+                 devices: dict[str, list[str]] | None = None,
+                 role_args: dict[str, tuple[str, ...]] | None = None):
         self.model = model
         self.counts = {"prefill": prefill, "decode": decode, "colocated": colocated}
-        self.devices = _check_devices(devices, self.counts, worker_args)
+        self.role_args = {role: tuple(a) for role, a in (role_args or {}).items()}
+        self.devices = _check_devices(devices, self.counts, worker_args, self.role_args)
         self.gateway_port = gateway_port
         self.use_redis = redis
         self.kv_backend = kv_backend
@@ -211,12 +220,27 @@ class LocalCluster:
         device = self.device_for(role, index)
         if device is not None:
             args += ["--device", device]
-        if "--num-threads" not in self.worker_args:
+        extra = [*self.worker_args, *self.role_args.get(role, ())]
+        if "--num-threads" not in extra:
             # several workers share this machine's cores: more torch threads than cores per
             # process makes OpenMP threads wait on each other (measured: 10x slower steps)
             n = sum(self.counts.values()) or 1
             args += ["--num-threads", str(max(1, (os.cpu_count() or 1) // n))]
-        return args + list(self.worker_args)
+        return args + extra
+
+    def gateway_cmd_args(self) -> list[str]:
+        """The gateway's flags: Redis when the cluster has it, else the started workers."""
+        args = ["--model", self.model, "--host", "127.0.0.1", "--port", str(self.gateway_port),
+                "--log-format", "text", "--log-level", "WARNING"]
+        if self.redis:
+            args += ["--redis-url", self.redis.url]
+        elif not self.use_redis:
+            dec = [w.address for w in self.workers if w.kind in ("decode", "colocated")]
+            pre = [w.address for w in self.workers if w.kind == "prefill"]
+            args += ["--decode-addrs", ",".join(dec)]
+            if pre:
+                args += ["--prefill-addrs", ",".join(pre)]
+        return args + list(self.gateway_args)
 
     def start_worker(self, role: str, extra: tuple[str, ...] = (), wait: bool = True) -> Service:
         index = sum(w.kind == role for w in self.workers)
@@ -237,17 +261,7 @@ class LocalCluster:
                 self.workers.append(svc)
                 new.append(svc)
         self._wait_ready(new)
-        gargs = ["--model", self.model, "--host", "127.0.0.1", "--port", str(self.gateway_port),
-                 "--log-format", "text", "--log-level", "WARNING"]
-        if self.redis:
-            gargs += ["--redis-url", self.redis.url]
-        else:
-            dec = [w.address for w in self.workers if w.kind in ("decode", "colocated")]
-            pre = [w.address for w in self.workers if w.kind == "prefill"]
-            gargs += ["--decode-addrs", ",".join(dec)]
-            if pre:
-                gargs += ["--prefill-addrs", ",".join(pre)]
-        self.gateway = self._spawn("gateway", gargs + list(self.gateway_args))
+        self.gateway = self._spawn("gateway", self.gateway_cmd_args())
         self._wait_ready([self.gateway])
         if self.redis:
             self.wait_workers_registered()

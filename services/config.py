@@ -76,6 +76,16 @@ class GatewaySettings:
     block_size: int = _opt(16, "KV block size in tokens (must match the workers)")
     hash_seed: str = _opt("pdserve-v1", "block-hash seed (must match the workers)")
     prefix_weight: float = _opt(1.0, "router: weight of cached prefix vs load")
+    local_prefill_max_tokens: int = _opt(0, "router: a prompt with at most this many tokens "
+                                            "uncached on the chosen decode worker is prefilled "
+                                            "there, not on a prefill worker, while that prefill "
+                                            "worker is backed up (see "
+                                            "--local-prefill-queue-tokens); 0: off")
+    local_prefill_queue_tokens: int = _opt(8192, "router: a prefill worker counts as backed up "
+                                                 "when at least this many uncached prompt "
+                                                 "tokens this gateway sent it await their first "
+                                                 "token (0: always, i.e. every short prompt "
+                                                 "prefills locally)")
     refresh_s: float = _opt(1.0, "how often to re-read the registry")
     reaper_interval_s: float = _opt(1.0, "how often to reap dead workers' index entries")
     request_timeout_s: float = _opt(600.0, "end-to-end deadline per request")
@@ -98,6 +108,9 @@ class GatewaySettings:
             _check_address(a)
         if self.prefix_weight < 0:
             raise ValueError("prefix_weight must be >= 0")
+        for name in ("local_prefill_max_tokens", "local_prefill_queue_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
         from services.auth import load_api_keys
         load_api_keys(self.api_keys, self.api_key_file)  # readable, well-formed
         for name in ("refresh_s", "reaper_interval_s", "request_timeout_s"):

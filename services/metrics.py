@@ -22,7 +22,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                  1.0, 2.5)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
-ROUTE_MODES = ("prefix", "load", "load_only", "colocated")
+ROUTE_MODES = ("prefix", "load", "load_only", "colocated", "local_prefill")
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> int | None:
@@ -34,10 +34,11 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0")
 
 
 def route_mode(route) -> str:
-    """How a gateway route was chosen: colocated, load_only (index down), prefix (a predicted
-    prefix hit decided the prefill worker) or load (no hit anywhere: least loaded)."""
+    """How a gateway route was chosen: colocated, local_prefill (the decode worker prefills a
+    short prompt because its prefill worker was backed up), load_only (index down), prefix (a
+    predicted prefix hit decided the prefill worker) or load (no hit anywhere: least loaded)."""
     if route.prefill is None:
-        return "colocated"
+        return "local_prefill" if route.local else "colocated"
     if not route.index_ok:
         return "load_only"
     return "prefix" if route.cached_tokens > 0 else "load"
@@ -75,16 +76,23 @@ class GatewayMetrics:
                               "answered at the last attempt, else 0", registry=r)
         self.workers = Gauge("pdserve_workers", "Workers known to the gateway", ["role"],
                              registry=r)
+        self.pending_prefill_tokens = Gauge(
+            "pdserve_pending_prefill_tokens", "Uncached prompt tokens this gateway sent to "
+            "prefill workers whose first token has not come back yet (all prefill workers)",
+            registry=r)
         for mode in ROUTE_MODES:
             self.routes.labels(mode)  # exported as 0 before the first decision
 
     def watch_router(self, router) -> None:
-        """Redis availability and worker counts read from ``router`` at scrape time."""
+        """Redis availability, worker counts and pending prefill tokens read from ``router``
+        at scrape time."""
         self.redis_up.set_function(lambda: float(router.registry_ok and router.index_ok))
         for role in ("prefill", "decode", "colocated"):
             self.workers.labels(role).set_function(
                 lambda role=role: sum(1 for w in list(router.workers.values())
                                       if w.info.role == role))
+        self.pending_prefill_tokens.set_function(
+            lambda: sum(w.pending_prefill_tokens for w in list(router.workers.values())))
 
     def routed(self, route, prompt_tokens: int) -> None:
         self.routes.labels(route_mode(route)).inc()

@@ -106,6 +106,41 @@ def test_destination_given_after_the_sender_connected(backend):
     run(main())
 
 
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_cuda_ipc_sender_that_gives_up_keeps_its_blocks_until_the_copy_stopped(lanes):
+    """cuda_ipc copies are one-sided (the receiver reads the sender's cache), and DONE needs
+    no confirmation: so a sender that times out while the receiver's copies are still queued
+    (here behind a ~1 s sleep kernel on the receiver's stream) may only return from send()
+    once the receiver stopped, never while the copy could still read its blocks. Also: the
+    copies spread over several lanes land exactly where they belong."""
+    async def main():
+        src, dst = cache(64, SRC, seed=8), cache(64, DST)
+        rx = make_receiver("cuda_ipc", dst, LAYOUT, copy_lanes=lanes)
+        await rx.start()
+        tx = make_sender("cuda_ipc", src, LAYOUT)
+        ids = [3, 4, 5, 6, 7, 20, 21, 40, 41, 42, 43, 44, 45]
+        h = rx.expect("ok", list(range(50, 63)), 30)
+        assert (await tx.send("ok", rx.endpoint, ids, 30)).ok and (await h.wait()).ok
+        assert torch.equal(dst[50:63].cpu(), src[ids].cpu())
+        h = rx.expect("slow", list(range(13)), 30)
+        with torch.cuda.device(DST):
+            rx._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(rx._stream):
+                torch.cuda._sleep(int(1.5e9))  # ~1 s of cycles: the copies queue behind it
+        t0 = time.monotonic()
+        res = await tx.send("slow", rx.endpoint, ids, 0.2)
+        waited = time.monotonic() - t0
+        assert res.state is TransferState.TIMED_OUT, res
+        assert h.state.terminal and rx._stream.query(), "send() returned during the copy"
+        assert waited > 0.4, waited
+        got = await h.wait()
+        assert got.state is TransferState.FAILED and "gave up" in got.error, got
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_streamed_send_waits_for_each_parts_event(backend):
     """As on a prefill worker: the send starts before the KV exists, and each part is handed

@@ -16,7 +16,10 @@ def test_disagg_bench_quick_cpu(tmp_path):
     out = tmp_path / "disagg_cpu.json"
     cmd = [sys.executable, "bench/disagg_gpu.py", "--quick", "--devices", "cpu",
            "--model", "dummy:tiny", "--dtype", "float32", "--kv-backend", "tcp",
-           "--out", str(out)]
+           # conditional disaggregation (off by default), scaled to the quick prompts: the
+           # flags reach the 1P1D gateway and decode worker only
+           "--gateway-args", "--local-prefill-max-tokens 64 --local-prefill-queue-tokens 1024",
+           "--decode-worker-args", "--max-num-batched-tokens 64", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "TTFT added by disaggregation" in proc.stdout  # the human summary
@@ -36,6 +39,16 @@ def test_disagg_bench_quick_cpu(tmp_path):
             assert s["by_prompt"]["long"]["n"] + s["by_prompt"]["short"]["n"] == s["num_requests"]
             assert len(run["requests"]) == s["num_requests"]
     assert rep["deployments"]["1p1d"]["cluster"] == {"prefill": 1, "decode": 1, "colocated": 0}
+    one, co = rep["deployments"]["1p1d"], rep["deployments"]["colocated"]
+    assert one["gateway_args"] == ["--local-prefill-max-tokens", "64",
+                                   "--local-prefill-queue-tokens", "1024"]
+    assert one["role_args"] == {"decode": ["--max-num-batched-tokens", "64"]}
+    assert co["gateway_args"] == [] and co["role_args"] == {}
+    assert rep["deployment_args"]["1p1d"]["gateway"] == one["gateway_args"]
+    for dep in (one, co):
+        for run in dep["mixed"]:  # every request routed once (no retries, no errors)
+            assert sum(run["routes"].values()) == run["summary"]["num_requests"], run["routes"]
+    assert set(co["mixed"][0]["routes"]) == {"colocated"}
     assert rep["deployments"]["colocated"]["cluster"] == {"prefill": 0, "decode": 0,
                                                           "colocated": 2}
 

@@ -162,3 +162,29 @@ def test_request_ending_at_its_first_token_sends_no_kv(cluster_2p2d):
     assert all(len(o.token_ids) == 1 and o.finish_reason == "length" for o in outs)
     stats = run(wait_all_free([w.address for w in cluster_2p2d.workers]))
     assert all(s.kv_blocks_used == 0 for s in stats)
+
+
+def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker():
+    """--local-prefill-max-tokens 48 with no queue threshold: prompts of <= 48 tokens are
+    prefilled by the decode worker itself, longer ones by the prefill worker; the tokens are
+    the engine's either way (dummy:tiny, fp32)."""
+    from tests.integration.helpers import scrape
+    lens = [7, 30, 48, 49, 120]
+    prompts = [[10 + (i * 37 + j * 11) % 200 for j in range(n)] for i, n in enumerate(lens)]
+    ref = LLM("dummy:tiny").generate(prompts, SamplingParams(max_tokens=8, temperature=0,
+                                                             ignore_eos=True))
+    gateway_args = ("--local-prefill-max-tokens", "48", "--local-prefill-queue-tokens", "0")
+    with LocalCluster("dummy:tiny", prefill=1, decode=1, metrics=True,
+                      gateway_args=gateway_args) as c:
+        reqs = [client.make_request(token_ids=p, max_tokens=8, ignore_eos=True)
+                for p in prompts]
+        outs = run(gen_many(c.address, reqs))
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+        gw, pre, dec = (scrape(s.metrics_port) for s in (c.gateway, *c.workers))
+    assert gw[("pdserve_routing_decisions_total", (("mode", "local_prefill"),))] == 3
+    assert sum(v for (n, lab), v in gw.items() if n == "pdserve_routing_decisions_total") == 5
+    assert gw[("pdserve_pending_prefill_tokens", ())] == 0
+    ok = (("kind", "prefill"), ("outcome", "ok"))
+    assert pre[("pdserve_worker_requests_total", ok)] == 2
+    for kind, n in (("decode_local", 3), ("decode_remote", 2)):
+        assert dec[("pdserve_worker_requests_total", (("kind", kind), ("outcome", "ok")))] == n

@@ -97,11 +97,36 @@ def test_worker_args_come_last_and_keep_num_threads():
     assert a[-2:] == ["--dtype", "bfloat16"]
 
 
-@pytest.mark.parametrize("devices, worker_args", [
-    ({"verifier": ["cuda:0"]}, ()),
-    ({"prefill": []}, ()),
-    ({"prefill": ["cuda:0"]}, ("--device", "cuda:1")),
+def test_role_args_go_to_that_role_only_after_the_shared_args(monkeypatch):
+    c = LocalCluster("dummy:tiny", prefill=1, decode=2, redis=False,
+                     worker_args=("--max-num-batched-tokens", "2048"),
+                     role_args={"decode": ("--max-num-batched-tokens", "512")},
+                     gateway_args=("--local-prefill-max-tokens", "512"))
+    rec = _start_without_processes(c, monkeypatch)
+    budgets = [(k, _flag(a, "--max-num-batched-tokens")) for k, a in rec.calls if k != "gateway"]
+    assert budgets == [("prefill", "2048"), ("decode", "512"), ("decode", "512")]
+    dec = next(a for k, a in rec.calls if k == "decode")
+    assert dec[-4:] == ["--max-num-batched-tokens", "2048", "--max-num-batched-tokens", "512"]
+    gw = rec.calls[-1][1]
+    assert rec.calls[-1][0] == "gateway" and gw == c.gateway_cmd_args()
+    assert gw[-2:] == ["--local-prefill-max-tokens", "512"]
+    assert _flag(gw, "--decode-addrs") == "127.0.0.1:60002,127.0.0.1:60003"
+    assert _flag(gw, "--prefill-addrs") == "127.0.0.1:60001"
+    # a role's own --num-threads replaces the shared split for that role
+    c2 = LocalCluster("dummy:tiny", role_args={"prefill": ("--num-threads", "997")})
+    assert c2.worker_cmd_args("prefill").count("--num-threads") == 1
+    assert _flag(c2.worker_cmd_args("prefill"), "--num-threads") == "997"
+    assert _flag(c2.worker_cmd_args("decode"), "--num-threads") != "997"
+
+
+@pytest.mark.parametrize("devices, worker_args, role_args", [
+    ({"verifier": ["cuda:0"]}, (), None),
+    ({"prefill": []}, (), None),
+    ({"prefill": ["cuda:0"]}, ("--device", "cuda:1"), None),
+    ({"prefill": ["cuda:0"]}, (), {"decode": ("--device", "cuda:1")}),
+    (None, (), {"verifier": ("--dtype", "float32")}),
 ])
-def test_bad_devices_rejected(devices, worker_args):
+def test_bad_devices_rejected(devices, worker_args, role_args):
     with pytest.raises(ValueError):
-        LocalCluster("dummy:tiny", devices=devices, worker_args=worker_args)
+        LocalCluster("dummy:tiny", devices=devices, worker_args=worker_args,
+                     role_args=role_args)

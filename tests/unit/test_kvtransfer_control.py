@@ -23,7 +23,9 @@ from kvtransfer.control import (
     await_ack,
     poll_until,
     segments,
+    until_receiver_stopped,
 )
+from kvtransfer import control
 from kvtransfer.tracking import TransferError
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
@@ -65,6 +67,21 @@ class LoopbackReceiver(ControlReceiver):
             self._cache[d:d + n] = src[s:s + n]
         await poll_until(self.release.is_set, watch=conn, what="copy")
         entry.add_bytes(len(meta["src"]) * self._layout.block_bytes)
+
+
+class OneSidedLoopbackSender(LoopbackSender):
+    """Like the one-sided GPU backends (cuda_ipc, nixl): the receiver reads our blocks, so a
+    failed send keeps them leased until the receiver stopped."""
+
+    async def _send_payload(self, loop, sock, endpoint, sm, blocks):
+        ids = await blocks.all(watch=sock)
+        await loop.sock_sendall(sock, proto.encode_blob(
+            json.dumps({"sender": self.key, "src": ids}).encode()))
+        try:
+            await await_ack(loop, sock)
+        except BaseException as exc:
+            await until_receiver_stopped(loop, sock, f"sender gave up: {exc!r}")
+            raise
 
 
 def cache(n, seed=None):
@@ -213,3 +230,75 @@ def test_poll_in_thread_wakes_at_once_stops_when_cancelled_and_raises_errors():
             await poll_in_thread(broken)
 
     asyncio.run(main())
+
+
+def test_one_sided_send_that_times_out_returns_only_after_the_receiver_stopped():
+    """The receiver's "copy" never completes; the sender times out. Its send() may only
+    return (and its caller free the source blocks) once the receiver heard of it and ended
+    the transfer, never while the receiver might still be reading."""
+    async def main():
+        src, dst = cache(8, seed=3), cache(8)
+        rx = LoopbackReceiver(dst, LAYOUT)
+        rx.release.clear()
+        await rx.start()
+        tx = OneSidedLoopbackSender(src, LAYOUT)
+        h = rx.expect("t", [0, 1], 30)
+        res = await tx.send("t", rx.endpoint, [2, 3], 0.3)
+        assert res.state is TransferState.TIMED_OUT, res
+        assert h.state.terminal  # already ended when send() returned
+        got = await h.wait()
+        assert got.state is TransferState.FAILED and "sender gave up" in got.error, got
+        await rx.close()
+        await tx.close()
+
+    asyncio.run(main())
+
+
+def test_until_receiver_stopped_outlasts_a_cancel_and_is_bounded(monkeypatch, caplog):
+    async def main():
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        task = loop.create_task(until_receiver_stopped(loop, a, "why not"))
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        task.cancel()  # the lease is not cut short by a cancellation
+        await asyncio.sleep(0.1)
+        assert not task.done()
+        b.setblocking(True)
+        got = b.recv(100)
+        assert got == proto.encode_reply(proto.ERROR, 0, "why not") and b.recv(10) == b""
+        b.close()  # the receiver hangs up: the sender may free its blocks
+        await asyncio.wait_for(task, 1)
+        a.close()
+
+        monkeypatch.setattr(control, "LEASE_DRAIN_TIMEOUT_S", 0.3)
+        a, b = socket.socketpair()  # a receiver that never answers nor hangs up
+        a.setblocking(False)
+        t0 = loop.time()
+        await asyncio.wait_for(until_receiver_stopped(loop, a, "x"), 2)
+        assert 0.25 < loop.time() - t0 < 1.5
+        assert "still reading" in caplog.text
+        a.close()
+        b.close()
+
+    asyncio.run(main())
+
+
+def test_copy_lanes_and_descriptor_pieces_cover_every_block_once():
+    from kvtransfer.cuda_ipc import lane_shares
+    from kvtransfer.nixl import split_pieces
+
+    segs = [(0, 10, 4), (8, 20, 2)]
+    assert lane_shares(segs, 2) == [[(0, 10, 3)], [(3, 13, 1), (8, 20, 2)]]
+    assert lane_shares(segs, 1) == [segs]
+    assert lane_shares([(5, 0, 2)], 4) == [[(5, 0, 1)], [(6, 1, 1)]]  # fewer blocks than lanes
+    assert split_pieces([(0, 8, 5)], 2) == [(0, 8, 2), (2, 10, 2), (4, 12, 1)]
+    assert split_pieces(segs, 0) == segs
+    for lanes in (1, 2, 3, 4, 7):
+        shares = lane_shares(segs + [(30, 40, 9)], lanes)
+        flat = [(s + k, d + k) for share in shares for s, d, n in share for k in range(n)]
+        assert sorted(flat) == sorted((s + k, d + k) for s, d, n in segs + [(30, 40, 9)]
+                                      for k in range(n))
+        sizes = [sum(n for _, _, n in share) for share in shares]
+        assert max(sizes) - min(sizes) <= 1

@@ -7,6 +7,7 @@ import pytest
 
 from gateway.router import NoWorkers, OverCapacity, Router
 from services.block_hash import BlockHasher
+from services.metrics import route_mode
 from services.prefix_index import PrefixIndex
 from services.registry import WorkerInfo
 
@@ -97,3 +98,128 @@ def test_index_down_falls_back_to_load_only(redis_proc):
         assert r.stats["load_only"] == 1
         await idx.close()
     asyncio.run(go())
+
+
+# ------------------------------------------------ conditional disaggregation (local prefill)
+def busy_pair(pending=10_000, **kw):
+    r = make_router(**kw)
+    add(r, info("p1", "prefill"), info("d1", "decode"))
+    r.workers["p1"].pending_prefill_tokens = pending
+    return r
+
+
+def test_local_prefill_is_off_by_default():
+    async def go():
+        r = busy_pair()
+        route = await r.route(32, [])
+        assert route.prefill.id == "p1" and not route.local
+        assert route_mode(route) == "load_only"  # no prefix index in these tests
+        assert route.prefill_tokens == 32 and r.stats["local_prefill"] == 0
+    asyncio.run(go())
+
+
+def test_short_prompt_prefills_on_the_decode_worker_while_the_prefill_worker_is_busy():
+    async def go():
+        r = busy_pair(pending=8192, local_prefill_max_tokens=512,
+                      local_prefill_queue_tokens=8192)
+        route = await r.route(512, [])
+        assert route.prefill is None and route.local and route.decode.id == "d1"
+        assert route.cached_tokens == 0 and route.prefill_tokens == 0
+        assert route_mode(route) == "local_prefill"
+        assert r.stats == {"routed": 1, "prefix_routed": 0, "load_only": 1, "colocated": 0,
+                           "local_prefill": 1}
+        # longer than the limit: the prefill worker, however busy
+        route = await r.route(513, [])
+        assert route.prefill.id == "p1" and not route.local and route.prefill_tokens == 513
+        # the prefill worker's queue below the threshold: remote
+        r.workers["p1"].pending_prefill_tokens = 8191
+        route = await r.route(32, [])
+        assert route.prefill.id == "p1" and not route.local
+        assert r.stats["local_prefill"] == 1 and r.stats["routed"] == 3
+    asyncio.run(go())
+
+
+def test_no_queue_threshold_sends_every_short_prompt_local():
+    async def go():
+        r = busy_pair(pending=0, local_prefill_max_tokens=64, local_prefill_queue_tokens=0)
+        assert (await r.route(64, [])).local
+        assert (await r.route(65, [])).prefill.id == "p1"
+    asyncio.run(go())
+
+
+def test_decode_workers_cached_prefix_counts_toward_local_prefill(redis_server):
+    async def go():
+        from services.registry import WorkerRegistry
+        idx = PrefixIndex(redis_server, "m")
+        reg = WorkerRegistry(redis_server)
+        for wid, role in (("p1", "prefill"), ("d1", "decode")):
+            await reg.register(info(wid, role))
+        toks = list(range(BS * 40))  # 640 tokens
+        hashes = BlockHasher("s", "m", BS).hash_blocks(toks)
+        await idx.publish_stored("p1", hashes[:10])
+        await idx.publish_stored("d1", hashes[:30])  # 160 tokens left to compute on d1
+        r = busy_pair(index=idx, local_prefill_max_tokens=100)
+        route = await r.route(len(toks), hashes)
+        assert route.prefill.id == "p1" and route.prefill_tokens == 640 - 10 * BS
+        await idx.publish_stored("d1", hashes[30:36])  # 64 tokens left
+        route = await r.route(len(toks), hashes)
+        assert route.prefill is None and route.local and route.decode.id == "d1"
+        assert route.cached_tokens == 36 * BS and route_mode(route) == "local_prefill"
+        assert r.stats["prefix_routed"] == 2 and r.stats["local_prefill"] == 1
+        await idx.close()
+        await reg.close()
+    asyncio.run(go())
+
+
+def test_pending_prefill_tokens_are_charged_once_and_released_once():
+    async def go():
+        r = busy_pair(pending=0)
+        p = r.workers["p1"]
+        a, b = await r.route(100, []), await r.route(40, [])
+        r.begin(a)
+        r.begin(b)
+        assert p.pending_prefill_tokens == 140 and p.inflight == 2
+        r.prefilled(a)  # a's first token
+        r.prefilled(a)
+        assert p.pending_prefill_tokens == 40 and a.prefilled
+        r.end(a)  # already released: only the in-flight count drops
+        assert p.pending_prefill_tokens == 40 and p.inflight == 1
+        r.end(b)  # ended before its first token (failed, cancelled): released here
+        assert p.pending_prefill_tokens == 0 and p.inflight == 0 and b.prefilled
+        r.prefilled(b)
+        assert p.pending_prefill_tokens == 0
+    asyncio.run(go())
+
+
+def test_local_and_colocated_routes_charge_nothing():
+    async def go():
+        r = busy_pair(pending=500, local_prefill_max_tokens=64, local_prefill_queue_tokens=1)
+        local = await r.route(64, [])
+        assert local.local
+        r.begin(local)
+        assert r.workers["p1"].pending_prefill_tokens == 500
+        assert r.workers["d1"].pending_prefill_tokens == 0 and r.workers["d1"].inflight == 1
+        r.end(local)
+        assert r.workers["p1"].pending_prefill_tokens == 500 and r.workers["d1"].inflight == 0
+        r2 = make_router()
+        add(r2, info("c1", "colocated"))
+        co = await r2.route(64, [])
+        assert co.prefill is None and not co.local and co.prefill_tokens == 0
+        assert route_mode(co) == "colocated"
+        r2.begin(co)
+        assert r2.workers["c1"].pending_prefill_tokens == 0
+        r2.end(co)
+    asyncio.run(go())
+
+
+def test_local_prefill_settings():
+    from services.config import ConfigError, gateway_settings
+    base = ["--decode-addrs", "d:1"]
+    s = gateway_settings(base, env={})
+    assert (s.local_prefill_max_tokens, s.local_prefill_queue_tokens) == (0, 8192)
+    s = gateway_settings(base + ["--local-prefill-max-tokens", "512"],
+                         env={"PDSERVE_LOCAL_PREFILL_QUEUE_TOKENS": "0"})
+    assert (s.local_prefill_max_tokens, s.local_prefill_queue_tokens) == (512, 0)
+    for flag in ("--local-prefill-max-tokens", "--local-prefill-queue-tokens"):
+        with pytest.raises(ConfigError, match=flag.strip("-").replace("-", "_") + " must be >= 0"):
+            gateway_settings(base + [flag, "-1"], env={})

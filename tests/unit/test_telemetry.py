@@ -125,25 +125,31 @@ def test_gateway_timer_counts():
 def test_route_modes_and_routed_counters():
     m = GatewayMetrics()
     p = SimpleNamespace(id="p")
-    routes = [SimpleNamespace(prefill=None, index_ok=True, cached_tokens=16),
-              SimpleNamespace(prefill=p, index_ok=False, cached_tokens=0),
-              SimpleNamespace(prefill=p, index_ok=True, cached_tokens=32),
-              SimpleNamespace(prefill=p, index_ok=True, cached_tokens=0)]
-    assert [route_mode(r) for r in routes] == ["colocated", "load_only", "prefix", "load"]
+    routes = [SimpleNamespace(prefill=None, local=False, index_ok=True, cached_tokens=16),
+              SimpleNamespace(prefill=p, local=False, index_ok=False, cached_tokens=0),
+              SimpleNamespace(prefill=p, local=False, index_ok=True, cached_tokens=32),
+              SimpleNamespace(prefill=p, local=False, index_ok=True, cached_tokens=0),
+              SimpleNamespace(prefill=None, local=True, index_ok=True, cached_tokens=0)]
+    modes = ["colocated", "load_only", "prefix", "load", "local_prefill"]
+    assert [route_mode(r) for r in routes] == modes
     for r in routes:
         m.routed(r, 40)
-    for mode in ("colocated", "load_only", "prefix", "load"):
+    for mode in modes:
         assert _sample(m, "pdserve_routing_decisions_total", mode=mode) == 1
-    assert _sample(m, "pdserve_routed_prompt_tokens_total") == 160
+    assert _sample(m, "pdserve_routed_prompt_tokens_total") == 200
     assert _sample(m, "pdserve_routed_cached_tokens_total") == 48
     router = SimpleNamespace(registry_ok=True, index_ok=False, workers={
-        "a": SimpleNamespace(info=SimpleNamespace(role="prefill"))})
+        "a": SimpleNamespace(info=SimpleNamespace(role="prefill"), pending_prefill_tokens=300),
+        "b": SimpleNamespace(info=SimpleNamespace(role="prefill"), pending_prefill_tokens=12)})
     m.watch_router(router)
     assert _sample(m, "pdserve_redis_up") == 0
     router.index_ok = True
     assert _sample(m, "pdserve_redis_up") == 1
-    assert _sample(m, "pdserve_workers", role="prefill") == 1
+    assert _sample(m, "pdserve_workers", role="prefill") == 2
     assert _sample(m, "pdserve_workers", role="decode") == 0
+    assert _sample(m, "pdserve_pending_prefill_tokens") == 312
+    router.workers["a"].pending_prefill_tokens = 0
+    assert _sample(m, "pdserve_pending_prefill_tokens") == 12
 
 
 def _stats(**kw):
