@@ -173,7 +173,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             # to take the blocks back
             self._release_after(rid, sending)
         resp = worker_pb2.PrefillResponse(
-            request_id=rid, first_token_id=first.token_ids[0],
+            request_id=rid, first_token_id=first.token_ids[0], first_text=first.text,
             num_cached_tokens=first.num_cached_tokens, transfer=result)
         if first.logprobs:
             resp.first_logprob = first.logprobs[0]

@@ -183,3 +183,96 @@ def test_prefill_answers_once_the_receiver_accepted_and_a_retry_waits_for_the_le
         assert held >= 3  # leased while its transfer ran
         for stats in run(wait_all_free([pre.address], timeout_s=15)):
             assert (stats.kv_blocks_used, stats.num_running, stats.active_transfers) == (0, 0, 0)
+
+
+class _ScriptedPrefill(worker_pb2_grpc.PrefillWorkerServicer):
+    """A prefill worker played by the test: it answers at once with a chosen first token
+    (TRANSFERRING), then moves the KV over a real tcp sender as the request id says: 'late'
+    sends it after LATE_S, 'broken' sends one block short (the transfer FAILS on both
+    sides)."""
+
+    FIRST, TEXT, LATE_S = 7, "<first>", 1.5
+
+    def __init__(self, layout):
+        import torch
+
+        from kvtransfer import make_sender
+        self.layout = layout
+        self.tx = make_sender("tcp", torch.zeros(16, *layout.block_shape), layout)
+        self.tasks = set()
+
+    async def Prefill(self, request, context):
+        kv = request.kv_transfer
+        ids = list(range(kv.num_blocks))
+        if request.request_id.startswith("broken"):
+            ids = ids[:-1]
+        delay = self.LATE_S if request.request_id.startswith("late") else 0.05
+        task = asyncio.get_running_loop().create_task(self._send(kv, ids, delay))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return worker_pb2.PrefillResponse(
+            request_id=request.request_id, first_token_id=self.FIRST, first_text=self.TEXT,
+            transfer=common_pb2.KVTransferResult(
+                state=common_pb2.TRANSFER_STATE_TRANSFERRING, num_blocks=kv.num_blocks))
+
+    async def _send(self, kv, ids, delay):
+        await asyncio.sleep(delay)
+        await self.tx.send(kv.transfer_id, kv.receiver_endpoint, ids, 10)
+
+
+def test_first_token_streams_before_the_kv_and_a_failed_transfer_continues_from_it():
+    """The decode worker streams the prefill worker's first token (with its text) as soon as
+    the Prefill answer is in, not once the KV landed: with the KV held back 1.5 s, the first
+    token arrives long before the second. When the transfer then fails, the decode worker
+    prefills locally and continues from the token already streamed (never sends another
+    first token): the tokens after it are exactly what the same worker generates, greedy,
+    for the prompt plus that token. Nothing stays held."""
+    from pdserve.cluster import free_port
+    import time
+
+    mc = load_config("dummy:tiny")
+    layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, 16, "float32")
+    prompt = list(range(3, 3 + 40))  # 3 blocks
+    sp = common_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def main(dec):
+        peer = _ScriptedPrefill(layout)
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(peer, server)
+        port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(dec.address) as ch:
+                stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+
+                async def generate(rid, ids=prompt, sampling=sp, prefill=f"127.0.0.1:{port}"):
+                    t0, got = time.monotonic(), []
+                    async for r in stub.Generate(worker_pb2.DecodeRequest(
+                            request_id=rid, prompt_token_ids=ids, sampling=sampling,
+                            prefill_address=prefill), timeout=60):
+                        got.append((time.monotonic() - t0, list(r.token_ids), r.text,
+                                    r.finish_reason, r.usage.completion_tokens))
+                    return got
+                late = await generate("late-1")
+                broken = await generate("broken-1")
+                sp5 = common_pb2.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+                local = await generate("local-1", prompt + [_ScriptedPrefill.FIRST], sp5, "")
+        finally:
+            await server.stop(1)
+            await peer.tx.close()
+        return late, broken, [t for r in local for t in r[1]]
+
+    with LocalCluster("dummy:tiny", prefill=0, decode=1, kv_backend="tcp") as c:
+        dec = next(w for w in c.workers if w.kind == "decode")
+        late, broken, want = run(main(dec))
+        # late: the first token (and its text) long before the KV, then the rest after it
+        assert late[0][1:3] == ([_ScriptedPrefill.FIRST], _ScriptedPrefill.TEXT), late[0]
+        assert late[0][0] < 1.0 and late[1][0] >= _ScriptedPrefill.LATE_S - 0.05, late[:2]
+        assert sum(len(r[1]) for r in late) == 6 and late[-1][3] == "length"
+        assert late[-1][4] == 6  # usage counts the early token once
+        # broken: the token already streamed, then the local continuation from it
+        tokens = [t for r in broken for t in r[1]]
+        assert tokens == [_ScriptedPrefill.FIRST] + want, (tokens, want)
+        assert broken[-1][3] == "length" and broken[-1][4] == 6
+        for stats in run(wait_all_free([dec.address], timeout_s=15)):
+            assert (stats.kv_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0)
