@@ -70,7 +70,10 @@ PY
           --backends "$backend" --modes send,ahead --runs ${XFER_RUNS:-10} \
           --out "$OUT/kv_transfer_gpu_h200_$name.json" 2>"$OUT/kv_timeline_$name.log" \
           || echo "=== FAILED: xfer-sweep $name" >&2
-      done ;;
+      done
+      # the device tool returns at most 8 files: one archive for the whole sweep
+      (cd "$OUT" && tar -czf xfer_sweep.tgz kv_transfer_gpu_h200_*.json kv_timeline_*.log \
+        && rm -f kv_transfer_gpu_h200_*.json kv_timeline_*.log) ;;
     transfer) PDSERVE_KV_TIMELINE=1 run python3 bench/kv_transfer_gpu.py \
         --out "$OUT/kv_transfer_gpu_h200.json" ;;
     disagg) run python3 bench/disagg_gpu.py --kv-backend nccl,cuda_ipc \
