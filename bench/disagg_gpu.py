@@ -105,11 +105,13 @@ MIXED_TOKENS: dict[tuple[str, int], dict[str, list[int]]] = {}  # (deployment, r
 GPU_DEFAULTS = dict(rates="4,8,12,16,20,24,28,32", duration=20.0, ttft_repeats=8, exact_prompts=8,
                     exact_max_tokens=32, warmup_rounds=2, warmup_size=8, short_len="128:512",
                     output_len="128:256", timeout=60.0, startup_timeout=420.0,
-                    time_budget=540.0, gateway_args="", decode_worker_args="")
+                    time_budget=540.0, gateway_args="", decode_worker_args="",
+                    prefill_worker_args="")
 QUICK_DEFAULTS = dict(prompt_len=512, rates="2,4", duration=5.0, ttft_repeats=3,
                       exact_prompts=6, exact_max_tokens=16, warmup_rounds=1, warmup_size=4,
                       short_len="16:64", output_len="8:16", timeout=60.0, startup_timeout=180.0,
-                      time_budget=0.0, gateway_args="", decode_worker_args="")
+                      time_budget=0.0, gateway_args="", decode_worker_args="",
+                      prefill_worker_args="")
 
 
 def log(msg: str) -> None:
@@ -143,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-worker-args", default=None,
                    help="1P1D only: extra flags of the decode worker, after --worker-args "
                         "[none]")
+    p.add_argument("--prefill-worker-args", default=None,
+                   help="1P1D only: extra flags of the prefill worker, after --worker-args, "
+                        "e.g. '--max-num-batched-tokens 8192' (no decodes to protect) [none]")
     p.add_argument("--gemv", default="off", choices=["off", "auto", "force", "unset"],
                    help="GPU: PDSERVE_GEMV of every worker. 'auto' times Triton GEMV configs "
                         "against cuBLAS in each process and may pick different kernels in "
@@ -247,11 +252,12 @@ def worker_args(a) -> list[str]:
 
 def deployment_args(a, name: str) -> tuple[list[str], dict[str, list[str]]]:
     """The gateway's flags and the per-role worker flags of deployment ``name`` (1P1D only:
-    conditional disaggregation and the decode worker's token budget)."""
+    conditional disaggregation, each role's token budget)."""
     if name != "1p1d":
         return [], {}
-    dec = shlex.split(a.decode_worker_args)
-    return shlex.split(a.gateway_args), ({"decode": dec} if dec else {})
+    roles = {role: shlex.split(extra) for role, extra in
+             (("prefill", a.prefill_worker_args), ("decode", a.decode_worker_args))}
+    return shlex.split(a.gateway_args), {r: x for r, x in roles.items() if x}
 
 
 # ------------------------------------------------------------------------------ prompts

@@ -13,7 +13,11 @@ while the data moves over NVLink / NCCL / NIXL::
 
 A sender connects when its request arrives, so HELLO and the backend's set-up overlap the
 prompt's forward pass; parts (each prefill chunk's blocks, handed over when the chunk is
-queued on the GPU) follow, each moved once its KV is written.
+queued on the GPU) follow, each moved once its KV is written. A one-sided backend (cuda_ipc,
+nixl: the receiver reads the blocks) whose blocks are all readable when the send starts
+(a retry, a benchmark) writes its payload right behind HELLO and reads the answer to HELLO
+with the ack: one round trip less; a receiver that rejects it reads the payload away
+before closing, so the sender gets the reason, not a connection reset.
 
 The control connection is also how each side learns that the other gave up: a side that
 times out, is cancelled or fails closes it (after an ERROR saying why when it can), and the
@@ -150,11 +154,14 @@ class ControlReceiver(TrackedReceiver):
                     proto.layout_error(hello, self._layout), owner=asyncio.current_task())
             except TransferError as exc:
                 await loop.sock_sendall(conn, proto.encode_reply(proto.ERROR, 0, str(exc)))
+                await _linger(loop, conn)
                 return
             await loop.sock_sendall(conn, proto.encode_reply(proto.OK))
             entry.mark("hello_ok")
             await entry.destination()  # expected by count: the ids may still be on their way
             message = await self._receive_payload(loop, conn, entry)
+            if _peer_failed(conn):  # gave up while the data moved: its blocks may be gone
+                raise TransferError(f"peer gave up: {await _peer_reason(loop, conn)}")
             entry.mark("landed")
             entry.finish(TransferState.DONE)
             await loop.sock_sendall(conn, proto.encode_reply(proto.OK, 0, message or ""))
@@ -186,6 +193,22 @@ class ControlReceiver(TrackedReceiver):
         raise NotImplementedError
 
 
+LINGER_S = 1.0  # most a rejecting receiver waits for the sender to hang up
+
+
+async def _linger(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+    """After an ERROR: let the sender read it. Closing a socket with unread input (an eager
+    sender's payload) resets the connection, and a reset can discard the ERROR before the
+    sender read it; so stop writing, read until the sender hangs up, then close."""
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        async with asyncio.timeout(LINGER_S):
+            while await loop.sock_recv(conn, 65536):
+                pass
+    except (OSError, TimeoutError):
+        pass
+
+
 class ControlSender(RunnerSender):
     """Opens a control connection per transfer; ``_send_payload`` moves the data."""
 
@@ -193,6 +216,10 @@ class ControlSender(RunnerSender):
     kind: int
 
     _tune = staticmethod(tune_socket)
+
+    # True for backends whose payload messages may follow HELLO before the receiver accepted
+    # (one-sided: the payload is metadata, the receiver moves the data)
+    eager_payload = False
 
     async def _send(self, sm: TransferStateMachine, endpoint: str, blocks: BlockStream) -> int:
         loop = asyncio.get_running_loop()
@@ -203,9 +230,11 @@ class ControlSender(RunnerSender):
             await loop.sock_connect(sock, (host, port))
             await loop.sock_sendall(sock, proto.encode_hello(self.kind, self._layout,
                                                              sm.transfer_id, blocks.total))
-            await proto.expect_ok(loop, sock, "rejected the transfer")
-            sm.mark("hello_ok")
-            sm.advance(TransferState.TRANSFERRING)
+            if not (self.eager_payload and blocks.ready()):
+                await _accepted(loop, sock, sm)
+            # else the blocks are all readable already (a retry, a fully cached prompt): the
+            # payload follows HELLO at once and await_ack reads the HELLO's answer first,
+            # saving a round trip; a receiver that rejects the transfer drains what we sent
             await self._send_payload(loop, sock, endpoint, sm, blocks)
             sm.mark("acked")
             sm.num_bytes = blocks.total * self._layout.block_bytes
@@ -221,16 +250,32 @@ class ControlSender(RunnerSender):
         raise NotImplementedError
 
 
-async def await_ack(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> str:
-    """The receiver's final OK: the blocks are in place on its side (returns its message)."""
+async def _accepted(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                    sm: TransferStateMachine) -> None:
+    """Read the receiver's answer to HELLO: OK moves the transfer to TRANSFERRING."""
+    await proto.expect_ok(loop, sock, "rejected the transfer")
+    sm.mark("hello_ok")
+    sm.advance(TransferState.TRANSFERRING)
+
+
+async def await_ack(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                    sm: TransferStateMachine) -> str:
+    """The receiver's final OK: the blocks are in place on its side (returns its message).
+    After an eager payload the answer to HELLO comes first and is read here."""
+    if sm.state is TransferState.PENDING:
+        await _accepted(loop, sock, sm)
     return await proto.expect_ok(loop, sock, "failed the transfer")
 
 
 LEASE_DRAIN_TIMEOUT_S = 10.0  # most a failed one-sided send waits for the receiver to stop
+# the same after an eager payload that the receiver never even answered HELLO to: it has not
+# looked at the transfer for its whole lifetime, and whatever it reads later finds our ERROR
+# right behind the payload (checked before it counts a transfer DONE)
+UNANSWERED_DRAIN_TIMEOUT_S = 0.5
 
 
 async def until_receiver_stopped(loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                                 reason: str) -> None:
+                                 reason: str, *, accepted: bool = True) -> None:
     """For backends where the RECEIVER reads the sender's blocks (cuda_ipc, nixl): a send
     that fails after the receiver may have started reading (timeout, cancel, error) tells
     the receiver (ERROR, then end of stream) and returns only once the receiver closed the
@@ -238,7 +283,8 @@ async def until_receiver_stopped(loop: asyncio.AbstractEventLoop, sock: socket.s
     ``send()`` returns. This is what makes a receiver's completed read valid without a
     confirmation round trip: while the receiver reads, the sender is still inside
     ``send()``. Bounded by LEASE_DRAIN_TIMEOUT_S (a receiver that neither answers nor hangs
-    up for that long is stuck; the blocks are then released anyway, with an error logged).
+    up for that long is stuck; the blocks are then released anyway, with an error logged),
+    or by UNANSWERED_DRAIN_TIMEOUT_S when the receiver had not ``accepted`` (answered HELLO).
     A repeated cancellation does not cut the wait short: it is the lease."""
     proto.try_send_error(sock, reason)
     try:
@@ -255,13 +301,15 @@ async def until_receiver_stopped(loop: asyncio.AbstractEventLoop, sock: socket.s
                 return
 
     task = loop.create_task(drain())
-    deadline = loop.time() + LEASE_DRAIN_TIMEOUT_S
+    bound = LEASE_DRAIN_TIMEOUT_S if accepted else UNANSWERED_DRAIN_TIMEOUT_S
+    deadline = loop.time() + bound
     while not task.done():
         left = deadline - loop.time()
         if left <= 0:
             task.cancel()
-            logger.error("receiver still reading %.0fs after the send failed; releasing the "
-                         "source blocks anyway", LEASE_DRAIN_TIMEOUT_S)
+            if accepted:
+                logger.error("receiver still reading %.0fs after the send failed; releasing "
+                             "the source blocks anyway", bound)
             return
         try:
             await asyncio.wait_for(asyncio.shield(task), left)
@@ -301,8 +349,9 @@ async def wait_event(event, *, watch: socket.socket | None = None,
                      what: str = "device work") -> None:
     """Await a CUDA event (anything with ``query()`` and ``synchronize()``; None: nothing to
     wait for). A helper thread blocks in ``synchronize()`` (events made with
-    ``blocking=True`` sleep in the driver) and wakes the loop when it completes: no polling
-    on the event loop, whose timers have millisecond granularity, and no busy loop holding
+    ``blocking=True`` sleep in the driver; default ones spin there, waking sooner but taking
+    a core: only for short waits) and wakes the loop when it completes: no polling on the
+    event loop, whose timers have millisecond granularity, and no busy loop holding
     the GIL (which would stall the engine thread of the same process at every torch call).
     With ``watch``, a peer that reports an error or hangs up first raises TransferError.
     The thread always returns: the work it waits on ends or is aborted (NCCL)."""

@@ -44,7 +44,8 @@ import uuid
 import torch
 
 from kvtransfer import protocol as proto
-from kvtransfer.base import KVLayout, TransferStateMachine
+from kvtransfer.base import KVLayout, TransferState, TransferStateMachine
+from kvtransfer.cuda_copy import copy_runs
 from kvtransfer.control import (
     ControlReceiver,
     ControlSender,
@@ -75,6 +76,7 @@ def _b64(x) -> str:
 class CudaIpcSender(ControlSender):
     scheme = "cuda_ipc"
     kind = proto.KIND_CUDA_IPC
+    eager_payload = True
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
         require_cuda(cache, "cuda_ipc")
@@ -105,10 +107,11 @@ class CudaIpcSender(ControlSender):
                 await loop.sock_sendall(sock, proto.encode_blob(
                     json.dumps({"src": ids}).encode()))
                 sm.mark("part")
-            done = await await_ack(loop, sock)  # copies complete, transfer DONE over there
+            done = await await_ack(loop, sock, sm)  # copies complete, transfer DONE over there
         except BaseException as exc:
             if reading:  # keep the blocks leased until the receiver stopped copying
-                await until_receiver_stopped(loop, sock, f"sender gave up: {exc!r}"[:200])
+                await until_receiver_stopped(loop, sock, f"sender gave up: {exc!r}"[:200],
+                                             accepted=sm.state is not TransferState.PENDING)
             raise
         sm.data_seconds = proto.parse_data_seconds(done)
 
@@ -219,7 +222,12 @@ class CudaIpcReceiver(ControlReceiver):
                 entry.on_end(lambda: copies[-1][1].synchronize())
             copies.append((start, event))
             got += len(src)
-        await wait_event(copies[-1][1], watch=conn, what="CUDA IPC copy")
+        # a default-flag event: its synchronize() spins in the driver (no GIL held) for the
+        # few milliseconds the copies take, where the blocking timing event would sleep and
+        # wake the waiting thread ~0.1-0.3 ms late
+        copied = torch.cuda.Event()
+        copied.record(self._stream)
+        await wait_event(copied, watch=conn, what="CUDA IPC copy")
         entry.mark("copied")
         entry.add_bytes(len(dst_ids) * self._layout.block_bytes)
         seconds = sum(a.elapsed_time(b) for a, b in copies) / 1000.0
@@ -236,9 +244,7 @@ class CudaIpcReceiver(ControlReceiver):
             for lane, share in zip(self._lanes, shares):
                 if lane is not main:
                     lane.wait_event(start)
-                with torch.cuda.stream(lane):
-                    for s, d, n in share:
-                        dst[d:d + n].copy_(peer[s:s + n], non_blocking=True)
+                copy_runs(dst, peer, share, lane)
                 if lane is not main:
                     joined = torch.cuda.Event()
                     joined.record(lane)

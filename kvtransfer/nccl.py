@@ -368,7 +368,7 @@ class NcclSender(ControlSender):
                     last = await comm.queued(watch=sock)
                     sm.mark("queued")
                     timings.append((start, last))
-            await await_ack(loop, sock)
+            await await_ack(loop, sock, sm)
             sm.mark("ack")
             await wait_event(last, what="NCCL send")
             comm.check()

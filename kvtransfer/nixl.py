@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from kvtransfer import protocol as proto
-from kvtransfer.base import KVLayout, TransferStateMachine
+from kvtransfer.base import KVLayout, TransferState, TransferStateMachine
 from kvtransfer.control import (
     ControlReceiver,
     ControlSender,
@@ -479,6 +479,7 @@ class NixlSender(ControlSender):
 
     scheme = "nixl"
     kind = proto.KIND_NIXL
+    eager_payload = True
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
         super().__init__(cache, layout)
@@ -500,9 +501,10 @@ class NixlSender(ControlSender):
                        self._layout.block_bytes, self._cache.shape[0], np.asarray(ids))
         try:
             await loop.sock_sendall(sock, proto.encode_blob(offer.encode()))
-            done = await await_ack(loop, sock)  # the READ is done and so is the transfer
+            done = await await_ack(loop, sock, sm)  # the READ is done and so is the transfer
         except BaseException as exc:  # the receiver may be reading: keep the blocks leased
-            await until_receiver_stopped(loop, sock, f"sender gave up: {exc!r}"[:200])
+            await until_receiver_stopped(loop, sock, f"sender gave up: {exc!r}"[:200],
+                                             accepted=sm.state is not TransferState.PENDING)
             raise
         sm.data_seconds = proto.parse_data_seconds(done)
 

@@ -104,6 +104,11 @@ class BlockStream:
     def complete(self) -> bool:
         return self._handed == self.total
 
+    def ready(self) -> bool:
+        """Every block handed over and readable now (each untaken part's event complete)."""
+        return self.complete and self._error is None and \
+            all(p.event is None or p.event.query() for p in self._parts)
+
     # ---------------------------------------------------------------- consumer
     async def next_layered(self) -> Part | None:
         """Every id handed over since the last call, merged into one part with the last

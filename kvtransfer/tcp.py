@@ -82,7 +82,7 @@ class TcpSender(ControlSender):
                     sm.num_bytes += run.count * bb
         except OSError as exc:  # the receiver hung up; it may have said why
             raise TransferError(await _peer_reason(loop, sock, exc)) from exc
-        await await_ack(loop, sock)
+        await await_ack(loop, sock, sm)
 
 
 async def _peer_reason(loop: asyncio.AbstractEventLoop, sock: socket.socket,

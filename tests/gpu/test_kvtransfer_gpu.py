@@ -58,6 +58,28 @@ async def pair(backend, src, dst, src_layout=LAYOUT):
     return rx, make_sender(backend, src, src_layout)
 
 
+def test_driver_copies_match_torch_copies_across_gpus_and_within_one():
+    """cuda_ipc queues its block runs through cuMemcpyDtoDAsync (kvtransfer.cuda_copy): the
+    driver path is taken here, and it lands exactly what ``copy_`` would, peer to peer and
+    on one GPU, on a side stream ordered after earlier work on it."""
+    from kvtransfer import cuda_copy
+
+    assert cuda_copy._driver_memcpy(), "libcuda's cuMemcpyDtoDAsync_v2 did not load"
+    for src_dev in (SRC, DST):
+        src = cache(64, src_dev, seed=11).view(64, -1).view(torch.uint8)
+        dst = torch.zeros_like(src, device=DST)
+        want = torch.zeros_like(dst)
+        runs = [(3, 60, 1), (10, 0, 5), (40, 20, 12), (63, 63, 1)]
+        stream = torch.cuda.Stream(DST)
+        with torch.cuda.device(DST):
+            stream.wait_stream(torch.cuda.current_stream(DST))
+            cuda_copy.copy_runs(dst, src, runs, stream)
+        for s, d, n in runs:
+            want[d:d + n] = src[s:s + n].to(DST)
+        stream.synchronize()
+        assert torch.equal(dst, want)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_round_trip_scattered_and_repeated(backend):
     async def main():

@@ -16,10 +16,11 @@ def test_disagg_bench_quick_cpu(tmp_path):
     out = tmp_path / "disagg_cpu.json"
     cmd = [sys.executable, "bench/disagg_gpu.py", "--quick", "--devices", "cpu",
            "--model", "dummy:tiny", "--dtype", "float32", "--kv-backend", "tcp",
-           # conditional disaggregation (off by default), scaled to the quick prompts: the
-           # flags reach the 1P1D gateway and decode worker only
+           # conditional disaggregation (off by default), scaled to the quick prompts, and a
+           # prefill token budget: the flags reach the 1P1D gateway and workers only
            "--gateway-args", "--local-prefill-max-tokens 64 --local-prefill-queue-tokens 1024",
-           "--decode-worker-args", "--max-num-batched-tokens 64", "--out", str(out)]
+           "--decode-worker-args", "--max-num-batched-tokens 64",
+           "--prefill-worker-args", "--max-num-batched-tokens 1024", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "TTFT added by disaggregation" in proc.stdout  # the human summary
@@ -42,7 +43,8 @@ def test_disagg_bench_quick_cpu(tmp_path):
     one, co = rep["deployments"]["1p1d"], rep["deployments"]["colocated"]
     assert one["gateway_args"] == ["--local-prefill-max-tokens", "64",
                                    "--local-prefill-queue-tokens", "1024"]
-    assert one["role_args"] == {"decode": ["--max-num-batched-tokens", "64"]}
+    assert one["role_args"] == {"prefill": ["--max-num-batched-tokens", "1024"],
+                                "decode": ["--max-num-batched-tokens", "64"]}
     assert co["gateway_args"] == [] and co["role_args"] == {}
     assert rep["deployment_args"]["1p1d"]["gateway"] == one["gateway_args"]
     for dep in (one, co):

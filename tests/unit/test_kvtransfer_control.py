@@ -48,7 +48,7 @@ class LoopbackSender(ControlSender):
         if self.die_after_blob:
             sock.close()  # the "process" is gone
             raise TransferError("sender died")
-        await await_ack(loop, sock)
+        await await_ack(loop, sock, sm)
 
 
 class LoopbackReceiver(ControlReceiver):
@@ -71,16 +71,25 @@ class LoopbackReceiver(ControlReceiver):
 
 class OneSidedLoopbackSender(LoopbackSender):
     """Like the one-sided GPU backends (cuda_ipc, nixl): the receiver reads our blocks, so a
-    failed send keeps them leased until the receiver stopped."""
+    failed send keeps them leased until the receiver stopped; blocks that are all readable
+    when the send starts go out right behind HELLO (eager payload)."""
+
+    eager_payload = True
+
+    def __init__(self, cache, layout):
+        super().__init__(cache, layout)
+        self.states_at_payload = []
 
     async def _send_payload(self, loop, sock, endpoint, sm, blocks):
+        self.states_at_payload.append(sm.state)
         ids = await blocks.all(watch=sock)
         await loop.sock_sendall(sock, proto.encode_blob(
             json.dumps({"sender": self.key, "src": ids}).encode()))
         try:
-            await await_ack(loop, sock)
+            await await_ack(loop, sock, sm)
         except BaseException as exc:
-            await until_receiver_stopped(loop, sock, f"sender gave up: {exc!r}")
+            await until_receiver_stopped(loop, sock, f"sender gave up: {exc!r}",
+                                         accepted=sm.state is not TransferState.PENDING)
             raise
 
 
@@ -250,6 +259,98 @@ def test_one_sided_send_that_times_out_returns_only_after_the_receiver_stopped()
         assert got.state is TransferState.FAILED and "sender gave up" in got.error, got
         await rx.close()
         await tx.close()
+
+    asyncio.run(main())
+
+
+def test_eager_payload_skips_the_hello_round_trip_and_rejections_still_say_why():
+    """A one-sided sender whose blocks are all readable sends its payload right behind HELLO
+    (the transfer is still PENDING: the receiver's answer is read with the ack); one whose
+    blocks are still being computed waits for the answer first. A receiver that rejects an
+    eager sender drains what it sent, so the reason arrives (no connection reset), every
+    time."""
+    from kvtransfer.stream import BlockStream
+
+    async def main():
+        src, dst = cache(16, seed=4), cache(16)
+        rx = LoopbackReceiver(dst, LAYOUT)
+        await rx.start()
+        tx = OneSidedLoopbackSender(src, LAYOUT)
+        h = rx.expect("e", [5, 6, 9], 5)
+        res = await tx.send("e", rx.endpoint, [0, 1, 2], 5)
+        assert res.ok and (await h.wait()).ok, res.error
+        assert torch.equal(dst[[5, 6, 9]], src[[0, 1, 2]])
+        assert tx.states_at_payload == [TransferState.PENDING]
+
+        stream = BlockStream(2)  # still computing: the handshake completes first
+        h = rx.expect("s", [3, 4], 5)
+        task = asyncio.ensure_future(tx.send("s", rx.endpoint, stream, 5))
+        await asyncio.sleep(0.05)
+        stream.extend([7, 8])
+        assert (await task).ok and (await h.wait()).ok
+        assert tx.states_at_payload[-1] is TransferState.TRANSFERRING
+        assert torch.equal(dst[[3, 4]], src[[7, 8]])
+
+        class Slow(OneSidedLoopbackSender):  # writes on after the receiver answered
+            async def _send_payload(self, loop, sock, endpoint, sm, blocks):
+                await loop.sock_sendall(sock, proto.encode_blob(b"{}"))
+                await asyncio.sleep(0.05)
+                await super()._send_payload(loop, sock, endpoint, sm, blocks)
+
+        slow = Slow(src, LAYOUT)
+        for i in range(3):
+            res = await slow.send(f"nobody-slow-{i}", rx.endpoint, [0, 1], 5)
+            assert res.state is TransferState.FAILED and "unknown" in res.error, res
+        for i in range(20):
+            res = await tx.send(f"nobody-{i}", rx.endpoint, [0, 1], 5)
+            assert res.state is TransferState.FAILED and "unknown" in res.error, res
+            h = rx.expect(f"m-{i}", [0, 1, 2], 5)
+            res = await tx.send(f"m-{i}", rx.endpoint, [0], 5)
+            assert res.state is TransferState.FAILED and "mismatch" in res.error, res
+            assert (await h.wait()).state is TransferState.FAILED
+        await asyncio.sleep(0.1)
+        assert not rx._conns  # every rejected connection was closed
+        await slow.close()
+        await tx.close()
+        await rx.close()
+
+    asyncio.run(main())
+
+
+def test_receiver_never_counts_done_a_transfer_whose_sender_gave_up():
+    """The sender gives up right behind its payload (an eager one that never saw the
+    receiver's answer): the receiver's device work completes before it looked at the
+    socket again, yet the transfer is FAILED, not DONE (the sender's blocks may be gone);
+    and the sender does not wait long for a receiver that never answered."""
+    class GivesUp(OneSidedLoopbackSender):
+        async def _send_payload(self, loop, sock, endpoint, sm, blocks):
+            ids = await blocks.all(watch=sock)
+            await loop.sock_sendall(sock, proto.encode_blob(
+                json.dumps({"sender": self.key, "src": ids}).encode()))
+            await until_receiver_stopped(loop, sock, "sender gave up: test",
+                                         accepted=sm.state is not TransferState.PENDING)
+            raise TransferError("gave up")
+
+    async def main():
+        rx = LoopbackReceiver(cache(8), LAYOUT)
+        await rx.start()
+        tx = GivesUp(cache(8, seed=5), LAYOUT)
+        h = rx.expect("g", [0, 1], 5)
+        res = await tx.send("g", rx.endpoint, [2, 3], 5)
+        assert res.state is TransferState.FAILED
+        got = await asyncio.wait_for(h.wait(), 2)
+        assert got.state is TransferState.FAILED and "sender gave up" in got.error, got
+        await tx.close()
+        await rx.close()
+
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair()  # never answers: the unanswered bound, not the lease's
+        a.setblocking(False)
+        t0 = loop.time()
+        await until_receiver_stopped(loop, a, "x", accepted=False)
+        assert loop.time() - t0 < control.UNANSWERED_DRAIN_TIMEOUT_S + 0.5
+        a.close()
+        b.close()
 
     asyncio.run(main())
 
