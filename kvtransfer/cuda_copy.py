@@ -88,3 +88,60 @@ def _torch_copy(dst, src, runs, stream) -> None:
     with torch.cuda.stream(stream) if dst.is_cuda else contextlib.nullcontext():
         for s, d, n in runs:
             dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+
+
+# ------------------------------------------------------------------ SM copies (one launch)
+_kernel = None
+
+
+def _gather_kernel():
+    """The Triton kernel, compiled on first use (kvtransfer needs no Triton otherwise)."""
+    global _kernel
+    if _kernel is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def gather_blocks(src, dst, pairs, n_tiles, BLOCK_ELEMS: tl.constexpr,
+                          TILE: tl.constexpr):
+            # src / dst: caches as int64 elements; pairs: [n, 2] (src block, dst block).
+            # Each program walks tiles pid, pid + nprog, ...: a few programs per SM keep
+            # enough loads in flight to fill the link.
+            tiles_per_block: tl.constexpr = BLOCK_ELEMS // TILE
+            pid = tl.program_id(0)
+            nprog = tl.num_programs(0)
+            offs = tl.arange(0, TILE)
+            for t in range(pid, n_tiles, nprog):
+                b = t // tiles_per_block
+                c = t % tiles_per_block
+                s = tl.load(pairs + 2 * b).to(tl.int64)
+                d = tl.load(pairs + 2 * b + 1).to(tl.int64)
+                x = tl.load(src + s * BLOCK_ELEMS + c * TILE + offs)
+                tl.store(dst + d * BLOCK_ELEMS + c * TILE + offs, x)
+
+        _kernel = gather_blocks
+    return _kernel
+
+
+def kernel_copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
+                     stream: torch.cuda.Stream | None, programs: int = 132,
+                     tile_bytes: int = 32768, num_warps: int = 8) -> None:
+    """Like :func:`copy_runs`, in ONE kernel launch on ``dst``'s GPU that reads ``src``
+    directly (a peer GPU's memory over NVLink, or a CUDA IPC mapping): no per-run cost, but
+    it takes ``programs`` CTAs' worth of SMs while it runs. Blocks must be a multiple of
+    ``tile_bytes`` (8-byte aligned)."""
+    bb = dst.stride(0)
+    if src.stride(0) != bb or bb % tile_bytes or tile_bytes % 8:
+        raise ValueError(f"block of {bb} B is not a multiple of {tile_bytes} B tiles")
+    pairs = [(s + k, d + k) for s, d, n in runs for k in range(n)]
+    if not pairs:
+        return
+    dev = dst.device
+    idx = torch.tensor(pairs, dtype=torch.int32).to(dev, non_blocking=True)
+    n_tiles = len(pairs) * (bb // tile_bytes)
+    grid = (max(1, min(programs, n_tiles)),)
+    ctx = torch.cuda.stream(stream) if stream is not None and dst.is_cuda \
+        else contextlib.nullcontext()
+    with ctx:
+        _gather_kernel()[grid](src.view(torch.int64), dst.view(torch.int64), idx, n_tiles,
+                               BLOCK_ELEMS=bb // 8, TILE=tile_bytes // 8, num_warps=num_warps)

@@ -1,0 +1,94 @@
+"""How to move a 4096-token prompt's KV blocks from one GPU to another of the same host,
+when its blocks are scattered (issue 5): copy engines (one cuMemcpyDtoDAsync per run of
+blocks, what cuda_ipc does) against one Triton kernel on the receiving GPU reading the peer's
+memory (kvtransfer.cuda_copy.kernel_copy_runs) with various numbers of programs (CTAs).
+
+In one process: src cache on cuda:0, dst cache on cuda:1 (peer access enabled, as a CUDA IPC
+mapping is), 256 blocks x 2 MiB (Llama-3-8B, 16-token blocks). GB/s = payload / GPU time
+between events around the copies on the receiving GPU's stream, median of --reps.
+
+    PYTHONPATH=. python3 bench/kv_copy_gpu.py --out bench/results/kv_copy_gpu_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from kvtransfer.control import segments
+from kvtransfer.cuda_copy import copy_runs, kernel_copy_runs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--blocks", type=int, default=256)
+    p.add_argument("--block-bytes", type=int, default=2 << 20)
+    p.add_argument("--cache-blocks", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--programs", default="16,32,66,132,264,528")
+    p.add_argument("--tiles", default="32768,65536")
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    src = torch.randint(0, 255, (a.cache_blocks, a.block_bytes), dtype=torch.uint8,
+                        device="cuda:0")
+    dst = torch.zeros((a.cache_blocks, a.block_bytes), dtype=torch.uint8, device="cuda:1")
+    dst[0].copy_(src[0])  # enables cuda:1's access to cuda:0's memory
+    torch.cuda.synchronize("cuda:0")
+    rng = random.Random(0)
+    patterns = {
+        "contiguous": (list(range(a.blocks)), list(range(a.blocks))),
+        "scattered": (rng.sample(range(a.cache_blocks), a.blocks),
+                      rng.sample(range(a.cache_blocks), a.blocks)),
+    }
+    stream = torch.cuda.Stream("cuda:1")
+    payload = a.blocks * a.block_bytes
+    methods = {"copy_engine": lambda runs: copy_runs(dst, src, runs, stream)}
+    for tile in (int(t) for t in a.tiles.split(",")):
+        for prog in (int(x) for x in a.programs.split(",")):
+            methods[f"kernel_p{prog}_t{tile // 1024}k"] = (
+                lambda runs, prog=prog, tile=tile: kernel_copy_runs(
+                    dst, src, runs, stream, programs=prog, tile_bytes=tile))
+    results: dict = {}
+    for pname, (s_ids, d_ids) in patterns.items():
+        runs = segments(s_ids, d_ids)
+        want = src[s_ids].to("cuda:1")
+        for mname, fn in methods.items():
+            dst.zero_()
+            torch.cuda.synchronize("cuda:1")
+            times, host = [], []
+            for rep in range(a.reps + 2):
+                with torch.cuda.device("cuda:1"):
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                        enable_timing=True)
+                    e0.record(stream)
+                    t0 = time.perf_counter()
+                    fn(runs)
+                    host.append(time.perf_counter() - t0)
+                    e1.record(stream)
+                e1.synchronize()
+                if rep >= 2:
+                    times.append(e0.elapsed_time(e1) / 1000)
+            ok = torch.equal(dst[d_ids], want)
+            gbps = payload / statistics.median(times) / 1e9
+            results.setdefault(pname, {})[mname] = {
+                "median_gbps": round(gbps, 1), "max_gbps": round(payload / min(times) / 1e9, 1),
+                "host_ms_median": round(statistics.median(host[2:]) * 1e3, 3),
+                "runs": len(runs), "data_verified": ok}
+            print(f"{pname:10s} {mname:22s} {gbps:7.1f} GB/s  host "
+                  f"{statistics.median(host[2:]) * 1e3:6.3f} ms  runs {len(runs)}  ok={ok}",
+                  flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"command": "python3 bench/kv_copy_gpu.py " + " ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out"),
+                "payload_bytes": payload, "devices": [torch.cuda.get_device_name(0)] * 2,
+                "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
