@@ -23,6 +23,19 @@ from kvtransfer.control import segments
 from kvtransfer.cuda_copy import copy_runs, kernel_copy_runs
 
 
+def enable_peer_access(dev: int, peer: int) -> None:
+    """Let ``dev``'s context address ``peer``'s memory (kernels, not only copies)."""
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    ctx = ctypes.c_void_p()
+    assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), peer) == 0
+    with torch.cuda.device(dev):
+        torch.cuda.current_stream().synchronize()  # dev's context current on this thread
+        rc = lib.cuCtxEnablePeerAccess(ctx, 0)
+    assert rc in (0, 704), f"cuCtxEnablePeerAccess: CUDA error {rc}"  # 704: already on
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--blocks", type=int, default=256)
@@ -36,7 +49,7 @@ def main() -> None:
     src = torch.randint(0, 255, (a.cache_blocks, a.block_bytes), dtype=torch.uint8,
                         device="cuda:0")
     dst = torch.zeros((a.cache_blocks, a.block_bytes), dtype=torch.uint8, device="cuda:1")
-    dst[0].copy_(src[0])  # enables cuda:1's access to cuda:0's memory
+    enable_peer_access(1, 0)  # as a CUDA IPC mapping is
     torch.cuda.synchronize("cuda:0")
     rng = random.Random(0)
     patterns = {
