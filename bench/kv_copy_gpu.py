@@ -20,20 +20,7 @@ import time
 import torch
 
 from kvtransfer.control import segments
-from kvtransfer.cuda_copy import copy_runs, kernel_copy_runs
-
-
-def enable_peer_access(dev: int, peer: int) -> None:
-    """Let ``dev``'s context address ``peer``'s memory (kernels, not only copies)."""
-    import ctypes
-
-    lib = ctypes.CDLL("libcuda.so.1")
-    ctx = ctypes.c_void_p()
-    assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), peer) == 0
-    with torch.cuda.device(dev):
-        torch.cuda.current_stream().synchronize()  # dev's context current on this thread
-        rc = lib.cuCtxEnablePeerAccess(ctx, 0)
-    assert rc in (0, 704), f"cuCtxEnablePeerAccess: CUDA error {rc}"  # 704: already on
+from kvtransfer.cuda_copy import copy_runs, enable_peer_access, kernel_copy_runs
 
 
 def main() -> None:

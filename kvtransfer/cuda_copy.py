@@ -7,6 +7,12 @@ so queueing 256 of them kept the copy engines idle half the time (205 GB/s measu
 H200s against 370 for one contiguous copy). ``cuMemcpyDtoDAsync`` through ctypes costs ~1-2
 us a call, so the copy engines stay ahead of the host.
 
+Copy engines still pay ~4 us per copy (a scattered 512 MiB transfer: ~220 GB/s through
+cuda_ipc, against ~385 contiguous). :func:`copy_blocks` therefore moves transfers made of
+many short runs with ONE Triton kernel on the receiving GPU that reads the peer's memory
+(:func:`kernel_copy_runs`: 326 GB/s scattered with 32 programs, bench/kv_copy_gpu.py), and
+the rest with the copy engines, which take no SMs and are faster on long runs.
+
 Addresses are unified (UVA): a source mapped from another process (CUDA IPC) or living on
 another GPU of this process is copied peer to peer by the driver. Where the driver library
 cannot be loaded (no GPU build of the driver, tests on CPU), :func:`copy_runs` falls back to
@@ -48,6 +54,43 @@ def _driver_memcpy():
                                     exc)
                         _memcpy = False
     return _memcpy
+
+
+KERNEL_BELOW_RUN_BYTES = 8 << 20  # copy_blocks: the kernel when runs average less
+KERNEL_PROGRAMS = 32  # CTAs of the copy kernel: 32 already fill NVLink on H200 (bench)
+
+
+def copy_blocks(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
+                stream: torch.cuda.Stream, kernel_below: int | None = None) -> str:
+    """Queue the copies of ``runs`` (see :func:`copy_runs`) the fastest way: one kernel
+    launch when the runs average under ``kernel_below`` bytes (default
+    ``PDSERVE_KERNEL_COPY_BELOW_BYTES``, else KERNEL_BELOW_RUN_BYTES; 0: never) and ``src``
+    is mapped into ``dst``'s device (a CUDA IPC mapping; another GPU's tensor of this
+    process may not be addressable by kernels), else the copy engines. Returns which."""
+    if kernel_below is None:
+        kernel_below = int(os.environ.get("PDSERVE_KERNEL_COPY_BELOW_BYTES",
+                                          KERNEL_BELOW_RUN_BYTES))
+    bb = dst.stride(0)
+    blocks = sum(n for _, _, n in runs)
+    if (kernel_below > 0 and runs and blocks * bb < kernel_below * len(runs)
+            and dst.is_cuda and src.device == dst.device and _tile_bytes(bb, src, dst)):
+        kernel_copy_runs(dst, src, runs, stream)
+        return "kernel"
+    copy_runs(dst, src, runs, stream)
+    return "copy_engine"
+
+
+def _tile_bytes(bb: int, *tensors: torch.Tensor, most: int = 32768, least: int = 1024) -> int:
+    """The largest power-of-two tile (``least``..``most`` bytes) that divides a block, 0 if
+    none does or a tensor is not 16-byte aligned."""
+    if any(t.data_ptr() % 16 for t in tensors):
+        return 0
+    tile = most
+    while tile >= least:
+        if bb % tile == 0:
+            return tile
+        tile //= 2
+    return 0
 
 
 def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
@@ -124,24 +167,38 @@ def _gather_kernel():
 
 
 def kernel_copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
-                     stream: torch.cuda.Stream | None, programs: int = 132,
-                     tile_bytes: int = 32768, num_warps: int = 8) -> None:
+                     stream: torch.cuda.Stream | None, programs: int = KERNEL_PROGRAMS,
+                     tile_bytes: int | None = None, num_warps: int = 8) -> None:
     """Like :func:`copy_runs`, in ONE kernel launch on ``dst``'s GPU that reads ``src``
-    directly (a peer GPU's memory over NVLink, or a CUDA IPC mapping): no per-run cost, but
-    it takes ``programs`` CTAs' worth of SMs while it runs. Blocks must be a multiple of
-    ``tile_bytes`` (8-byte aligned)."""
+    directly (a CUDA IPC mapping, or a peer GPU's memory once peer access is enabled):
+    no per-run cost, but ``programs`` CTAs take SMs while it runs. ``tile_bytes`` (default:
+    the largest power of two up to 32 KiB dividing a block) must divide a block."""
     bb = dst.stride(0)
-    if src.stride(0) != bb or bb % tile_bytes or tile_bytes % 8:
-        raise ValueError(f"block of {bb} B is not a multiple of {tile_bytes} B tiles")
+    tile_bytes = tile_bytes or _tile_bytes(bb, src, dst)
+    if src.stride(0) != bb or not tile_bytes or bb % tile_bytes or tile_bytes % 8:
+        raise ValueError(f"blocks of {bb} B cannot be cut into {tile_bytes} B tiles")
     pairs = [(s + k, d + k) for s, d, n in runs for k in range(n)]
     if not pairs:
         return
-    dev = dst.device
-    idx = torch.tensor(pairs, dtype=torch.int32).to(dev, non_blocking=True)
     n_tiles = len(pairs) * (bb // tile_bytes)
     grid = (max(1, min(programs, n_tiles)),)
     ctx = torch.cuda.stream(stream) if stream is not None and dst.is_cuda \
         else contextlib.nullcontext()
-    with ctx:
+    with ctx:  # the ids travel on the copy's stream: ordered before the kernel reads them
+        idx = torch.tensor(pairs, dtype=torch.int32).to(dst.device, non_blocking=True)
         _gather_kernel()[grid](src.view(torch.int64), dst.view(torch.int64), idx, n_tiles,
                                BLOCK_ELEMS=bb // 8, TILE=tile_bytes // 8, num_warps=num_warps)
+
+
+def enable_peer_access(device: int, peer: int) -> None:
+    """Let ``device``'s context address ``peer``'s memory from kernels (copies need no
+    such thing; a CUDA IPC mapping comes with it). For tests and benchmarks in one process."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    ctx = ctypes.c_void_p()
+    if lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), peer) != 0:
+        raise RuntimeError(f"no primary context on GPU {peer}")
+    with torch.cuda.device(device):
+        torch.cuda.current_stream().synchronize()  # the device's context current here
+        rc = lib.cuCtxEnablePeerAccess(ctx, 0)
+    if rc not in (0, 704):  # 704: already enabled
+        raise RuntimeError(f"cuCtxEnablePeerAccess failed with CUDA error {rc}")

@@ -1,13 +1,14 @@
-"""CUDA IPC backend: same-host GPU -> GPU, the receiver pulls with the copy engines.
+"""CUDA IPC backend: same-host GPU -> GPU, the receiver pulls over NVLink.
 
 The sender exports its cache's memory once (a CUDA IPC handle, through PyTorch's storage
 sharing); per transfer it sends that handle on the control connection (see
 :mod:`kvtransfer.control`), then the source block ids of each part of its BlockStream once
 the part's KV is written. The receiver maps the sender's cache once per sender (cached),
 queues the copies of each part as it arrives (so the blocks of finished prefill chunks move
-while the next chunk computes): segments (runs contiguous in both caches) cut into
-``copy_lanes`` equal shares, each a device-to-device copy over NVLink on its own stream
-(several copy engines pull at once), then waits for the copies' event, counts the transfer
+while the next chunk computes): segments (runs contiguous in both caches), copied by the
+copy engines, or, when they are many short runs (scattered blocks), by one kernel on our GPU
+reading the mapping (:mod:`kvtransfer.cuda_copy`; ``copy_lanes`` > 1 spreads copy-engine
+copies over several streams instead), then waits for the copies' event, counts the transfer
 DONE and acks; the sender's ``send`` returns.
 
 The copy is one-sided: the receiver reads the sender's blocks, which the sender's caller
@@ -45,7 +46,7 @@ import torch
 
 from kvtransfer import protocol as proto
 from kvtransfer.base import KVLayout, TransferState, TransferStateMachine
-from kvtransfer.cuda_copy import copy_runs
+from kvtransfer.cuda_copy import copy_blocks, copy_runs
 from kvtransfer.control import (
     ControlReceiver,
     ControlSender,
@@ -235,12 +236,17 @@ class CudaIpcReceiver(ControlReceiver):
 
     def _copy(self, dst: torch.Tensor, peer: torch.Tensor,
               segs: list[tuple[int, int, int]]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        """Queue one part's copies, spread over the lanes; events around all of them."""
+        """Queue one part's copies (one lane: :func:`~kvtransfer.cuda_copy.copy_blocks`
+        picks a kernel or the copy engines; more: copy engines spread over the lanes);
+        events around all of them."""
         main = self._stream
         with torch.cuda.device(self._cache.device):
             start = torch.cuda.Event(enable_timing=True)
             start.record(main)
             shares = lane_shares(segs, len(self._lanes))
+            if len(shares) == 1:
+                copy_blocks(dst, peer, segs, main)
+                shares = []
             for lane, share in zip(self._lanes, shares):
                 if lane is not main:
                     lane.wait_event(start)

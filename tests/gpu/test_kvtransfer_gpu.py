@@ -58,26 +58,31 @@ async def pair(backend, src, dst, src_layout=LAYOUT):
     return rx, make_sender(backend, src, src_layout)
 
 
-def test_driver_copies_match_torch_copies_across_gpus_and_within_one():
-    """cuda_ipc queues its block runs through cuMemcpyDtoDAsync (kvtransfer.cuda_copy): the
-    driver path is taken here, and it lands exactly what ``copy_`` would, peer to peer and
-    on one GPU, on a side stream ordered after earlier work on it."""
+def test_driver_and_kernel_copies_match_torch_copies_across_gpus_and_within_one():
+    """cuda_ipc queues its block runs through cuMemcpyDtoDAsync, or one Triton kernel for
+    many short runs (kvtransfer.cuda_copy): both land exactly what ``copy_`` would, peer to
+    peer and on one GPU, on a side stream ordered after earlier work on it; copy_blocks
+    picks the kernel for short runs on one device and the copy engines otherwise."""
     from kvtransfer import cuda_copy
 
     assert cuda_copy._driver_memcpy(), "libcuda's cuMemcpyDtoDAsync_v2 did not load"
+    cuda_copy.enable_peer_access(1, 0)  # kernels on cuda:1 read cuda:0 (as an IPC mapping)
+    runs = [(3, 60, 1), (10, 0, 5), (40, 20, 12), (63, 63, 1)]
     for src_dev in (SRC, DST):
         src = cache(64, src_dev, seed=11).view(64, -1).view(torch.uint8)
-        dst = torch.zeros_like(src, device=DST)
-        want = torch.zeros_like(dst)
-        runs = [(3, 60, 1), (10, 0, 5), (40, 20, 12), (63, 63, 1)]
-        stream = torch.cuda.Stream(DST)
-        with torch.cuda.device(DST):
-            stream.wait_stream(torch.cuda.current_stream(DST))
-            cuda_copy.copy_runs(dst, src, runs, stream)
+        want = torch.zeros_like(src, device=DST)
         for s, d, n in runs:
             want[d:d + n] = src[s:s + n].to(DST)
-        stream.synchronize()
-        assert torch.equal(dst, want)
+        for how in ("copy_runs", "kernel_copy_runs", "copy_blocks"):
+            dst = torch.zeros_like(src, device=DST)
+            stream = torch.cuda.Stream(DST)
+            with torch.cuda.device(DST):
+                stream.wait_stream(torch.cuda.current_stream(DST))
+                picked = getattr(cuda_copy, how)(dst, src, runs, stream)
+            stream.synchronize()
+            assert torch.equal(dst, want), (src_dev, how)
+            if how == "copy_blocks":  # 32 KiB blocks: short runs; a kernel on one device only
+                assert picked == ("kernel" if src_dev == DST else "copy_engine")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -403,3 +403,27 @@ def test_copy_lanes_and_descriptor_pieces_cover_every_block_once():
                                       for k in range(n))
         sizes = [sum(n for _, _, n in share) for share in shares]
         assert max(sizes) - min(sizes) <= 1
+
+
+def test_block_copies_kernel_and_fallback_land_every_run():
+    """kvtransfer.cuda_copy on the CPU: the Triton gather kernel (interpreted) and the
+    ``copy_`` fallback copy exactly the given runs; tiles are the largest power of two up to
+    32 KiB dividing a block (SmolLM2's 368,640-byte blocks: 8 KiB)."""
+    from kvtransfer.cuda_copy import _tile_bytes, copy_blocks, copy_runs, kernel_copy_runs
+
+    x = torch.zeros(8, dtype=torch.uint8)
+    assert _tile_bytes(2 << 20, x) == 32768 and _tile_bytes(368640, x) == 8192
+    assert _tile_bytes(3072, x) == 1024 and _tile_bytes(1000, x) == 0
+    src = torch.randint(0, 255, (16, 3072), dtype=torch.uint8, generator=torch.Generator()
+                        .manual_seed(0))
+    runs = [(3, 10, 2), (0, 0, 1), (12, 5, 3)]
+    want = torch.zeros_like(src)
+    for s, d, n in runs:
+        want[d:d + n] = src[s:s + n]
+    for copy in (kernel_copy_runs, copy_runs, copy_blocks):
+        dst = torch.zeros_like(src)
+        copy(dst, src, runs, None)
+        assert torch.equal(dst, want), copy.__name__
+    with pytest.raises(ValueError, match="tiles"):
+        kernel_copy_runs(torch.zeros(4, 1000, dtype=torch.uint8),
+                         torch.zeros(4, 1000, dtype=torch.uint8), [(0, 0, 1)], None)
