@@ -19,8 +19,9 @@
 #   ipc16        bench/disagg_gpu.py 1P1D only, 16 req/s, cuda_ipc then nccl (2 GPUs)      ~4
 #   ttftgpu      bench/ttft_gpu.py: 1P1D set-ups vs colocated on the prefill GPU (2 GPUs)   ~4
 #   goodput      bench/disagg_gpu.py at 20,22,24,26,28 req/s: where each keeps 90% (2 GPUs) ~6
-#   p1d          bench/disagg_gpu.py 1P1D alone at P1D_RATES (24,26,28,30), the prefill
-#                worker with PREFILL_ARGS, output ..._1p1d_$P1D_NAME.json (2 GPUs)           ~5
+#   p1d          bench/disagg_gpu.py, one deployment (DEPLOY, 1p1d) at P1D_RATES (24,26,28,30),
+#                workers with WORKER_ARGS (1P1D prefill: PREFILL_ARGS),
+#                output ..._${DEPLOY}_$P1D_NAME.json (2 GPUs)                                ~3
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -90,11 +91,13 @@ PY
     goodput) run python3 bench/disagg_gpu.py --kv-backend nccl,cuda_ipc \
         --colocated-kv-backend nccl --rates 20,22,24,26,28 --exact-prompts 4 --time-budget 560 \
         --out "$OUT/disagg_gpu_h200_goodput_grid.json" ;;
-    p1d)  # 1P1D alone near its SLO limit; PREFILL_ARGS: the prefill worker's extra flags
-      run python3 bench/disagg_gpu.py --deployments 1p1d --kv-backend nccl,cuda_ipc \
-        --rates ${P1D_RATES:-24,26,28,30} --exact-prompts 4 --ttft-repeats 4 \
-        ${PREFILL_ARGS:+--prefill-worker-args "$PREFILL_ARGS"} \
-        --out "$OUT/disagg_gpu_h200_1p1d_${P1D_NAME:-p1d}.json" ;;
+    p1d)  # one deployment (DEPLOY: 1p1d) near its SLO limit; PREFILL_ARGS: the 1P1D prefill
+          # worker's extra flags, WORKER_ARGS: every worker's
+      run python3 bench/disagg_gpu.py --deployments ${DEPLOY:-1p1d} --kv-backend nccl,cuda_ipc \
+        --colocated-kv-backend nccl --rates ${P1D_RATES:-24,26,28,30} --exact-prompts 4 \
+        --ttft-repeats 4 ${PREFILL_ARGS:+--prefill-worker-args "$PREFILL_ARGS"} \
+        ${WORKER_ARGS:+--worker-args "$WORKER_ARGS"} \
+        --out "$OUT/disagg_gpu_h200_${DEPLOY:-1p1d}_${P1D_NAME:-p1d}.json" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -74,10 +74,22 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # cap on running requests
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill splits above it)
     max_model_len: int = 4096
+    # order of admission from the waiting queue: "fcfs" (arrival order) or "short_first" (the
+    # fewest tokens left to compute first, so short prompts do not queue behind long ones;
+    # a request waiting longer than max_wait_s goes before every newer one: no starvation)
+    policy: str = "fcfs"
+    max_wait_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 1:
             raise ValueError("scheduler limits must be positive")
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduler policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.max_wait_s <= 0:
+            raise ValueError(f"max_wait_s must be > 0, got {self.max_wait_s}")
+
+
+POLICIES = ("fcfs", "short_first")
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,12 @@ within a token budget. There is no separate prefill or decode phase: a long prom
 cut into chunks over several steps (chunked prefill) and mixed with one-token decode steps of
 running requests; a prefix-cache hit or a KV transfer only starts the count higher.
 
-Policy: running requests first (oldest first), then FIFO admission from the waiting queue while
-the budget, the running cap and the free blocks allow. When a running request needs a block and
+Policy: running requests first (oldest first), then admission from the waiting queue while
+the budget, the running cap and the free blocks allow: in arrival order (``fcfs``), or
+(``short_first``) the request with the fewest tokens left to compute first, except that one
+waiting longer than ``max_wait_s`` goes first (oldest first). Under load the second keeps short
+prompts' TTFT low on a prefill worker whose queue holds long prompts; a request put back by
+preemption resumes first under both. When a running request needs a block and
 none is free, the newest running request is preempted: its blocks are freed and it goes back to
 the front of the waiting queue, to be recomputed from its prompt and generated tokens.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 import logging
+import time
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
@@ -109,10 +114,10 @@ class Scheduler:
                 continue
             break  # seq itself was preempted: it was the last running one
 
-        # 2. Waiting requests, FIFO, unless this step already had to preempt.
+        # 2. Waiting requests in policy order, unless this step already had to preempt.
         while self.waiting and budget > 0 and not out.preempted \
                 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             if not seq.block_table:
                 seq.num_cached_tokens = self.bm.allocate_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -124,12 +129,23 @@ class Scheduler:
                 if not self.running:  # nothing will free blocks: it can never fit
                     logger.warning("request %s needs more KV blocks than exist", seq.request_id)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def _next_waiting(self) -> Sequence:
+        """The waiting request to admit next (see the module's policy)."""
+        head = self.waiting[0]  # arrival order; preempted requests were put at the front
+        if self.config.policy == "fcfs" or head.num_preemptions:
+            return head
+        aged_before = time.monotonic() - self.config.max_wait_s
+        if head.arrival_time <= aged_before:
+            return head  # the oldest has waited too long: FIFO until the backlog is served
+        return min(self.waiting,
+                   key=lambda q: (q.num_tokens - q.num_computed_tokens, q.order))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -17,6 +17,8 @@ import os
 import socket
 from typing import Any, TypeVar
 
+from engine.config import POLICIES
+
 S = TypeVar("S")
 
 ROLES = ("prefill", "decode", "colocated")
@@ -148,6 +150,11 @@ class WorkerSettings:
     max_num_seqs: int = _opt(64, "max running requests")
     max_num_batched_tokens: int = _opt(2048, "per-step token budget")
     max_model_len: int = _opt(4096, "max prompt + output tokens")
+    schedule_policy: str = _opt("fcfs", "admission order of waiting requests: fcfs, or "
+                                        "short_first (fewest prompt tokens left first; one "
+                                        "waiting over --schedule-max-wait-s goes first)")
+    schedule_max_wait_s: float = _opt(1.0, "short_first: wait after which a request goes "
+                                           "before newer ones")
     enforce_eager: bool = _opt(False, "GPU: no CUDA graphs")
     async_decode: bool | None = _opt(None, "launch the next decode step before reading this "
                                             "one's tokens (hides host work behind the GPU); "
@@ -185,8 +192,11 @@ class WorkerSettings:
         for name in ("num_blocks", "num_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.schedule_policy not in POLICIES:
+            raise ValueError(f"schedule_policy must be one of {POLICIES}, "
+                             f"got {self.schedule_policy!r}")
         for name in ("transfer_timeout_s", "kv_cache_memory_bytes", "max_num_seqs",
-                     "max_num_batched_tokens", "max_model_len"):
+                     "max_num_batched_tokens", "max_model_len", "schedule_max_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 

@@ -30,7 +30,8 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
                           enable_prefix_caching=s.enable_prefix_caching, hash_seed=s.hash_seed),
         scheduler=SchedulerConfig(max_num_seqs=s.max_num_seqs,
                                   max_num_batched_tokens=s.max_num_batched_tokens,
-                                  max_model_len=s.max_model_len),
+                                  max_model_len=s.max_model_len, policy=s.schedule_policy,
+                                  max_wait_s=s.schedule_max_wait_s),
         enforce_eager=s.enforce_eager, async_decode=s.async_decode,
         num_threads=s.num_threads or None)
 

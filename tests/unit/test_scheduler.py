@@ -133,3 +133,45 @@ def test_waiting_request_does_not_hold_its_cached_prefix():
             break
     assert big.status is SeqStatus.FINISHED and big.num_preemptions == 0
     assert b.status is SeqStatus.RUNNING and len(b.block_table) == 7
+
+
+def test_short_first_admits_the_fewest_tokens_left_unless_one_waited_too_long():
+    import pytest
+
+    def admitted(policy, aged=()):
+        bm = BlockManager(64, BS, BlockHasher("t", "m", BS))
+        s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64,
+                                      max_model_len=256, policy=policy, max_wait_s=1.0), bm)
+        for rid, n in (("long", 40), ("mid", 12), ("short", 5)):
+            q = seq(rid, n, start=len(s.requests) * 100)
+            if rid in aged:
+                q.arrival_time -= 5.0
+            s.add(q)
+        order = []
+        while s.has_work:  # one running at a time: each finishes after its prefill
+            (rid, _), = step(s)[0]
+            order.append(rid)
+            s.finish(s.requests[rid], FinishReason.STOP)
+        return order
+
+    assert admitted("fcfs") == ["long", "mid", "short"]
+    assert admitted("short_first") == ["short", "mid", "long"]
+    # the long prompt waited past max_wait_s: it goes first, then the rest by size
+    assert admitted("short_first", aged=("long",)) == ["long", "short", "mid"]
+    with pytest.raises(ValueError, match="policy"):
+        SchedulerConfig(policy="lifo")
+
+
+def test_short_first_resumes_a_preempted_request_first():
+    bm = BlockManager(4, BS, BlockHasher("t", "m", BS))
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+                                  policy="short_first"), bm)
+    s.add(seq("a", 7))
+    s.add(seq("b", 7, start=50))
+    step(s)
+    step(s)
+    _, out = step(s)
+    assert out.preempted == ["b"]
+    s.add(seq("tiny", 1, start=90))  # shorter than b, but b was running before
+    s.finish(s.requests["a"], FinishReason.STOP)
+    assert [r for r, _ in step(s)[0]][0] == "b"

@@ -34,3 +34,17 @@ def test_bad_backend_lists_are_refused_with_a_reason(argv, message):
 def test_env_var_sets_the_list():
     s = worker_settings([], env={"PDSERVE_KV_BACKEND": "nccl,cuda_ipc", "PDSERVE_DEVICE": "cuda"})
     assert s.kv_backends == ("nccl", "cuda_ipc")
+
+
+def test_schedule_policy_reaches_the_engine_and_bad_values_are_refused():
+    from services.worker_runtime import engine_config
+
+    s = worker_settings(["--schedule-policy", "short_first", "--schedule-max-wait-s", "0.5"],
+                        env={})
+    sched = engine_config(s).scheduler
+    assert (sched.policy, sched.max_wait_s) == ("short_first", 0.5)
+    assert engine_config(worker_settings([], env={})).scheduler.policy == "fcfs"
+    with pytest.raises(ConfigError, match="schedule_policy must be one of"):
+        worker_settings(["--schedule-policy", "sjf"], env={})
+    with pytest.raises(ConfigError, match="schedule_max_wait_s"):
+        worker_settings(["--schedule-max-wait-s", "0"], env={})
