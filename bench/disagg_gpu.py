@@ -496,6 +496,10 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
             s = metrics.summarize(res, slo_ttft, slo_tpot)
             s["slo_attainment"] = round(s["num_good"] / s["num_requests"], 4) \
                 if s["num_requests"] else None
+            # what the random draw of long prompts really asked of the prefill side: at one
+            # rate label two samples can differ by 15% (bench/disagg_notes.md, session 7)
+            s["offered_prompt_tokens_per_s"] = round(s["prompt_tokens"] / a.duration) \
+                if not a.num_requests and a.duration else None
             s["by_prompt"] = {
                 kind: {"n": len(sub), "ttft_ms": metrics.dist_ms([r.ttft_s for r in sub if r.ok]),
                        "num_good": sum(metrics.meets_slo(r, slo_ttft, slo_tpot) for r in sub)}
@@ -513,8 +517,8 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
                 f"{s['itl_ms']['p50']}/{s['itl_ms']['p99']} ms, TTFT p50/p99 "
                 f"{s['ttft_ms']['p50']}/{s['ttft_ms']['p99']} ms, TPOT p50 "
                 f"{s['tpot_ms']['p50']} ms, goodput {s['goodput']} req/s "
-                f"({s['num_good']} good), {s['output_token_throughput']} tok/s, routes "
-                f"{routes}")
+                f"({s['num_good']} good), {s['output_token_throughput']} tok/s, offered "
+                f"{s['offered_prompt_tokens_per_s']} prompt tok/s, routes {routes}")
             save()
     finally:
         t = time.monotonic()

@@ -37,6 +37,7 @@ def test_disagg_bench_quick_cpu(tmp_path):
             s = run["summary"]
             assert s["num_requests"] > 0 and s["num_errors"] == 0, run["errors"]
             assert s["itl_ms"]["p99"] > 0 and s["goodput"] > 0
+            assert s["offered_prompt_tokens_per_s"] == round(s["prompt_tokens"] / 5.0)
             assert s["by_prompt"]["long"]["n"] + s["by_prompt"]["short"]["n"] == s["num_requests"]
             assert len(run["requests"]) == s["num_requests"]
     assert rep["deployments"]["1p1d"]["cluster"] == {"prefill": 1, "decode": 1, "colocated": 0}
