@@ -1,0 +1,132 @@
+"""Prefill attention choices for Llama-3-8B shapes on one GPU (32 query heads, 8 KV heads,
+head_dim 128, bf16), per layer: which way a prefill chunk's attention should run.
+
+* prefix-free causal n tokens: SDPA after expanding K/V heads (``repeat_interleave``, what
+  engine/kernels/backend.py does), SDPA with ``enable_gqa=True``, SDPA given the unexpanded
+  K/V without the flag, and the Triton paged kernel;
+* a chunk of n tokens after a cached prefix of p tokens (chunked prefill's later chunks):
+  the Triton paged kernel against SDPA with a lower-right causal mask over gathered K/V.
+
+Each variant: median GPU time of --reps calls (CUDA events), TFLOP/s of the causal work,
+max |difference| to the expanded-SDPA result, or the error it raised.
+
+    PYTHONPATH=. python3 bench/attention_prefill_gpu.py --out bench/results/attention_prefill_gpu_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.prefill_attention import paged_prefill_attention
+
+HQ, HK, D, BS = 32, 8, 128, 16
+
+
+def timed(fn, reps):
+    for _ in range(3):
+        out = fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return out, statistics.median(times)
+
+
+def paged(q, k, v, prefix):
+    """Cache holding the sequence's K/V (prefix + chunk) in blocks; the Triton kernel."""
+    total = k.shape[0]
+    nb = -(-total // BS)
+    cache = torch.zeros(nb, 1, 2, BS, HK, D, dtype=q.dtype, device=q.device)
+    kk = torch.zeros(nb * BS, HK, D, dtype=q.dtype, device=q.device)
+    vv = torch.zeros_like(kk)
+    kk[:total], vv[:total] = k, v
+    cache[:, 0, 0] = kk.view(nb, BS, HK, D)
+    cache[:, 0, 1] = vv.view(nb, BS, HK, D)
+    bt = torch.arange(nb, dtype=torch.int32, device=q.device)[None]
+    qsl = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+    sl = torch.tensor([total], dtype=torch.int32, device=q.device)
+    scale = D ** -0.5
+    return lambda: paged_prefill_attention(q, cache, 0, bt, qsl, sl, scale,
+                                           max_query_len=q.shape[0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    dev = "cuda"
+    scale = D ** -0.5
+    res = {}
+    for n, prefix in ((512, 0), (2048, 0), (4096, 0), (2048, 2048), (512, 3584)):
+        total = prefix + n
+        q = torch.randn(n, HQ, D, dtype=torch.bfloat16, device=dev)
+        k = torch.randn(total, HK, D, dtype=torch.bfloat16, device=dev)
+        v = torch.randn(total, HK, D, dtype=torch.bfloat16, device=dev)
+        qt = q.transpose(0, 1)[None]
+        kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        # causal work: each query attends to prefix + its position + 1 keys
+        flop = 4 * HQ * D * sum(prefix + j + 1 for j in range(n))
+        variants = {}
+        if prefix == 0:
+            def expanded():
+                ke = k.repeat_interleave(HQ // HK, dim=1).transpose(0, 1)[None]
+                ve = v.repeat_interleave(HQ // HK, dim=1).transpose(0, 1)[None]
+                return F.scaled_dot_product_attention(qt, ke, ve, is_causal=True, scale=scale)
+            variants["sdpa_expanded"] = expanded
+            variants["sdpa_enable_gqa"] = lambda: F.scaled_dot_product_attention(
+                qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+            variants["sdpa_unexpanded_no_flag"] = lambda: F.scaled_dot_product_attention(
+                qt, kt, vt, is_causal=True, scale=scale)
+        else:
+            from torch.nn.attention.bias import causal_lower_right
+            mask = causal_lower_right(n, total)
+
+            def expanded():
+                ke = k.repeat_interleave(HQ // HK, dim=1).transpose(0, 1)[None]
+                ve = v.repeat_interleave(HQ // HK, dim=1).transpose(0, 1)[None]
+                return F.scaled_dot_product_attention(qt, ke, ve, attn_mask=mask, scale=scale)
+            variants["sdpa_expanded"] = expanded
+            variants["sdpa_enable_gqa"] = lambda: F.scaled_dot_product_attention(
+                qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+        variants["triton_paged"] = paged(q, k, v, prefix)
+        ref = None
+        row = {}
+        for name, fn in variants.items():
+            try:
+                out, ms = timed(fn, a.reps)
+            except Exception as exc:  # noqa: BLE001
+                row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                print(f"n={n} prefix={prefix} {name:26s} ERROR {row[name]['error'][:120]}",
+                      flush=True)
+                continue
+            o = out[0].transpose(0, 1) if out.dim() == 4 else out
+            if ref is None:
+                ref = o.float()
+            diff = (o.float() - ref).abs().max().item()
+            row[name] = {"ms": round(ms, 4), "tflops": round(flop / ms / 1e9, 1),
+                         "max_abs_diff": diff}
+            print(f"n={n} prefix={prefix} {name:26s} {ms:8.4f} ms {flop / ms / 1e9:7.1f} TFLOP/s "
+                  f"diff {diff:.3g}", flush=True)
+        res[f"n{n}_prefix{prefix}"] = row
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"command": "python3 bench/attention_prefill_gpu.py", "device":
+                       torch.cuda.get_device_name(0), "torch": torch.__version__,
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": res}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
