@@ -1,17 +1,19 @@
-"""Device-to-device copies of block runs, queued straight through the CUDA driver.
+"""Device-to-device copies of block runs: copy engines, or one kernel for many short runs.
 
 A scattered transfer is one copy per run of blocks contiguous on both sides (up to one per
-2 MiB block for Llama-3-8B). ``Tensor.copy_`` costs ~10 us of host time per call (Python,
-the dispatcher, the runtime), more than a 2 MiB copy takes over NVLink (~5.5 us at 370 GB/s),
-so queueing 256 of them kept the copy engines idle half the time (205 GB/s measured on two
-H200s against 370 for one contiguous copy). ``cuMemcpyDtoDAsync`` through ctypes costs ~1-2
-us a call, so the copy engines stay ahead of the host.
+2 MiB block for Llama-3-8B). Two costs per copy:
 
-Copy engines still pay ~4 us per copy (a scattered 512 MiB transfer: ~220 GB/s through
-cuda_ipc, against ~385 contiguous). :func:`copy_blocks` therefore moves transfers made of
-many short runs with ONE Triton kernel on the receiving GPU that reads the peer's memory
-(:func:`kernel_copy_runs`: 326 GB/s scattered with 32 programs, bench/kv_copy_gpu.py), and
-the rest with the copy engines, which take no SMs and are faster on long runs.
+* Host: ``Tensor.copy_`` takes ~10 us a call (Python, the dispatcher, the runtime);
+  ``cuMemcpyDtoDAsync`` through ctypes (:func:`copy_runs`) ~1-2 us.
+* Copy engine: ~4 us a copy whatever queued it. Measured on two H200s through cuda_ipc, 256
+  scattered 2 MiB blocks moved at 205 GB/s with ``copy_``, 219 with the driver calls, and
+  2 or 4 streams did not help (bench/disagg_notes.md, session 7). One contiguous copy runs
+  at ~385.
+
+:func:`copy_blocks` therefore moves transfers made of many short runs with ONE Triton kernel
+on the receiving GPU that reads the peer's memory (:func:`kernel_copy_runs`: 326-340 GB/s
+for scattered blocks with 32 programs in bench/kv_copy_gpu.py, ~300 through cuda_ipc). Long
+runs go to the copy engines, which take no SMs and are faster on them.
 
 Addresses are unified (UVA): a source mapped from another process (CUDA IPC) or living on
 another GPU of this process is copied peer to peer by the driver. Where the driver library
