@@ -78,28 +78,22 @@ def main() -> None:
         kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         # causal work: each query attends to prefix + its position + 1 keys
         flop = 4 * HQ * D * sum(prefix + j + 1 for j in range(n))
-        variants = {}
         if prefix == 0:
-            def expanded():
-                ke = k.repeat_interleave(HQ // HK, dim=1).transpose(0, 1)[None]
-                ve = v.repeat_interleave(HQ // HK, dim=1).transpose(0, 1)[None]
-                return F.scaled_dot_product_attention(qt, ke, ve, is_causal=True, scale=scale)
-            variants["sdpa_expanded"] = expanded
-            variants["sdpa_enable_gqa"] = lambda: F.scaled_dot_product_attention(
-                qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
-            variants["sdpa_unexpanded_no_flag"] = lambda: F.scaled_dot_product_attention(
-                qt, kt, vt, is_causal=True, scale=scale)
-        else:
+            causal = {"is_causal": True}
+        else:  # queries are the last n of total positions: causal aligned lower right
             from torch.nn.attention.bias import causal_lower_right
-            mask = causal_lower_right(n, total)
+            causal = {"attn_mask": causal_lower_right(n, total)}
 
-            def expanded():
-                ke = k.repeat_interleave(HQ // HK, dim=1).transpose(0, 1)[None]
-                ve = v.repeat_interleave(HQ // HK, dim=1).transpose(0, 1)[None]
-                return F.scaled_dot_product_attention(qt, ke, ve, attn_mask=mask, scale=scale)
-            variants["sdpa_expanded"] = expanded
-            variants["sdpa_enable_gqa"] = lambda: F.scaled_dot_product_attention(
-                qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+        def expanded():
+            ke = k.repeat_interleave(HQ // HK, dim=1).transpose(0, 1)[None]
+            ve = v.repeat_interleave(HQ // HK, dim=1).transpose(0, 1)[None]
+            return F.scaled_dot_product_attention(qt, ke, ve, scale=scale, **causal)
+        variants = {"sdpa_expanded": expanded,
+                    "sdpa_enable_gqa": lambda: F.scaled_dot_product_attention(
+                        qt, kt, vt, scale=scale, enable_gqa=True, **causal)}
+        if prefix == 0:
+            variants["sdpa_unexpanded_no_flag"] = lambda: F.scaled_dot_product_attention(
+                qt, kt, vt, scale=scale, **causal)
         variants["triton_paged"] = paged(q, k, v, prefix)
         ref = None
         row = {}
