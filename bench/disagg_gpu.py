@@ -69,9 +69,10 @@ c. The mixed workload at each rate of ``--rates``: Poisson arrivals for ``--dura
    long and short prompts apart; and the ratios colocated p99 ITL / 1P1D p99 ITL (target >= 3)
    and 1P1D goodput / colocated goodput (target >= 1.3).
 
-Figures are defined in pdserve.benchlib.metrics; the comparison and the printed summary live in
-bench/disagg_report.py. Progress lines carry timestamps; the JSON is
-rewritten after every phase, so a killed run leaves what it had measured.
+Prompts come from bench/disagg_workload.py, figures are defined in pdserve.benchlib.metrics,
+the comparison and the printed summary live in bench/disagg_report.py. Progress lines carry
+timestamps; the JSON is rewritten after every phase, so a killed run leaves what it had
+measured.
 """
 from __future__ import annotations
 
@@ -80,7 +81,6 @@ import asyncio
 import json
 import math
 import os
-import random
 import shlex
 import signal
 import sys
@@ -90,12 +90,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-from pdserve.benchlib import metrics, workload  # noqa: E402
+from pdserve.benchlib import metrics  # noqa: E402
 from pdserve.benchlib.metrics import RequestResult  # noqa: E402
 from pdserve.benchlib.runner import LoadSpec, run_load  # noqa: E402
 from pdserve.benchlib.workload import Item  # noqa: E402
 from pdserve.cluster import LocalCluster  # noqa: E402
 from disagg_report import compare, dumps, environment, print_summary, settings  # noqa: E402
+from disagg_workload import exact_items, rate_items, ttft_items, warmup_items  # noqa: E402
 
 GiB = 1 << 30
 T0 = time.monotonic()
@@ -258,61 +259,6 @@ def deployment_args(a, name: str) -> tuple[list[str], dict[str, list[str]]]:
     roles = {role: shlex.split(extra) for role, extra in
              (("prefill", a.prefill_worker_args), ("decode", a.decode_worker_args))}
     return shlex.split(a.gateway_args), {r: x for r, x in roles.items() if x}
-
-
-# ------------------------------------------------------------------------------ prompts
-def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(10, vocab) for _ in range(n)]
-
-
-def ttft_items(a) -> list[Item]:
-    rng = random.Random(a.seed * 1000 + 2)
-    return [Item(f"ttft{i}", a.ttft_max_tokens, token_ids=random_ids(rng, a.prompt_len,
-                                                                      a.vocab_size),
-                 prompt_units=a.prompt_len) for i in range(a.ttft_repeats)]
-
-
-def exact_lengths(a) -> list[int]:
-    """Mixed lengths, the longest first: the full long prompt, fractions of it, short ones."""
-    p = a.prompt_len
-    cands = [p, 3 * p // 4 + 5, p // 2, p // 4 + 3, p // 8, 100, 33, 7, 2 * p // 3, 3 * p // 8]
-    out = []
-    for n in cands:
-        if n >= 1 and n not in out:
-            out.append(n)
-    return (out * (a.exact_prompts // len(out) + 1))[:a.exact_prompts]
-
-
-def exact_items(a) -> list[Item]:
-    rng = random.Random(a.seed * 1000 + 3)
-    return [Item(f"exact{i}", a.exact_max_tokens, token_ids=random_ids(rng, n, a.vocab_size),
-                 prompt_units=n) for i, n in enumerate(exact_lengths(a))]
-
-
-def mix_items(a, n: int, seed: int, tag: str) -> list[Item]:
-    spec = workload.WorkloadSpec(kind="longmix", num_requests=n, seed=seed, fmt="tokens",
-                                 vocab_size=a.vocab_size, input_len=a.short,
-                                 output_len=a.out_range, long_frac=a.long_frac,
-                                 long_len=a.prompt_len)
-    return [Item(**{**it.__dict__, "id": f"{tag}.{it.id}"}) for it in workload.generate(spec)]
-
-
-def rate_items(a, k: int, rate: float) -> list[Item]:
-    """The mixed workload of the k-th rate: new prompts at every rate (no prefix hits across
-    rates), the same items for every deployment."""
-    n = a.num_requests or int(math.ceil(rate * a.duration * 1.5)) + 10
-    return mix_items(a, n, seed=a.seed * 1000 + 100 + k, tag=f"rate{k}")
-
-
-def warmup_items(a, rnd: int) -> list[Item]:
-    items = mix_items(a, a.warmup_size, seed=a.seed * 1000 + 10 + rnd, tag=f"warm{rnd}")
-    rng = random.Random(a.seed * 1000 + 20 + rnd)
-    for i, it in enumerate(items):  # half long, so every worker sees chunked long prompts
-        if i % 2 == 0:
-            it.token_ids = random_ids(rng, a.prompt_len, a.vocab_size)
-            it.prompt_units = a.prompt_len
-        it.max_tokens = min(it.max_tokens, 16)
-    return items
 
 
 # ------------------------------------------------------------------------------ driving

@@ -37,6 +37,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import disagg_gpu as dg  # noqa: E402
+from disagg_workload import ttft_items, warmup_items  # noqa: E402
 from disagg_report import environment  # noqa: E402
 from pdserve.benchlib import metrics  # noqa: E402
 from pdserve.cluster import LocalCluster  # noqa: E402
@@ -78,9 +79,9 @@ def measure(a, cfg: dict, rnd: int) -> dict:
         cluster.start()
         up = time.monotonic() - t
         for w in range(a.warmup_rounds):
-            asyncio.run(dg.drive(cluster.address, dg.warmup_items(a, w), rate=float("inf"),
+            asyncio.run(dg.drive(cluster.address, warmup_items(a, w), rate=float("inf"),
                                  timeout_s=120.0))
-        res, _, _ = asyncio.run(dg.drive(cluster.address, dg.ttft_items(a), rate=None,
+        res, _, _ = asyncio.run(dg.drive(cluster.address, ttft_items(a), rate=None,
                                          timeout_s=a.timeout))
     finally:
         cluster.stop()
