@@ -242,6 +242,14 @@ class ControlSender(RunnerSender):
         finally:
             sock.close()
 
+    @staticmethod
+    async def _hold_lease(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                          sm: TransferStateMachine, exc: BaseException) -> None:
+        """A one-sided send failed with ``exc`` after the receiver may have started reading:
+        :func:`until_receiver_stopped`, bounded as this transfer's state allows."""
+        await until_receiver_stopped(loop, sock, f"sender gave up: {exc!r}"[:200],
+                                     accepted=sm.state is not TransferState.PENDING)
+
     async def _send_payload(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
                             endpoint: str, sm: TransferStateMachine, blocks: BlockStream) -> None:
         """Move the blocks as ``blocks`` hands them over and return once the receiver acked

@@ -45,7 +45,7 @@ import uuid
 import torch
 
 from kvtransfer import protocol as proto
-from kvtransfer.base import KVLayout, TransferState, TransferStateMachine
+from kvtransfer.base import KVLayout, TransferStateMachine
 from kvtransfer.cuda_copy import copy_blocks, copy_runs
 from kvtransfer.control import (
     ControlReceiver,
@@ -53,7 +53,6 @@ from kvtransfer.control import (
     await_ack,
     require_cuda,
     segments,
-    until_receiver_stopped,
     wait_event,
 )
 from kvtransfer.stream import BlockStream
@@ -111,8 +110,7 @@ class CudaIpcSender(ControlSender):
             done = await await_ack(loop, sock, sm)  # copies complete, transfer DONE over there
         except BaseException as exc:
             if reading:  # keep the blocks leased until the receiver stopped copying
-                await until_receiver_stopped(loop, sock, f"sender gave up: {exc!r}"[:200],
-                                             accepted=sm.state is not TransferState.PENDING)
+                await self._hold_lease(loop, sock, sm, exc)
             raise
         sm.data_seconds = proto.parse_data_seconds(done)
 

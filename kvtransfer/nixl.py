@@ -56,14 +56,13 @@ import numpy as np
 import torch
 
 from kvtransfer import protocol as proto
-from kvtransfer.base import KVLayout, TransferState, TransferStateMachine
+from kvtransfer.base import KVLayout, TransferStateMachine
 from kvtransfer.control import (
     ControlReceiver,
     ControlSender,
     await_ack,
     poll_in_thread,
     segments,
-    until_receiver_stopped,
 )
 from kvtransfer.stream import BlockStream
 from kvtransfer.tracking import ExpectedTransfer, TransferError
@@ -503,8 +502,7 @@ class NixlSender(ControlSender):
             await loop.sock_sendall(sock, proto.encode_blob(offer.encode()))
             done = await await_ack(loop, sock, sm)  # the READ is done and so is the transfer
         except BaseException as exc:  # the receiver may be reading: keep the blocks leased
-            await until_receiver_stopped(loop, sock, f"sender gave up: {exc!r}"[:200],
-                                             accepted=sm.state is not TransferState.PENDING)
+            await self._hold_lease(loop, sock, sm, exc)
             raise
         sm.data_seconds = proto.parse_data_seconds(done)
 

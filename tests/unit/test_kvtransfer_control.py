@@ -88,8 +88,7 @@ class OneSidedLoopbackSender(LoopbackSender):
         try:
             await await_ack(loop, sock, sm)
         except BaseException as exc:
-            await until_receiver_stopped(loop, sock, f"sender gave up: {exc!r}",
-                                         accepted=sm.state is not TransferState.PENDING)
+            await self._hold_lease(loop, sock, sm, exc)
             raise
 
 
