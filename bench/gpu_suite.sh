@@ -6,6 +6,10 @@
 #
 # Steps (results go to $OUT, named after the step; minutes are estimates on 2 x H200):
 #   tests        pytest -m gpu tests/gpu (kernels, engine incl. async_decode, kvtransfer)  ~4
+#   engine-tests pytest -m gpu tests/gpu/test_kernels_gpu.py tests/gpu/test_engine_gpu.py  ~2
+#   attn         bench/attention_prefill_gpu.py: prefill attention kernels per chunk shape  ~1
+#   capacity     bench/prefill_capacity_gpu.py: prompt tokens/s of one prefill engine on the
+#                disagg mix, FlashAttention varlen path vs the paged kernel (1 GPU)         ~3
 #   sweep        bench/gemv_sweep.py: GEMV configs incl. split-K vs cuBLAS                ~3
 #   engine-a     bench/gpu_engine.py section a, 7 variants of split-K / PDL / async decode ~4
 #   engine-best  bench/gpu_engine.py sections d,a,c,b with engine-a's fastest variant       ~3
@@ -37,6 +41,11 @@ variant_flags() { case $1 in *async*) echo --async-decode ;; *) echo --no-async-
 for step in "$@"; do
   case $step in
     tests) run python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider ;;
+    engine-tests) run python3 -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py \
+        tests/gpu/test_engine_gpu.py -p no:cacheprovider ;;
+    attn) run python3 bench/attention_prefill_gpu.py --out "$OUT/attention_prefill_gpu_h200.json" ;;
+    capacity) run python3 bench/prefill_capacity_gpu.py ${CAPACITY_ARGS:-} \
+        --out "$OUT/prefill_capacity_gpu_h200.json" ;;
     sweep) run python3 bench/gemv_sweep.py --out "$OUT/gemv_sweep_h200.json" ;;
     engine-a)  # section a only, few graph buckets; one process per variant
       for v in base splitk pdl async splitk_pdl pdl_async splitk_pdl_async; do

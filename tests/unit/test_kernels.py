@@ -95,6 +95,92 @@ def test_paged_prefill_attention(dtype, head_dim, block_size):
     close(out, R.paged_prefill_attention_ref(q, cache, 0, bt, qsl, seq_lens, 0.1), dtype)
 
 
+def test_paged_prefill_attention_on_a_subset_of_sequences():
+    """seqs=: only the named sequences' rows are computed; the others keep out's values."""
+    dtype, head_dim, block_size, kv_heads = torch.float32, 64, 16, 2
+    prefix, qlen = [0, 21, 5], [19, 3, 27]
+    max_blocks = -(-max(p + n for p, n in zip(prefix, qlen)) // block_size)
+    cache = make_cache(3 * max_blocks + 1, 2, block_size, kv_heads, head_dim, dtype)
+    bt = random_block_tables(3, max_blocks, cache.shape[0])
+    qsl = torch.tensor([0, 19, 22, 49], dtype=torch.int32, device=DEV)
+    seq_lens = torch.tensor([p + n for p, n in zip(prefix, qlen)], dtype=torch.int32, device=DEV)
+    q = torch.randn(sum(qlen), 2 * kv_heads, head_dim, dtype=dtype, device=DEV)
+    sentinel = torch.full_like(q, 7.0)
+    out = K.paged_prefill_attention(q, cache, 1, bt, qsl, seq_lens, 0.1, max_query_len=27,
+                                    seqs=torch.tensor([0, 2], dtype=torch.int32, device=DEV),
+                                    out=sentinel.clone())
+    ref = R.paged_prefill_attention_ref(q, cache, 1, bt, qsl, seq_lens, 0.1)
+    close(out[:19], ref[:19], dtype)
+    close(out[22:], ref[22:], dtype)
+    assert torch.equal(out[19:22], sentinel[19:22])
+    with pytest.raises(ValueError):
+        K.paged_prefill_attention(q, cache, 1, bt, qsl, seq_lens, 0.1,
+                                  seqs=torch.tensor([0, 2], device=DEV))  # int64
+
+
+def _long_step(block_size, prefix, qlen, kv_heads=1, heads=2, dim=8, dtype=torch.float32):
+    from engine.layers.attention import AttentionMetadata
+    slens = [p + n for p, n in zip(prefix, qlen)]
+    max_blocks = -(-max(slens) // block_size)
+    cache = make_cache(len(qlen) * max_blocks + 1, 2, block_size, kv_heads, dim, dtype)
+    bt = random_block_tables(len(qlen), max_blocks, cache.shape[0])
+    starts = [0]
+    for n in qlen:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat([bt[i, pos // block_size].long() * block_size + pos % block_size
+                                for i, pos in enumerate(torch.arange(p, p + n, device=DEV)
+                                                        for p, n in zip(prefix, qlen))]),
+        block_tables=bt, seq_lens=torch.tensor(slens, dtype=torch.int32, device=DEV),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEV),
+        seq_lens_list=slens, query_lens_list=list(qlen), max_seq_len=max(slens),
+        max_query_len=max(qlen))
+    q = torch.randn(starts[-1], heads, dim, dtype=dtype, device=DEV)
+    return meta, cache, bt, q
+
+
+def test_long_prefill_plan_splits_the_step():
+    """The SDPA path's per-step plan: chunks >= min_query whose prefix is at most
+    max_prefix_ratio times as long run one by one, with buffers of their bucket length and
+    the cache blocks of their prefix; the others go to one paged-kernel launch over them."""
+    from engine.kernels.long_prefill import bucket, plan_for
+    meta, cache, bt, q = _long_step(4, [0, 9, 3, 0, 7], [6, 1, 5, 2, 5])
+    plan = plan_for(meta, cache, q, 5)
+    assert plan is plan_for(meta, cache, q, 5)  # once per step
+    assert [(c.start, c.n, c.prefix, c.length) for c in plan.chunks] == [(0, 6, 0, 256),
+                                                                         (7, 5, 3, 256)]
+    assert plan.chunks[0].prefix_blocks is None
+    assert plan.chunks[1].prefix_blocks.tolist() == [bt[2, 0].item()]  # 3 tokens: one block
+    assert [tuple(b.shape) for b in plan.chunks[1].bufs] == [(256, 2, 8), (256, 1, 8),
+                                                             (256, 1, 8)]
+    assert plan.paged_seqs.tolist() == [1, 3, 4] and plan.paged_max_query == 5  # 7 > 5
+    meta2 = _long_step(4, [0, 9], [6, 1])[0]
+    assert plan_for(meta2, cache, q, 7) is None  # no chunk that long
+    assert [bucket(n) for n in (1, 256, 257, 4096, 4097, 5000, 8193)] == [
+        256, 256, 512, 4096, 4608, 5120, 9216]
+
+
+@pytest.mark.parametrize("prefix,qlen", [([0, 40, 3, 0], [40, 2, 33, 300]),
+                                         ([256, 0], [256, 5])])
+def test_long_prefill_attention_matches_reference(prefix, qlen):
+    """The whole long-chunk path (SDPA over bucket-padded prefix + chunk, the rest through
+    the paged kernel on a subset) against the torch reference; fp32 on CPU."""
+    from engine.kernels.long_prefill import long_prefill_attention, plan_for
+    block_size = 8
+    meta, cache, bt, q = _long_step(block_size, prefix, qlen, kv_heads=2, heads=4, dim=16)
+    t = q.shape[0]
+    k, v = (torch.randn(t, 2, 16, device=DEV) for _ in range(2))
+    K.store_kv(k, v, cache, 1, meta.slot_mapping)
+    plan = plan_for(meta, cache, q, 32)
+    assert plan.paged_seqs is not None and any(c.prefix for c in plan.chunks)
+    out = long_prefill_attention(1, q, k, v, cache, meta, 0.25, plan)
+    ref = R.paged_prefill_attention_ref(q, cache, 1, bt, meta.query_start_loc, meta.seq_lens,
+                                        0.25)
+    close(out, ref, torch.float32)
+    again = long_prefill_attention(1, q, k, v, cache, meta, 0.25, plan)  # buffers reused
+    assert torch.equal(again, out)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rmsnorm_and_fused_add(dtype):
     x = torch.randn(5, 96, dtype=dtype, device=DEV)

@@ -1,0 +1,111 @@
+"""Prefill capacity of one GPU engine on the disaggregated benchmark's prompt mix: what bounds
+1P1D's goodput in bench/disagg_gpu.py is how many prompt tokens/s the single prefill worker
+computes. Same settings as that bench's workers (dummy:llama-3-8b bf16, max-num-seqs 128,
+--max-num-batched-tokens 2048 so a 4096-token prompt is prefilled in two chunks) and the same
+mix (a quarter of the prompts 4096 tokens, the rest 128-512), one new token each, all queued
+at once: the engine runs full prefill steps back to back, as a saturated prefill worker does.
+
+Each attention mode (``--modes``: values of the backend's long_min_query, 0 = the Triton
+paged kernel for every chunked / mixed step) is run in turn, ``--rounds`` times, on fresh
+prompts each run (prefix caching off). Also the TTFT of one 4096-token prompt alone.
+
+    PYTHONPATH=. python3 bench/prefill_capacity_gpu.py --out bench/results/prefill_capacity_gpu_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.llm import LLM  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+
+
+def prompts(rng: random.Random, n: int, a, vocab: int) -> list[list[int]]:
+    lo, hi = (int(x) for x in a.short.split(":"))
+    out = []
+    for _ in range(n):
+        length = a.long_len if rng.random() < a.long_frac else rng.randint(lo, hi)
+        out.append([1] + [rng.randrange(3, vocab) for _ in range(length - 1)])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--modes", default="512,0", help="long_min_query values to compare")
+    ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--long-frac", type=float, default=0.25)
+    ap.add_argument("--long-len", type=int, default=4096)
+    ap.add_argument("--short", default="128:512")
+    ap.add_argument("--kv-gib", type=float, default=40.0)
+    a = ap.parse_args()
+    modes = [int(x) for x in a.modes.split(",")]
+    R = {"command": "PYTHONPATH=. python3 " + " ".join(sys.argv), "torch": torch.__version__,
+         "device": torch.cuda.get_device_name(0), "args": vars(a),
+         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": []}
+
+    def save():
+        with open(a.out, "w") as f:
+            json.dump(R, f, indent=1)
+
+    llm = LLM("dummy:llama-3-8b", dtype="bfloat16", device="cuda", max_num_seqs=a.max_num_seqs,
+              max_num_batched_tokens=a.max_batched_tokens, max_model_len=a.long_len + 256,
+              kv_cache_memory_bytes=int(a.kv_gib * 2**30), enable_prefix_caching=False)
+    eng = llm.engine
+    backend = eng.runner.backend
+    vocab = eng.model_config.vocab_size
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    rng = random.Random(0)
+    for mode in modes:  # warm-up: compile / autotune every kernel each mode uses
+        backend.long_min_query = mode
+        llm.generate(prompts(rng, 24, a, vocab), one)
+    for rnd in range(a.rounds):
+        for mode in modes:
+            backend.long_min_query = mode
+            ps = prompts(rng, a.requests, a, vocab)
+            torch.cuda.synchronize()
+            steps0 = eng.steps
+            t0 = time.perf_counter()
+            llm.generate(ps, one)
+            dt = time.perf_counter() - t0
+            ntok = sum(len(p) for p in ps)
+            run = {"round": rnd, "long_min_query": mode, "requests": len(ps),
+                   "prompt_tokens": ntok, "wall_s": round(dt, 3),
+                   "prompt_tok_s": round(ntok / dt), "steps": eng.steps - steps0}
+            R["runs"].append(run)
+            print(run, flush=True)
+            save()
+    for mode in modes:
+        backend.long_min_query = mode
+        ttfts = []
+        for _ in range(4):
+            p = [[1] + [rng.randrange(3, vocab) for _ in range(a.long_len - 1)]]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate(p, one)
+            ttfts.append((time.perf_counter() - t0) * 1e3)
+        R.setdefault("ttft_long_ms", {})[str(mode)] = {"runs": [round(x, 2) for x in ttfts],
+                                                       "median": round(statistics.median(
+                                                           ttfts[1:]), 2)}
+    R["summary"] = {str(m): round(statistics.median(r["prompt_tok_s"] for r in R["runs"]
+                                                    if r["long_min_query"] == m))
+                    for m in modes}
+    R["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    save()
+    print(json.dumps({"summary": R["summary"], "ttft_long_ms": R["ttft_long_ms"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
