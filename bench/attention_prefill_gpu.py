@@ -6,9 +6,9 @@ head_dim 128, bf16), per layer: which way a prefill chunk's attention should run
   K/V without the flag, and the Triton paged kernel;
 * a chunk of n tokens after a cached prefix of p tokens (chunked prefill's later chunks):
   the Triton paged kernel against SDPA with a lower-right causal mask over gathered K/V;
-* both: ``long_prefill``, what engine/kernels/long_prefill.py runs: one square causal SDPA
-  call over prefix + chunk padded to a bucket length, the prefix's K/V copied out of a
-  paged cache.
+(Rows named ``long_prefill`` in the committed results come from commit 497cd89, an
+experiment since reverted: one square causal SDPA call over prefix + chunk padded to a
+bucket length, the prefix's K/V copied out of the paged cache.)
 
 Each variant: median GPU time of --reps calls (CUDA events), TFLOP/s of the causal work,
 max |difference| to the expanded-SDPA result, or the error it raised.
@@ -56,27 +56,6 @@ def paged_cache(k, v):
     cache[:, 0, 0] = kk.view(nb, BS, HK, D)
     cache[:, 0, 1] = vv.view(nb, BS, HK, D)
     return cache
-
-
-def long_prefill(q, k, v, prefix):
-    """engine/kernels/long_prefill.py's path for one chunk: SDPA, causal, over the chunk
-    padded to its bucket length, with the prefix's blocks copied out of the paged cache in
-    front (and zero queries for them). A prefix longer than the chunk is not taken there
-    (the paged kernel runs it); here it is, to show why."""
-    from engine.kernels.long_prefill import long_prefill_attention, plan_for
-    from engine.layers.attention import AttentionMetadata
-    n, total = q.shape[0], k.shape[0]
-    cache = paged_cache(k, v)
-    nb = cache.shape[0]
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(prefix, total, device=q.device),
-        block_tables=torch.arange(nb, dtype=torch.int32, device=q.device)[None],
-        seq_lens=torch.tensor([total], dtype=torch.int32, device=q.device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=q.device),
-        seq_lens_list=[total], query_lens_list=[n], max_seq_len=total, max_query_len=n)
-    plan = plan_for(meta, cache, q, 1, max_prefix_ratio=100.0)
-    return lambda: long_prefill_attention(0, q, k[prefix:], v[prefix:], cache, meta, D ** -0.5,
-                                          plan)
 
 
 def paged(q, k, v, prefix):
@@ -128,7 +107,6 @@ def main() -> None:
             variants["sdpa_unexpanded_no_flag"] = lambda: F.scaled_dot_product_attention(
                 qt, kt, vt, scale=scale, **causal)
         variants["triton_paged"] = paged(q, k, v, prefix)
-        variants["long_prefill"] = long_prefill(q, k, v, prefix)
         ref = None
         row = {}
         for name, fn in variants.items():

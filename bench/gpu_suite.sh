@@ -9,7 +9,7 @@
 #   engine-tests pytest -m gpu tests/gpu/test_kernels_gpu.py tests/gpu/test_engine_gpu.py  ~2
 #   attn         bench/attention_prefill_gpu.py: prefill attention kernels per chunk shape  ~1
 #   capacity     bench/prefill_capacity_gpu.py: prompt tokens/s of one prefill engine on the
-#                disagg mix, FlashAttention varlen path vs the paged kernel (1 GPU)         ~3
+#                disagg mix (1 GPU)                                                         ~2
 #   sweep        bench/gemv_sweep.py: GEMV configs incl. split-K vs cuBLAS                ~3
 #   engine-a     bench/gpu_engine.py section a, 7 variants of split-K / PDL / async decode ~4
 #   engine-best  bench/gpu_engine.py sections d,a,c,b with engine-a's fastest variant       ~3
@@ -24,7 +24,7 @@
 #   ttftgpu      bench/ttft_gpu.py: 1P1D set-ups vs colocated on the prefill GPU (2 GPUs)   ~4
 #   goodput      bench/disagg_gpu.py at 20,22,24,26,28 req/s: where each keeps 90% (2 GPUs) ~6
 #   p1d          bench/disagg_gpu.py, one deployment (DEPLOY, 1p1d) at P1D_RATES (24,26,28,30),
-#                workers with WORKER_ARGS (1P1D prefill: PREFILL_ARGS),
+#                workers with WORKER_ARGS (1P1D prefill: PREFILL_ARGS), more flags P1D_EXTRA,
 #                output ..._${DEPLOY}_$P1D_NAME.json (2 GPUs)                                ~3
 set -u
 OUT=${OUT:-/tmp/out}
@@ -105,7 +105,7 @@ PY
       run python3 bench/disagg_gpu.py --deployments ${DEPLOY:-1p1d} --kv-backend nccl,cuda_ipc \
         --colocated-kv-backend nccl --rates ${P1D_RATES:-24,26,28,30} --exact-prompts 4 \
         --ttft-repeats 4 ${PREFILL_ARGS:+--prefill-worker-args "$PREFILL_ARGS"} \
-        ${WORKER_ARGS:+--worker-args "$WORKER_ARGS"} \
+        ${WORKER_ARGS:+--worker-args "$WORKER_ARGS"} ${P1D_EXTRA:-} \
         --out "$OUT/disagg_gpu_h200_${DEPLOY:-1p1d}_${P1D_NAME:-p1d}.json" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac

@@ -5,9 +5,10 @@ computes. Same settings as that bench's workers (dummy:llama-3-8b bf16, max-num-
 mix (a quarter of the prompts 4096 tokens, the rest 128-512), one new token each, all queued
 at once: the engine runs full prefill steps back to back, as a saturated prefill worker does.
 
-Each attention mode (``--modes``: values of the backend's long_min_query, 0 = the Triton
-paged kernel for every chunked / mixed step) is run in turn, ``--rounds`` times, on fresh
-prompts each run (prefix caching off). Also the TTFT of one 4096-token prompt alone.
+Each of ``--rounds`` runs uses fresh prompts (prefix caching off). Also the TTFT of one
+4096-token prompt alone. Compare engine variants by running it once per variant (the
+engine's PDSERVE_* switches). bench/results/prefill_capacity_gpu_h200*.json came from commit
+497cd89, which compared attention paths inside one process (``long_min_query``; reverted).
 
     PYTHONPATH=. python3 bench/prefill_capacity_gpu.py --out bench/results/prefill_capacity_gpu_h200.json
 """
@@ -43,7 +44,6 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--modes", default="512,0", help="long_min_query values to compare")
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--long-frac", type=float, default=0.25)
@@ -51,7 +51,6 @@ def main() -> None:
     ap.add_argument("--short", default="128:512")
     ap.add_argument("--kv-gib", type=float, default=40.0)
     a = ap.parse_args()
-    modes = [int(x) for x in a.modes.split(",")]
     R = {"command": "PYTHONPATH=. python3 " + " ".join(sys.argv), "torch": torch.__version__,
          "device": torch.cuda.get_device_name(0), "args": vars(a),
          "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": []}
@@ -64,47 +63,37 @@ def main() -> None:
               max_num_batched_tokens=a.max_batched_tokens, max_model_len=a.long_len + 256,
               kv_cache_memory_bytes=int(a.kv_gib * 2**30), enable_prefix_caching=False)
     eng = llm.engine
-    backend = eng.runner.backend
     vocab = eng.model_config.vocab_size
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     rng = random.Random(0)
-    for mode in modes:  # warm-up: compile / autotune every kernel each mode uses
-        backend.long_min_query = mode
-        llm.generate(prompts(rng, 24, a, vocab), one)
+    llm.generate(prompts(rng, 24, a, vocab), one)  # warm-up: compile / autotune the kernels
     for rnd in range(a.rounds):
-        for mode in modes:
-            backend.long_min_query = mode
-            ps = prompts(rng, a.requests, a, vocab)
-            torch.cuda.synchronize()
-            steps0 = eng.steps
-            t0 = time.perf_counter()
-            llm.generate(ps, one)
-            dt = time.perf_counter() - t0
-            ntok = sum(len(p) for p in ps)
-            run = {"round": rnd, "long_min_query": mode, "requests": len(ps),
-                   "prompt_tokens": ntok, "wall_s": round(dt, 3),
-                   "prompt_tok_s": round(ntok / dt), "steps": eng.steps - steps0}
-            R["runs"].append(run)
-            print(run, flush=True)
-            save()
-    for mode in modes:
-        backend.long_min_query = mode
-        ttfts = []
-        for _ in range(4):
-            p = [[1] + [rng.randrange(3, vocab) for _ in range(a.long_len - 1)]]
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            llm.generate(p, one)
-            ttfts.append((time.perf_counter() - t0) * 1e3)
-        R.setdefault("ttft_long_ms", {})[str(mode)] = {"runs": [round(x, 2) for x in ttfts],
-                                                       "median": round(statistics.median(
-                                                           ttfts[1:]), 2)}
-    R["summary"] = {str(m): round(statistics.median(r["prompt_tok_s"] for r in R["runs"]
-                                                    if r["long_min_query"] == m))
-                    for m in modes}
+        ps = prompts(rng, a.requests, a, vocab)
+        torch.cuda.synchronize()
+        steps0 = eng.steps
+        t0 = time.perf_counter()
+        llm.generate(ps, one)
+        dt = time.perf_counter() - t0
+        ntok = sum(len(p) for p in ps)
+        run = {"round": rnd, "requests": len(ps), "prompt_tokens": ntok, "wall_s": round(dt, 3),
+               "prompt_tok_s": round(ntok / dt), "steps": eng.steps - steps0}
+        R["runs"].append(run)
+        print(run, flush=True)
+        save()
+    ttfts = []
+    for _ in range(4):
+        p = [[1] + [rng.randrange(3, vocab) for _ in range(a.long_len - 1)]]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate(p, one)
+        ttfts.append((time.perf_counter() - t0) * 1e3)
+    R["ttft_long_ms"] = {"runs": [round(x, 2) for x in ttfts],
+                         "median": round(statistics.median(ttfts[1:]), 2)}
+    R["prompt_tok_s_median"] = round(statistics.median(r["prompt_tok_s"] for r in R["runs"]))
+    R["env"] = {k: v for k, v in os.environ.items() if k.startswith("PDSERVE_")}
     R["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     save()
-    print(json.dumps({"summary": R["summary"], "ttft_long_ms": R["ttft_long_ms"]}, indent=1))
+    print(json.dumps({k: R[k] for k in ("prompt_tok_s_median", "ttft_long_ms")}))
 
 
 if __name__ == "__main__":

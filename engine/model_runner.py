@@ -9,7 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 import logging
 import os
-import time
 
 import numpy as np
 import torch
@@ -115,12 +114,8 @@ def make_attention_backend(config: EngineConfig, mc: ModelConfig) -> AttentionBa
         want = "triton" if config.device.startswith("cuda") else "torch"
     if want == "triton":
         from engine.kernels.backend import TritonAttention  # GPU path
-        from engine.kernels.long_prefill import LONG_MIN_QUERY
-        # A/B measurements: PDSERVE_FUSE_ROTARY=0 separate rotary and store_kv kernels;
-        # PDSERVE_LONG_MIN_QUERY=N the shortest chunk for cuDNN attention (0: never)
-        return TritonAttention(scale, fuse_rotary=os.environ.get("PDSERVE_FUSE_ROTARY") != "0",
-                               long_min_query=int(os.environ.get("PDSERVE_LONG_MIN_QUERY",
-                                                                 LONG_MIN_QUERY)))
+        # PDSERVE_FUSE_ROTARY=0: separate rotary and store_kv kernels (A/B measurements)
+        return TritonAttention(scale, fuse_rotary=os.environ.get("PDSERVE_FUSE_ROTARY") != "0")
     return TorchAttention(scale)
 
 
@@ -187,12 +182,6 @@ class ModelRunner:
         self.gemv_tuning: dict = {}
         if self.device.type == "cuda" and self.backend.name == "triton":
             self.model.enable_fused_ops(True)
-            t0 = time.perf_counter()
-            n = self.backend.warm_up(mc.num_heads, mc.num_kv_heads, mc.head_dim, self.dtype,
-                                     self.device, config.scheduler.max_num_batched_tokens,
-                                     config.scheduler.max_model_len)
-            logger.info("long prefill chunks: SDPA warmed up at %d lengths in %.2f s", n,
-                        time.perf_counter() - t0)
             if hasattr(self.model, "set_gemv_plan"):
                 # one-token projections: Triton GEMV or cuBLAS, timed per shape once per
                 # process (PDSERVE_GEMV=off|auto|force)

@@ -45,17 +45,13 @@ def _tile(q, acc, m_i, l_i, kv_base, bt_row, s_blk, s_tok, s_kv, lo, hi, q_pos, 
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, seqs_ptr, out_ptr, layer,
-                    qk_scale,
+def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr, layer, qk_scale,
                     group, head_dim, block_size, stride_q_tok, stride_q_head, stride_o_tok,
                     stride_o_head, stride_bt, s_blk, s_layer, s_kv, s_tok, s_head,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    UPCAST: tl.constexpr, HAS_SEQS: tl.constexpr):
+                    UPCAST: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
-    if HAS_SEQS:  # the grid covers a subset of the batch's sequences
-        seq = tl.load(seqs_ptr + tl.program_id(1)).to(tl.int64)
-    else:
-        seq = tl.program_id(1).to(tl.int64)
+    seq = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
@@ -89,17 +85,12 @@ def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, seqs_ptr, o
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float,
-                            max_query_len: int | None = None,
-                            seqs: torch.Tensor | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            max_query_len: int | None = None) -> torch.Tensor:
     """q [total_tokens, num_heads, head_dim]: sequence i's new tokens are rows
     query_start_loc[i]:query_start_loc[i+1] (int32 [num_seqs + 1]); seq_lens int32
     [num_seqs] = cached prefix + new tokens, all already in the cache. Query j of sequence i
     sits at position seq_lens[i] - query_len_i + j and attends causally.
-    max_query_len sizes the grid; None reads it from the device (one host sync).
-    ``seqs`` (int32, optional): only these sequences are computed (their rows of the result;
-    the other rows are left as they were in ``out``, or unset); max_query_len is then the
-    longest query among them."""
+    max_query_len sizes the grid; None reads it from the device (one host sync)."""
     _, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache, layer)
     check_tensor("q", q, ndim=3, dtypes=(kv_cache.dtype,), device=kv_cache.device)
     check_shape("q", q, (None, None, head_dim))
@@ -113,28 +104,19 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=_INT, device=q.device)
     check_shape("seq_lens", seq_lens, (num_seqs,))
-    if seqs is not None:
-        check_tensor("seqs", seqs, ndim=1, dtypes=(torch.int32,), device=q.device)
-    if out is None:
-        out = torch.empty_like(q)
-    else:
-        check_tensor("out", out, ndim=3, dtypes=(q.dtype,), device=q.device)
-        check_shape("out", out, tuple(q.shape))
-    grid_seqs = num_seqs if seqs is None else seqs.shape[0]
-    if grid_seqs == 0 or q.shape[0] == 0:
+    out = torch.empty_like(q)
+    if num_seqs == 0 or q.shape[0] == 0:
         return out
     if max_query_len is None:
-        lens = query_start_loc[1:] - query_start_loc[:-1]
-        max_query_len = int((lens if seqs is None else lens[seqs.long()]).max())
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     # (BLOCK_M, BLOCK_N, num_warps, num_stages); the interpreter gets small tiles
     block_m, block_n, warps, stages = CUDA_CONFIG if q.is_cuda else (16, 16, 4, 1)
     s = kv_cache.stride()
-    grid = (triton.cdiv(max_query_len, block_m), grid_seqs, num_heads)
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, kv_cache, block_tables, query_start_loc, seq_lens,
-        seqs if seqs is not None else seq_lens, out, int(layer), scale * _LOG2E,
+        q, kv_cache, block_tables, query_start_loc, seq_lens, out, int(layer), scale * _LOG2E,
         num_heads // num_kv_heads, head_dim, block_size, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), s[0], s[1], s[2], s[3], s[4],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), UPCAST=not q.is_cuda,
-        HAS_SEQS=seqs is not None, num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages)
     return out

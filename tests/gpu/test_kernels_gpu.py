@@ -48,47 +48,6 @@ def test_prefill(prefix, qlens):
     close(out, R.paged_prefill_attention_ref(q, cache, 0, bt, qsl, sl, HEAD_DIM ** -0.5))
 
 
-@pytest.mark.parametrize("prefix,qlens", [
-    ([0], [4096]), ([3072], [1024]), ([0, 0], [900, 1500]),
-    ([0, 48, 500, 3000, 0, 2000, 7], [700, 33, 257, 1, 2048, 64, 63]), ([5, 0], [20, 63]),
-    ([1000, 0, 30, 2048], [1500, 100, 70, 2048])])
-def test_backend_prefill_long_chunk_path(prefix, qlens):
-    """TritonAttention on a prefill / mixed step: chunks of >= 64 tokens with a prefix no
-    longer than themselves through SDPA (bucket-padded, prefix K/V copied out of the cache),
-    the rest through the paged kernel; all of it against the torch reference, and against
-    the backend with that path off. q/k/v are views into one packed qkv tensor, as the
-    model passes them."""
-    from engine.kernels.backend import TritonAttention
-    from engine.layers.attention import AttentionMetadata
-    seq_lens = [p + n for p, n in zip(prefix, qlens)]
-    cache, bt = cache_and_tables(len(qlens), -(-max(seq_lens) // BLOCK))
-    slots = torch.cat([bt[i, pos // BLOCK].long() * BLOCK + pos % BLOCK for i, pos in
-                       enumerate(torch.arange(p, p + n, device=DEV)
-                                 for p, n in zip(prefix, qlens))])
-    t = sum(qlens)
-    qkv = torch.randn(t, (HEADS + 2 * KV_HEADS) * HEAD_DIM, dtype=BF16, device=DEV)
-    q, k, v = (x.view(t, -1, HEAD_DIM) for x in qkv.split(
-        [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1))
-    outs = []
-    for min_query in (64, 0):
-        meta = AttentionMetadata(
-            slot_mapping=slots, block_tables=bt,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
-            query_start_loc=torch.tensor([0] + qlens, device=DEV).cumsum(0).to(torch.int32),
-            seq_lens_list=seq_lens, query_lens_list=qlens, max_seq_len=max(seq_lens),
-            max_query_len=max(qlens))
-        c = cache.clone()
-        be = TritonAttention(HEAD_DIM ** -0.5, long_min_query=min_query)
-        outs.append(be.forward(1, q, k, v, c, meta))
-        if min_query:
-            assert (meta.cache["long_plan"] is not None) == any(
-                n >= 64 and p <= n for p, n in zip(prefix, qlens))
-    ref = R.paged_prefill_attention_ref(q, c, 1, bt, meta.query_start_loc, meta.seq_lens,
-                                        HEAD_DIM ** -0.5)
-    close(outs[0], ref)
-    close(outs[1], ref)
-
-
 def test_store_kv():
     cache, _ = cache_and_tables(4, 64)
     expect = cache.clone()
