@@ -96,7 +96,8 @@ from pdserve.benchlib.runner import LoadSpec, run_load  # noqa: E402
 from pdserve.benchlib.workload import Item  # noqa: E402
 from pdserve.cluster import LocalCluster  # noqa: E402
 from disagg_report import compare, dumps, environment, print_summary, settings  # noqa: E402
-from disagg_workload import exact_items, rate_items, ttft_items, warmup_items  # noqa: E402
+from disagg_workload import (exact_items, rate_items, rate_seed, ttft_items,  # noqa: E402
+                             warmup_items)
 
 GiB = 1 << 30
 T0 = time.monotonic()
@@ -436,7 +437,7 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
             t = time.monotonic()
             routes0 = route_counts(cluster)
             res, toks, queues = asyncio.run(drive(
-                addr, items, rate=rate, timeout_s=a.timeout, seed=a.seed * 1000 + 200 + k,
+                addr, items, rate=rate, timeout_s=a.timeout, seed=rate_seed(a, rate, 200),
                 duration_s=None if a.num_requests else a.duration,
                 workers={f"{w.kind}{i}": w.address for i, w in enumerate(cluster.workers)}))
             s = metrics.summarize(res, slo_ttft, slo_tpot)

@@ -46,11 +46,19 @@ def mix_items(a, n: int, seed: int, tag: str) -> list[Item]:
     return [Item(**{**it.__dict__, "id": f"{tag}.{it.id}"}) for it in workload.generate(spec)]
 
 
+def rate_seed(a, rate: float, stream: int) -> int:
+    """The seed of one random stream (100: the prompts, 200: the arrival times) at ``rate``:
+    a function of the rate's value, not of its place in ``--rates``, so a rate label carries
+    the same sample in every run and every deployment (until session 7 it was the place, and
+    the same label meant different loads in runs with other rate lists)."""
+    return (a.seed * 1000 + stream) * 1_000_003 + int(round(rate * 1000))
+
+
 def rate_items(a, k: int, rate: float) -> list[Item]:
     """The mixed workload of the k-th rate: new prompts at every rate (no prefix hits across
-    rates), the same items for every deployment."""
+    rates; a rate listed twice gets the same prompts), the same items for every deployment."""
     n = a.num_requests or int(math.ceil(rate * a.duration * 1.5)) + 10
-    return mix_items(a, n, seed=a.seed * 1000 + 100 + k, tag=f"rate{k}")
+    return mix_items(a, n, seed=rate_seed(a, rate, 100), tag=f"rate{k}")
 
 
 def warmup_items(a, rnd: int) -> list[Item]:

@@ -267,3 +267,17 @@ def test_max_rate_at_slo_is_the_last_rate_of_the_unbroken_run():
     assert max_rate_at_slo(rows((4, 1.0), (8, 0.7), (16, 0.95))) == 4
     assert max_rate_at_slo(rows((4, 0.89))) is None
     assert max_rate_at_slo(rows((4, 0.9), (8, None))) == 4
+
+
+def test_disagg_rate_samples_follow_the_rate_not_its_place_in_the_list():
+    """bench/disagg_gpu.py: a rate label carries the same prompts and arrival seed whatever
+    the other rates of the run, and different rates carry different samples."""
+    import argparse
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from disagg_workload import rate_items, rate_seed
+    a = argparse.Namespace(seed=0, num_requests=6, duration=1.0, vocab_size=500,
+                           short=(4, 8), out_range=(2, 3), long_frac=0.25, prompt_len=16)
+    first = rate_items(a, 0, 26.0)
+    assert [it.token_ids for it in rate_items(a, 3, 26.0)] == [it.token_ids for it in first]
+    assert [it.token_ids for it in rate_items(a, 0, 27.0)] != [it.token_ids for it in first]
+    assert rate_seed(a, 26.0, 200) == rate_seed(a, 26.0, 200) != rate_seed(a, 26.0, 100)
