@@ -56,8 +56,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.layout = layout
         self.metrics = metrics or WorkerMetrics("prefill")
         self.clock = telemetry.StepClock(aengine) if telemetry.ENABLED else None
-        self._releases: set[asyncio.Task] = set()
-        self._sends: dict[str, asyncio.Future] = {}  # request id -> its send's end + release
+        # request id -> the task that awaits its send's end and then releases its blocks. A
+        # retry of the same id waits for the entry before replacing it, so these are all the
+        # sends (and releases) still in flight
+        self._sends: dict[str, asyncio.Future] = {}
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context):
         rid = request.request_id
@@ -219,18 +221,20 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def _release_after(self, rid: str, sending: asyncio.Future) -> None:
         """Once the send ended, give the request's blocks back (the lease ends with send()).
         A new Prefill of the same request id (a retry over another backend) waits for it."""
+        prior = self._sends.get(rid)  # normally None or ended (a retry waits for it first)
+
         async def release() -> None:
             try:
                 await _settled(sending)
             finally:
                 await _shielded(self.aengine.release(rid))
+                if prior is not None:  # stays drainable through this entry
+                    await _settled(prior)
 
         task = asyncio.ensure_future(release())
-        self._releases.add(task)
         self._sends[rid] = task
 
         def done(t: asyncio.Future) -> None:
-            self._releases.discard(t)
             if self._sends.get(rid) is t:
                 del self._sends[rid]
         task.add_done_callback(done)
@@ -238,8 +242,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def drain(self, timeout_s: float | None = None) -> None:
         """Wait for the sends still ending and their block releases (shutdown: all of them;
         Stats: for at most ``timeout_s``)."""
-        if self._releases:
-            await asyncio.wait(set(self._releases), timeout=timeout_s)
+        if self._sends:
+            await asyncio.wait(set(self._sends.values()), timeout=timeout_s)
 
     async def Stats(self, request, context):
         # a Stats answer does not show blocks whose release is in flight (unless a transfer
