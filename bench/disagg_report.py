@@ -294,6 +294,57 @@ def merge(paths: list[str]) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------ SLO limits
+def limits(docs: list[dict], attainment: float = SLO_ATTAINMENT) -> dict:
+    """Each deployment's SLO limit from every rate it ran in ``docs`` (several runs, any rate
+    lists, repeated rates with other samples), two ways:
+
+    * ``rate``: the highest rate up to which every rate kept ``attainment`` of its requests
+      within the SLO, the samples of a rate pooled (DistServe's goodput, on the grid);
+    * ``prompt_tokens_per_s``: the highest offered prompt token rate that kept ``attainment``
+      below the lowest that did not. It does not depend on how many long prompts a
+      sample happened to draw.
+
+    and the ratios of 1P1D's to colocated's when both ran."""
+    rows: dict[str, list[dict]] = {}
+    for d in docs:
+        for name, dep in d["deployments"].items():
+            for row in dep.get("mixed", []):
+                s = row["summary"]
+                got = s.get("slo_attainment")
+                if got is None:
+                    continue
+                rows.setdefault(name, []).append({
+                    "rate": row["rate"], "slo_attainment": got, "ok": got >= attainment,
+                    "good": s["num_good"], "sent": s["num_requests"],
+                    "offered_prompt_tokens_per_s": s.get("offered_prompt_tokens_per_s")})
+    out: dict = {"attainment": attainment, "deployments": {}}
+    for name, rs in rows.items():
+        rs.sort(key=lambda r: (r["rate"], r["offered_prompt_tokens_per_s"] or 0))
+        pooled: dict[float, list[int]] = {}
+        for r in rs:
+            acc = pooled.setdefault(r["rate"], [0, 0])
+            acc[0] += r["good"]
+            acc[1] += r["sent"]
+        rate = None
+        for r, (good, sent) in sorted(pooled.items()):
+            if not sent or good / sent < attainment:
+                break
+            rate = r
+        toks = [r for r in rs if r["offered_prompt_tokens_per_s"] is not None]
+        tok_fail = min((r["offered_prompt_tokens_per_s"] for r in toks if not r["ok"]),
+                       default=math.inf)
+        tok = max((r["offered_prompt_tokens_per_s"] for r in toks
+                   if r["ok"] and r["offered_prompt_tokens_per_s"] < tok_fail), default=None)
+        out["deployments"][name] = {
+            "rate": rate, "prompt_tokens_per_s": tok, "samples": rs,
+            "pooled_attainment": {r: round(g / n, 4) for r, (g, n) in sorted(pooled.items()) if n}}
+    dp, dc = out["deployments"].get("1p1d"), out["deployments"].get("colocated")
+    if dp and dc:
+        out["ratio"] = {k: _ratio(dp[k], dc[k]) for k in ("rate", "prompt_tokens_per_s")}
+    return out
+
+
 def main(argv=None) -> None:
     import argparse
 
@@ -301,8 +352,24 @@ def main(argv=None) -> None:
     p.add_argument("reports", nargs="+")
     p.add_argument("--merge", action="store_true",
                    help="combine the deployments of several runs of the same workload")
+    p.add_argument("--limits", action="store_true",
+                   help="each deployment's SLO limit over every rate of the given runs")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if a.limits:
+        doc = limits([json.load(open(r)) for r in a.reports])
+        doc["command"] = "python3 bench/disagg_report.py --limits " + " ".join(a.reports)
+        for name, dep in doc["deployments"].items():
+            print(f"{name:10s} limit {dep['rate']} req/s, {dep['prompt_tokens_per_s']} prompt "
+                  f"tok/s; samples: " + ", ".join(
+                      f"{r['rate']:g}:{r['slo_attainment']:.1%}"
+                      f"({r['offered_prompt_tokens_per_s']})" for r in dep["samples"]))
+        print("1P1D / colocated:", doc.get("ratio"))
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(doc, f, indent=1)
+            print(f"wrote {a.out}")
+        return
     doc = merge(a.reports) if a.merge else json.load(open(a.reports[0]))
     print_summary(doc)
     if a.out:

@@ -281,3 +281,28 @@ def test_disagg_rate_samples_follow_the_rate_not_its_place_in_the_list():
     assert [it.token_ids for it in rate_items(a, 3, 26.0)] == [it.token_ids for it in first]
     assert [it.token_ids for it in rate_items(a, 0, 27.0)] != [it.token_ids for it in first]
     assert rate_seed(a, 26.0, 200) == rate_seed(a, 26.0, 200) != rate_seed(a, 26.0, 100)
+
+
+def test_slo_limits_pool_the_samples_of_a_rate_across_runs():
+    """disagg_report --limits: a rate's samples from several runs are pooled (21 req/s: one
+    sample at 92%, one at 27% -> 60%, failed); the token-rate limit is the highest offered
+    prompt tok/s that passed below the lowest that failed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from disagg_report import limits
+
+    def run(dep, *rows):
+        return {"deployments": {dep: {"mixed": [
+            {"rate": r, "summary": {"slo_attainment": g / n, "num_good": g, "num_requests": n,
+                                    "offered_prompt_tokens_per_s": t}}
+            for r, g, n, t in rows]}}}
+
+    docs = [run("colocated", (20, 97, 100, 25500), (21, 27, 100, 27900)),
+            run("colocated", (21, 92, 100, 27400), (19, 99, 100, 24800)),
+            run("1p1d", (26, 95, 100, 34400), (28, 21, 100, 35400), (27, 65, 100, 36200))]
+    out = limits(docs)
+    col, pd = out["deployments"]["colocated"], out["deployments"]["1p1d"]
+    assert (col["rate"], col["prompt_tokens_per_s"]) == (20, 27400)
+    assert col["pooled_attainment"][21] == 0.595
+    assert (pd["rate"], pd["prompt_tokens_per_s"]) == (26, 34400)
+    assert out["ratio"] == {"rate": 1.3, "prompt_tokens_per_s": round(34400 / 27400, 4)}
+    assert limits([run("1p1d", (4, 80, 100, 1000))])["deployments"]["1p1d"]["rate"] is None
