@@ -5,7 +5,8 @@ head_dim 128, bf16), per layer: which way a prefill chunk's attention should run
   engine/kernels/backend.py does), SDPA with ``enable_gqa=True``, SDPA given the unexpanded
   K/V without the flag, and the Triton paged kernel;
 * a chunk of n tokens after a cached prefix of p tokens (chunked prefill's later chunks):
-  the Triton paged kernel against SDPA with a lower-right causal mask over gathered K/V;
+  the Triton paged kernel against SDPA with a lower-right causal mask over gathered K/V.
+
 (Rows named ``long_prefill`` in the committed results come from commit 497cd89, an
 experiment since reverted: one square causal SDPA call over prefix + chunk padded to a
 bucket length, the prefix's K/V copied out of the paged cache.)

@@ -326,11 +326,8 @@ def limits(docs: list[dict], attainment: float = SLO_ATTAINMENT) -> dict:
             acc = pooled.setdefault(r["rate"], [0, 0])
             acc[0] += r["good"]
             acc[1] += r["sent"]
-        rate = None
-        for r, (good, sent) in sorted(pooled.items()):
-            if not sent or good / sent < attainment:
-                break
-            rate = r
+        rate = max_rate_at_slo([{"rate": r, "summary": {"slo_attainment": g / n if n else None}}
+                                for r, (g, n) in pooled.items()], attainment)
         toks = [r for r in rs if r["offered_prompt_tokens_per_s"] is not None]
         tok_fail = min((r["offered_prompt_tokens_per_s"] for r in toks if not r["ok"]),
                        default=math.inf)
