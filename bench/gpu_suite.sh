@@ -8,6 +8,8 @@
 #   tests        pytest -m gpu tests/gpu (kernels, engine incl. async_decode, kvtransfer)  ~4
 #   engine-tests pytest -m gpu tests/gpu/test_kernels_gpu.py tests/gpu/test_engine_gpu.py  ~2
 #   attn         bench/attention_prefill_gpu.py: prefill attention kernels per chunk shape  ~1
+#   mixed        bench/mixed_step_gpu.py: a step of decode rows plus a prefill chunk, decode
+#                rows through the decode kernel or with the chunk in one launch (1 GPU)    ~2
 #   capacity     bench/prefill_capacity_gpu.py: prompt tokens/s of one prefill engine on the
 #                disagg mix (1 GPU)                                                         ~2
 #   sweep        bench/gemv_sweep.py: GEMV configs incl. split-K vs cuBLAS                ~3
@@ -24,7 +26,8 @@
 #   ttftgpu      bench/ttft_gpu.py: 1P1D set-ups vs colocated on the prefill GPU (2 GPUs)   ~4
 #   goodput      bench/disagg_gpu.py at 20,22,24,26,28 req/s: where each keeps 90% (2 GPUs) ~6
 #   p1d          bench/disagg_gpu.py, one deployment (DEPLOY, 1p1d) at P1D_RATES (24,26,28,30),
-#                workers with WORKER_ARGS (1P1D prefill: PREFILL_ARGS), more flags P1D_EXTRA,
+#                workers with WORKER_ARGS (1P1D prefill: PREFILL_ARGS, decode: DECODE_ARGS,
+#                gateway: GATEWAY_ARGS), more flags P1D_EXTRA,
 #                output ..._${DEPLOY}_$P1D_NAME.json (2 GPUs)                                ~3
 set -u
 OUT=${OUT:-/tmp/out}
@@ -44,6 +47,8 @@ for step in "$@"; do
     engine-tests) run python3 -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py \
         tests/gpu/test_engine_gpu.py -p no:cacheprovider ;;
     attn) run python3 bench/attention_prefill_gpu.py --out "$OUT/attention_prefill_gpu_h200.json" ;;
+    mixed) run python3 bench/mixed_step_gpu.py ${MIXED_ARGS:-} \
+        --out "$OUT/mixed_step_gpu_h200${MIXED_NAME:-}.json" ;;
     capacity) run python3 bench/prefill_capacity_gpu.py ${CAPACITY_ARGS:-} \
         --out "$OUT/prefill_capacity_gpu_h200.json" ;;
     sweep) run python3 bench/gemv_sweep.py --out "$OUT/gemv_sweep_h200.json" ;;
@@ -105,7 +110,8 @@ PY
       run python3 bench/disagg_gpu.py --deployments ${DEPLOY:-1p1d} --kv-backend nccl,cuda_ipc \
         --colocated-kv-backend nccl --rates ${P1D_RATES:-24,26,28,30} --exact-prompts 4 \
         --ttft-repeats 4 ${PREFILL_ARGS:+--prefill-worker-args "$PREFILL_ARGS"} \
-        ${WORKER_ARGS:+--worker-args "$WORKER_ARGS"} ${P1D_EXTRA:-} \
+        ${WORKER_ARGS:+--worker-args "$WORKER_ARGS"} ${GATEWAY_ARGS:+--gateway-args "$GATEWAY_ARGS"} \
+        ${DECODE_ARGS:+--decode-worker-args "$DECODE_ARGS"} ${P1D_EXTRA:-} \
         --out "$OUT/disagg_gpu_h200_${DEPLOY:-1p1d}_${P1D_NAME:-p1d}.json" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac

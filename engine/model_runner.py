@@ -114,8 +114,10 @@ def make_attention_backend(config: EngineConfig, mc: ModelConfig) -> AttentionBa
         want = "triton" if config.device.startswith("cuda") else "torch"
     if want == "triton":
         from engine.kernels.backend import TritonAttention  # GPU path
-        # PDSERVE_FUSE_ROTARY=0: separate rotary and store_kv kernels (A/B measurements)
-        return TritonAttention(scale, fuse_rotary=os.environ.get("PDSERVE_FUSE_ROTARY") != "0")
+        # A/B measurements: PDSERVE_FUSE_ROTARY=0 separate rotary and store_kv kernels;
+        # PDSERVE_SPLIT_MIXED=0 a mixed step's decode rows through the prefill kernel
+        return TritonAttention(scale, fuse_rotary=os.environ.get("PDSERVE_FUSE_ROTARY") != "0",
+                               split_mixed=os.environ.get("PDSERVE_SPLIT_MIXED") != "0")
     return TorchAttention(scale)
 
 
@@ -306,7 +308,12 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput, next_ids: list[int] | None = None):
         """Flat inputs for ``out``. With ``next_ids`` (a chained launch, one token per row)
         row i < len(next_ids) computes position num_computed_tokens + 1 with input token
-        next_ids[i]; later rows (joined since) take their last token."""
+        next_ids[i]; later rows (joined since) take their last token.
+
+        A mixed step lays out its one-token sequences first (``meta.num_decode`` of them,
+        ``meta.rest`` the others): the GPU backend runs the decode kernel on them instead of
+        the prefill kernel, which reads the context once per query head, not once per K/V
+        head. ``sample_rows`` stays in the order of ``out.scheduled``."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -315,9 +322,18 @@ class ModelRunner:
         seq_lens: list[int] = []
         qlens: list[int] = []
         tables: list[list[int]] = []
-        sample_rows: list[int] = []
         chained = 0 if next_ids is None else len(next_ids)
-        for i, item in enumerate(out.scheduled):
+        items = out.scheduled
+        order = range(len(items))
+        num_decode = sum(1 for item in items if item.num_new_tokens == 1)
+        if 0 < num_decode < len(items):
+            order = ([i for i, item in enumerate(items) if item.num_new_tokens == 1]
+                     + [i for i, item in enumerate(items) if item.num_new_tokens != 1])
+        else:
+            num_decode = 0
+        last_row = [0] * len(items)
+        for i in order:
+            item = items[i]
             s = item.seq
             start = s.num_computed_tokens + (1 if i < chained else 0)
             end = start + item.num_new_tokens
@@ -332,8 +348,9 @@ class ModelRunner:
             seq_lens.append(end)
             qlens.append(item.num_new_tokens)
             tables.append(bt)
-            if next_ids is not None or item.samples:
-                sample_rows.append(qsl[-1] - 1)
+            last_row[i] = qsl[-1] - 1
+        sample_rows = [last_row[i] for i, item in enumerate(items)
+                       if next_ids is not None or item.samples]
         width = max(len(t) for t in tables)
         dev = self.device
         meta = AttentionMetadata(
@@ -344,6 +361,16 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens_list=seq_lens, query_lens_list=qlens,
             max_seq_len=max(seq_lens), max_query_len=max(qlens))
+        if num_decode:
+            nd, t0 = num_decode, qsl[num_decode]
+            rest_qsl = [x - t0 for x in qsl[nd:]]
+            meta.num_decode = nd
+            meta.rest = AttentionMetadata(
+                slot_mapping=meta.slot_mapping[t0:], block_tables=meta.block_tables[nd:],
+                seq_lens=meta.seq_lens[nd:],
+                query_start_loc=torch.tensor(rest_qsl, dtype=torch.int32, device=dev),
+                seq_lens_list=seq_lens[nd:], query_lens_list=qlens[nd:],
+                max_seq_len=max(seq_lens[nd:]), max_query_len=max(qlens[nd:]))
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         return ids, pos, meta, sample_rows

@@ -9,9 +9,14 @@ padded row, which the CUDA-graph decode path relies on), then:
   fresh K/V, one call per sequence. Measured on an H200 (bench/results/kernels_gpu_h200.json)
   the flash kernel runs a 4096-token causal prefill at ~520 TFLOP/s against ~260 for the
   Triton paged kernel;
-* everything else (prefix hits, chunked prefill, mixed prefill + decode, many short prompts):
-  one ``paged_prefill_attention`` launch over the whole ragged batch, reading K/V back from
-  the cache.
+* everything else (prefix hits, chunked prefill, many short prompts): one
+  ``paged_prefill_attention`` launch over the whole ragged batch, reading K/V back from the
+  cache;
+* a mixed step (running sequences decoding while others prefill): the model runner puts the
+  one-token rows first, and they take the decode kernel while the rest take one of the two
+  paths above. The prefill kernel reads a sequence's context once per query head; the decode
+  kernel once per K/V head, split over the GPU, so decode rows cost in a mixed step what they
+  cost in a decode step.
 """
 from __future__ import annotations
 
@@ -32,9 +37,11 @@ class TritonAttention(AttentionBackend):
     name = "triton"
 
     def __init__(self, scale: float, sdpa_min_tokens: int = SDPA_MIN_TOKENS,
-                 fuse_rotary: bool = True):
+                 fuse_rotary: bool = True, split_mixed: bool = True):
         self.scale = scale
         self.sdpa_min_tokens = sdpa_min_tokens
+        # False: a mixed step's decode rows go through the prefill kernel with the rest
+        self.split_mixed = split_mixed
         # the model passes rope=(positions, cos_sin_cache) instead of rotating q/k itself
         self.fuses_rotary = fuse_rotary
 
@@ -47,6 +54,17 @@ class TritonAttention(AttentionBackend):
         if meta.decode_only:
             return paged_decode_attention(q, kv_cache, layer, meta.block_tables, meta.seq_lens,
                                           self.scale)
+        nd = meta.num_decode if self.split_mixed else 0
+        if nd:  # a mixed step: its one-token rows come first and take the decode kernel
+            out = torch.empty_like(q)
+            out[:nd] = paged_decode_attention(q[:nd], kv_cache, layer, meta.block_tables[:nd],
+                                              meta.seq_lens[:nd], self.scale)
+            out[nd:] = self._prefill(layer, q[nd:], k[nd:], v[nd:], kv_cache, meta.rest)
+            return out
+        return self._prefill(layer, q, k, v, kv_cache, meta)
+
+    def _prefill(self, layer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Sequences of any query length (no one-token rows in a mixed step's ``rest``)."""
         qlens, slens = meta.query_lens_list, meta.seq_lens_list
         if (all(a == b for a, b in zip(qlens, slens))
                 and min(qlens) >= self.sdpa_min_tokens):

@@ -28,6 +28,12 @@ class AttentionMetadata:
     query_lens_list: list[int]
     max_seq_len: int
     max_query_len: int
+    # a mixed step (one-token rows and longer chunks) orders its one-token sequences first:
+    # the first ``num_decode`` sequences have one new token each, and ``rest`` describes the
+    # others on their own (offsets from the first of their tokens), so a backend can give the
+    # two parts different kernels; 0 / None otherwise
+    num_decode: int = 0
+    rest: AttentionMetadata | None = None
     # derived once per step by the torch backend and reused by every layer
     cache: dict = field(default_factory=dict)
 

@@ -1,0 +1,135 @@
+"""Time of one engine step that mixes decoding sequences with a prefill chunk, on one GPU.
+
+A colocated worker runs such steps whenever a prompt arrives while others decode (its long
+prompts in chunks of up to --max-num-batched-tokens), and a decode worker that prefills short
+prompts itself (the gateway's --local-prefill-* rule) runs them too. The step is built by
+hand: D running sequences at context lengths drawn from --ctx, plus one sequence whose next
+P tokens (after a prefix of --prefix tokens) are computed. It is timed three ways in one
+process, on dummy:llama-3-8b bf16:
+
+* ``decode``: the D decode rows alone (a CUDA-graph step, as a decode worker runs them);
+* ``mixed_split``: the mixed step as the engine runs it, decode rows through the decode
+  kernel (TritonAttention.split_mixed);
+* ``mixed_one_launch``: the same step with every row through one prefill-kernel launch (the
+  engine before the split; PDSERVE_SPLIT_MIXED=0);
+* ``chunk``: the P-token chunk alone.
+
+``same_tokens``: the share of rows whose greedy token is the same on both mixed paths.
+Times are host wall times of launch + collect (sampling included), medians of --reps after
+two warm-ups.
+
+    PYTHONPATH=. python3 bench/mixed_step_gpu.py --out bench/results/mixed_step_gpu_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.llm import LLM  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+from engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
+from engine.sequence import Sequence, SeqStatus  # noqa: E402
+
+
+def build_seq(eng, rid: str, tokens: list[int], computed: int, sp) -> Sequence:
+    seq = Sequence(rid, tokens, sp)
+    seq.status = SeqStatus.RUNNING
+    if not eng.block_manager.allocate_slots(seq, len(tokens)):
+        raise SystemExit("KV cache too small for this configuration (raise --kv-gib)")
+    seq.num_computed_tokens = computed
+    return seq
+
+
+def timed(runner, out: SchedulerOutput, reps: int) -> list[float]:
+    times = []
+    for i in range(reps + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.collect(runner.launch(out))
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--decode-rows", default="32,64,128,192",
+                    help="comma-separated D: running sequences that decode")
+    ap.add_argument("--chunks", default="256,512,2048",
+                    help="comma-separated P: tokens of the prefill chunk")
+    ap.add_argument("--prefix", type=int, default=0,
+                    help="tokens of the chunk's sequence already computed")
+    ap.add_argument("--ctx", default="512:4096", help="decode rows' context lengths, lo:hi")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--kv-gib", type=float, default=90.0)
+    a = ap.parse_args()
+    ds = [int(x) for x in a.decode_rows.split(",")]
+    ps = [int(x) for x in a.chunks.split(",")]
+    lo, hi = (int(x) for x in a.ctx.split(":"))
+    llm = LLM("dummy:llama-3-8b", dtype="bfloat16", device="cuda", max_num_seqs=max(ds) + 1,
+              max_num_batched_tokens=max(ps) + max(ds), max_model_len=8192,
+              kv_cache_memory_bytes=int(a.kv_gib * 2**30), enable_prefix_caching=False)
+    eng = llm.engine
+    runner = eng.runner
+    vocab = eng.model_config.vocab_size
+    sp = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+    rng = random.Random(0)
+    R = {"command": "PYTHONPATH=. python3 " + " ".join(sys.argv), "torch": torch.__version__,
+         "device": torch.cuda.get_device_name(0), "args": vars(a),
+         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": []}
+    decoders = []
+    for i in range(max(ds)):
+        n = rng.randint(lo, hi)
+        decoders.append(build_seq(eng, f"d{i}", [rng.randrange(3, vocab) for _ in range(n + 1)],
+                                  n, sp))
+    backend = runner.backend
+    for p in ps:
+        n = a.prefix + p
+        chunk = build_seq(eng, f"c{p}", [rng.randrange(3, vocab) for _ in range(n + 1)],
+                          a.prefix, sp)
+        only = SchedulerOutput([ScheduledSeq(chunk, p)])
+        backend.split_mixed = True
+        chunk_ms = statistics.median(timed(runner, only, a.reps))
+        for d in ds:
+            dec = [ScheduledSeq(s, 1) for s in decoders[:d]]
+            half = d // 2  # the chunk's sequence between decode rows, as the scheduler may
+            mixed = SchedulerOutput(dec[:half] + [ScheduledSeq(chunk, p)] + dec[half:])
+            row = {"decode_rows": d, "chunk": p, "prefix": a.prefix,
+                   "ctx_mean": round(statistics.mean(s.num_computed_tokens
+                                                     for s in decoders[:d]))}
+            row["decode_ms"] = round(statistics.median(
+                timed(runner, SchedulerOutput(dec), a.reps)), 3)
+            row["chunk_ms"] = round(chunk_ms, 3)
+            tokens = {}
+            for name, split in (("mixed_split_ms", True), ("mixed_one_launch_ms", False)):
+                backend.split_mixed = split
+                row[name] = round(statistics.median(timed(runner, mixed, a.reps)), 3)
+                tokens[split] = runner.collect(runner.launch(mixed))[0]
+            backend.split_mixed = True
+            # the two paths' greedy tokens (bf16: a near-tie may flip)
+            row["same_tokens"] = round(sum(tokens[True][k] == v for k, v in tokens[False].items())
+                                       / len(tokens[False]), 3)
+            row["split_speedup"] = round(row["mixed_one_launch_ms"] / row["mixed_split_ms"], 2)
+            R["rows"].append(row)
+            print(row, flush=True)
+            with open(a.out, "w") as f:
+                json.dump(R, f, indent=1)
+        eng.block_manager.free_seq(chunk)
+    R["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    with open(a.out, "w") as f:
+        json.dump(R, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
