@@ -8,13 +8,13 @@ P tokens (after a prefix of --prefix tokens) are computed. It is timed three way
 process, on dummy:llama-3-8b bf16:
 
 * ``decode``: the D decode rows alone (a CUDA-graph step, as a decode worker runs them);
-* ``mixed_split``: the mixed step as the engine runs it, decode rows through the decode
-  kernel (TritonAttention.split_mixed);
-* ``mixed_one_launch``: the same step with every row through one prefill-kernel launch (the
-  engine before the split; PDSERVE_SPLIT_MIXED=0);
-* ``chunk``: the P-token chunk alone.
+* ``mixed_one_launch``: eager, every row through one prefill-kernel launch (the engine
+  before the split; PDSERVE_SPLIT_MIXED=0);
+* ``mixed_split``: eager, decode rows through the decode kernel (TritonAttention.split_mixed);
+* ``mixed_graph``: the mixed-step CUDA graph (engine.mixed_graphs), where P fits one;
+* ``chunk`` / ``chunk_graph``: the P-token chunk alone, eager / through a mixed graph.
 
-``same_tokens``: the share of rows whose greedy token is the same on both mixed paths.
+``same_tokens_*``: the share of rows whose greedy token equals the one-launch path's.
 Times are host wall times of launch + collect (sampling included), medians of --reps after
 two warm-ups.
 
@@ -94,13 +94,25 @@ def main() -> None:
         decoders.append(build_seq(eng, f"d{i}", [rng.randrange(3, vocab) for _ in range(n + 1)],
                                   n, sp))
     backend = runner.backend
+    graphs = runner.mixed_graphs
+
+    def variant(out, split: bool, graph: bool) -> tuple[float, dict]:
+        backend.split_mixed = split
+        runner.mixed_graphs = graphs if graph else {}
+        try:
+            ms = statistics.median(timed(runner, out, a.reps))
+            return ms, runner.collect(runner.launch(out))[0]
+        finally:
+            backend.split_mixed, runner.mixed_graphs = True, graphs
+
     for p in ps:
         n = a.prefix + p
         chunk = build_seq(eng, f"c{p}", [rng.randrange(3, vocab) for _ in range(n + 1)],
                           a.prefix, sp)
         only = SchedulerOutput([ScheduledSeq(chunk, p)])
-        backend.split_mixed = True
-        chunk_ms = statistics.median(timed(runner, only, a.reps))
+        chunk_ms = variant(only, True, False)[0]
+        chunk_graph_ms = variant(only, True, True)[0] if p <= max(runner.mixed_tokens,
+                                                                   default=0) else None
         for d in ds:
             dec = [ScheduledSeq(s, 1) for s in decoders[:d]]
             half = d // 2  # the chunk's sequence between decode rows, as the scheduler may
@@ -111,16 +123,24 @@ def main() -> None:
             row["decode_ms"] = round(statistics.median(
                 timed(runner, SchedulerOutput(dec), a.reps)), 3)
             row["chunk_ms"] = round(chunk_ms, 3)
+            row["chunk_graph_ms"] = chunk_graph_ms and round(chunk_graph_ms, 3)
             tokens = {}
-            for name, split in (("mixed_split_ms", True), ("mixed_one_launch_ms", False)):
-                backend.split_mixed = split
-                row[name] = round(statistics.median(timed(runner, mixed, a.reps)), 3)
-                tokens[split] = runner.collect(runner.launch(mixed))[0]
-            backend.split_mixed = True
-            # the two paths' greedy tokens (bf16: a near-tie may flip)
-            row["same_tokens"] = round(sum(tokens[True][k] == v for k, v in tokens[False].items())
-                                       / len(tokens[False]), 3)
+            for name, split, graph in (("mixed_one_launch_ms", False, False),
+                                       ("mixed_split_ms", True, False),
+                                       ("mixed_graph_ms", True, True)):
+                if graph and runner._mixed_plan(mixed) is None:
+                    continue
+                ms, tokens[name] = variant(mixed, split, graph)
+                row[name] = round(ms, 3)
+            # greedy tokens of each path against the one-launch path (bf16: near-ties flip)
+            base = tokens["mixed_one_launch_ms"]
+            for name, toks in tokens.items():
+                if name != "mixed_one_launch_ms":
+                    row["same_tokens_" + name[len("mixed_"):-len("_ms")]] = round(
+                        sum(toks[k] == v for k, v in base.items()) / len(base), 3)
             row["split_speedup"] = round(row["mixed_one_launch_ms"] / row["mixed_split_ms"], 2)
+            if "mixed_graph_ms" in row:
+                row["graph_speedup"] = round(row["mixed_split_ms"] / row["mixed_graph_ms"], 2)
             R["rows"].append(row)
             print(row, flush=True)
             with open(a.out, "w") as f:

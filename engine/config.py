@@ -102,6 +102,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False  # GPU: disable CUDA graphs
+    # GPU with CUDA graphs: mixed steps (decode rows plus chunks of up to this many prompt
+    # tokens in all, from at most 8 sequences) replay captured graphs (engine.mixed_graphs);
+    # 0: such steps run eagerly
+    mixed_graph_tokens: int = 512
     num_threads: int | None = None  # CPU: torch intra-op threads
     # Launch the next decode step before reading this one's tokens when the batch cannot
     # change (engine.engine.LLMEngine.step): hides host work behind the GPU (on an H200,
@@ -115,5 +119,7 @@ class EngineConfig:
                                self.device.startswith("cuda") and not self.enforce_eager)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.mixed_graph_tokens < 0:
+            raise ValueError(f"mixed_graph_tokens must be >= 0, got {self.mixed_graph_tokens}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}")

@@ -16,6 +16,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from engine.layers.sampler import Sampler, SamplingBatch
+from engine.mixed_graphs import MAX_PREFILL_SEQS, fill_mixed_inputs, plan_mixed, token_buckets
 from engine.models.registry import model_class
 from engine.scheduler import SchedulerOutput
 
@@ -31,7 +32,7 @@ class StepHandle:
     the pinned ``host`` buffer; ``event`` completes when that copy has landed)."""
     sched: SchedulerOutput
     sampled_ids: list[str]
-    rows: list[int] | None = None  # graph path: the rows of ``greedy`` that sampled (None: all)
+    rows: list[int] | None = None  # graph paths: the rows of ``greedy`` that sampled (None: all)
     tokens: list[int] | None = None
     logprobs: list[float] | None = None
     greedy: torch.Tensor | None = None
@@ -181,6 +182,9 @@ class ModelRunner:
         self.sampler = Sampler(self.shared_gen)
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: dict[int, tuple] = {}
+        self.mixed_graphs: dict[tuple[int, int], tuple] = {}
+        self.mixed_tokens: list[int] = []
+        self.mixed_graph_steps = 0  # steps that replayed a mixed graph
         self.gemv_tuning: dict = {}
         if self.device.type == "cuda" and self.backend.name == "triton":
             self.model.enable_fused_ops(True)
@@ -258,6 +262,95 @@ class ModelRunner:
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch %s, table width %d)",
                     len(self.graphs), self.graph_buckets, width)
+        if self.config.mixed_graph_tokens and getattr(self.backend, "split_mixed", False):
+            self._capture_mixed_graphs(pool, capture_stream)
+
+    def _capture_mixed_graphs(self, pool, capture_stream) -> None:
+        """One graph per (decode bucket, prefill-token bucket) for mixed steps; layout and
+        padding in engine.mixed_graphs."""
+        self.mixed_tokens = token_buckets(self.config.mixed_graph_tokens)
+        k = MAX_PREFILL_SEQS
+        mb, w, dev = self.graph_buckets[-1], self.graph_width, self.device
+        t = mb + self.mixed_tokens[-1]
+        # int64 [4, t]: ids, positions, slots, logit rows; int32: decode lengths [mb], decode
+        # tables [mb, w], chunk offsets [k + 1], chunk lengths [k], chunk tables [k, w]
+        self.m_i64 = torch.zeros(4, t, dtype=torch.int64, device=dev)
+        n32 = mb + mb * w + (k + 1) + k + k * w
+        self.m_i32 = torch.zeros(n32, dtype=torch.int32, device=dev)
+        self.hm_i64 = torch.zeros(4, t, dtype=torch.int64).pin_memory()
+        self.hm_i32 = torch.zeros(n32, dtype=torch.int32).pin_memory()
+        self.hm_tok = torch.zeros(mb + k, dtype=torch.int64).pin_memory()
+        self._mixed_done: torch.cuda.Event | None = None
+        self.m_i64[2].fill_(-1)
+        o = mb + mb * w
+        dec_tables = self.m_i32[mb:o].view(mb, w)
+        qsl = self.m_i32[o:o + k + 1]
+        pre_lens = self.m_i32[o + k + 1:o + 2 * k + 1]
+        pre_tables = self.m_i32[o + 2 * k + 1:].view(k, w)
+        qsl.copy_(torch.arange(k + 1, dtype=torch.int32))  # capture: one token per chunk
+        for p in self.mixed_tokens:
+            for b in reversed(self.graph_buckets):
+                rest = AttentionMetadata(
+                    slot_mapping=self.m_i64[2, b:b + p], block_tables=pre_tables,
+                    seq_lens=pre_lens, query_start_loc=qsl,
+                    # host lists only steer the backend: p < p + 1 keeps SDPA out
+                    seq_lens_list=[p + 1] * k, query_lens_list=[p] * k,
+                    max_seq_len=p + 1, max_query_len=p)
+                meta = AttentionMetadata(
+                    slot_mapping=self.m_i64[2, :b + p], block_tables=dec_tables[:b],
+                    seq_lens=self.m_i32[:b], query_start_loc=qsl,
+                    seq_lens_list=[1] * b + [p + 1] * k, query_lens_list=[1] * b + [p] * k,
+                    max_seq_len=p + 1, max_query_len=p, num_decode=b, rest=rest)
+
+                def run(b=b, p=p, meta=meta):
+                    hidden = self.model(self.m_i64[0, :b + p], self.m_i64[1, :b + p],
+                                        self.kv_cache, meta, self.backend)
+                    logits = self.model.compute_logits(
+                        hidden.index_select(0, self.m_i64[3, :b + k]))
+                    return logits, logits.argmax(dim=-1)
+
+                with torch.inference_mode():
+                    st = torch.cuda.Stream()
+                    st.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(st):
+                        run()
+                    torch.cuda.current_stream().wait_stream(st)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool, stream=capture_stream):
+                        logits, greedy = run()
+                self.mixed_graphs[(b, p)] = (g, logits, greedy)
+        torch.cuda.synchronize()
+        logger.info("captured %d mixed-step CUDA graphs (prefill tokens %s, up to %d chunks)",
+                    len(self.mixed_graphs), self.mixed_tokens, k)
+
+    def _mixed_step(self, out: SchedulerOutput, plan):
+        """Fill the mixed graphs' static inputs for ``out`` and replay the (b, p) graph.
+        Returns (logits, greedy, pinned host copy of greedy, its event, logit rows of the
+        items that sample in scheduled order)."""
+        dec, pre, b, p = plan
+        k = MAX_PREFILL_SEQS
+        mb, w = self.graph_buckets[-1], self.graph_width
+        if self._mixed_done is not None:
+            self._mixed_done.synchronize()  # the previous mixed step's copies have run
+        h64, h32 = self.hm_i64.numpy(), self.hm_i32.numpy()
+        o = mb + mb * w
+        rows = fill_mixed_inputs(
+            out, dec, pre, b, p, self.block_size, h64, h32[:mb], h32[mb:o].reshape(mb, w),
+            h32[o:o + k + 1], h32[o + k + 1:o + 2 * k + 1], h32[o + 2 * k + 1:].reshape(k, w),
+            self.table_rows)
+        self.m_i64[:, :b + p].copy_(self.hm_i64[:, :b + p], non_blocking=True)
+        self.m_i32[:b].copy_(self.hm_i32[:b], non_blocking=True)
+        self.m_i32[mb:mb + b * w].copy_(self.hm_i32[mb:mb + b * w], non_blocking=True)
+        self.m_i32[o:].copy_(self.hm_i32[o:], non_blocking=True)
+        g, logits, greedy = self.mixed_graphs[(b, p)]
+        g.replay()
+        self.mixed_graph_steps += 1
+        n = b + k
+        self.hm_tok[:n].copy_(greedy[:n], non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+        self._mixed_done = landed
+        return logits, greedy, self.hm_tok, landed, rows
 
     def _graph_step(self, out: SchedulerOutput, prev: StepHandle | None = None,
                     keep: list[int] = ()):
@@ -297,6 +390,11 @@ class ModelRunner:
         landed.record()
         self._stage_done[k] = landed  # after this set's copies too (one stream, in order)
         return logits[:n], greedy[:n], host, landed
+
+    def _mixed_plan(self, out: SchedulerOutput):
+        if not self.mixed_graphs:
+            return None
+        return plan_mixed(out, self.graph_buckets, self.mixed_tokens, self.graph_width)
 
     def _can_graph(self, out: SchedulerOutput) -> bool:
         if not self.graphs or len(out.scheduled) > self.graph_buckets[-1]:
@@ -424,6 +522,19 @@ class ModelRunner:
                 logits = logits[rows]
             tokens, logprobs = self.sampler(logits, batch)
             return StepHandle(out, sampled, tokens=tokens, logprobs=logprobs)
+        plan = self._mixed_plan(out)
+        if plan is not None:
+            logits, greedy, host, landed, rows = self._mixed_step(out, plan)
+            if on_queued is not None:
+                on_queued(self.record_event(), None)
+            if not sampled:
+                return StepHandle(out, [], tokens=[])
+            batch = self._sampling_batch(out)
+            if batch.all_greedy and not batch.want_logprobs:
+                return StepHandle(out, sampled, rows=rows, greedy=greedy, host=host,
+                                  event=landed)
+            tokens, logprobs = self.sampler(logits[rows], batch)
+            return StepHandle(out, sampled, tokens=tokens, logprobs=logprobs)
         ids, pos, meta, rows = self.prepare(out)
         layers: list | None = None
         after_layer = None
@@ -481,9 +592,11 @@ class ModelRunner:
         tokens = h.tokens
         if tokens is None:
             h.event.synchronize()
-            tokens = h.host[:len(h.sched.scheduled)].tolist()
             if h.rows is not None:
-                tokens = [tokens[i] for i in h.rows]
+                every = h.host[:max(h.rows) + 1].tolist()
+                tokens = [every[i] for i in h.rows]
+            else:
+                tokens = h.host[:len(h.sched.scheduled)].tolist()
         toks = dict(zip(h.sampled_ids, tokens))
         lps = dict(zip(h.sampled_ids, h.logprobs)) if h.logprobs is not None else {}
         return toks, lps

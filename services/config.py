@@ -156,6 +156,8 @@ class WorkerSettings:
     schedule_max_wait_s: float = _opt(1.0, "short_first: wait after which a request goes "
                                            "before newer ones")
     enforce_eager: bool = _opt(False, "GPU: no CUDA graphs")
+    mixed_graph_tokens: int = _opt(512, "GPU: steps that mix decodes with prompt chunks of "
+                                        "up to this many tokens replay CUDA graphs (0: eager)")
     async_decode: bool | None = _opt(None, "launch the next decode step before reading this "
                                             "one's tokens (hides host work behind the GPU); "
                                             "unset: on with CUDA graphs, off otherwise")

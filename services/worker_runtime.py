@@ -32,8 +32,8 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
                                   max_num_batched_tokens=s.max_num_batched_tokens,
                                   max_model_len=s.max_model_len, policy=s.schedule_policy,
                                   max_wait_s=s.schedule_max_wait_s),
-        enforce_eager=s.enforce_eager, async_decode=s.async_decode,
-        num_threads=s.num_threads or None)
+        enforce_eager=s.enforce_eager, mixed_graph_tokens=s.mixed_graph_tokens,
+        async_decode=s.async_decode, num_threads=s.num_threads or None)
 
 
 class WorkerRuntime:

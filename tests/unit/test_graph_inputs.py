@@ -71,3 +71,91 @@ def test_graph_decode_inputs_match_the_eager_inputs():
     assert i64[1, :n].tolist() == pos3.tolist() == (pos + 1).tolist()[:n - 1] + [pos[-1]]
     assert i64[2, :n].tolist() == meta3.slot_mapping.tolist()
     assert i64[0, :n].tolist() == [0] * (n - 1) + [ids[-1].item()] == ids3.tolist()
+
+
+def _mixed_engine():
+    from engine import LLM, SamplingParams
+    llm = LLM("dummy:tiny", block_size=4, num_blocks=256, max_num_seqs=16,
+              max_num_batched_tokens=24)
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    for i, n in enumerate((3, 9, 14)):
+        eng.add_request(f"d{i}", list(range(5, 5 + n)), sp)
+    for _ in range(3):
+        eng.step()
+    eng.add_request("p0", list(range(40, 70)), sp)  # 30 tokens: chunked under the budget
+    eng.add_request("p1", list(range(80, 85)), sp)
+    return eng
+
+
+def test_mixed_graph_inputs_match_the_eager_inputs():
+    """fill_mixed_inputs (the mixed CUDA graphs' host side) writes the eager path's ids,
+    positions, slots, lengths, tables and chunk offsets, with the chunks moved to row b and
+    padding behind each part, and maps every sampling item to the row of its logits."""
+    import numpy as np
+
+    from engine.mixed_graphs import MAX_PREFILL_SEQS as K, fill_mixed_inputs, plan_mixed
+    from engine.model_runner import BlockTableRows
+    eng = _mixed_engine()
+    sched = eng.scheduler.schedule()
+    kinds = [item.num_new_tokens == 1 for item in sched.scheduled]
+    assert any(kinds) and not all(kinds)
+    width = 16
+    plan = plan_mixed(sched, [1, 2, 4, 8], [16, 32], width)
+    assert plan is not None
+    dec, pre, b, p = plan
+    nd, npre = len(dec), sum(sched.scheduled[i].num_new_tokens for i in pre)
+    assert b == 4 and nd == 3 and p == 32 and npre <= p
+    i64 = np.full((4, 64), 99, np.int64)
+    i32 = {name: np.full(shape, 99, np.int32) for name, shape in (
+        ("dl", 8), ("dt", (8, width)), ("qsl", K + 1), ("pl", K), ("pt", (K, width)))}
+    rows = fill_mixed_inputs(sched, dec, pre, b, p, 4, i64, i32["dl"], i32["dt"], i32["qsl"],
+                             i32["pl"], i32["pt"], BlockTableRows(width))
+    ids, pos, meta, sample_rows = eng.runner.prepare(sched)
+    assert meta.num_decode == nd
+    for r in range(3):  # ids, positions, slots: decode rows, padding, chunks, padding
+        want = meta.slot_mapping if r == 2 else (ids, pos)[r]
+        assert i64[r, :nd].tolist() == want[:nd].tolist()
+        assert i64[r, b:b + npre].tolist() == want[nd:].tolist()
+    assert i64[2, nd:b].tolist() == [-1] * (b - nd)
+    assert i64[2, b + npre:b + p].tolist() == [-1] * (p - npre)
+    assert (i64[:, b + p:] == 99).all()
+    assert i32["dl"][:nd].tolist() == meta.seq_lens[:nd].tolist()
+    assert i32["dl"][nd:b].tolist() == [0] * (b - nd)
+    rest = meta.rest
+    assert i32["qsl"][:len(pre) + 1].tolist() == rest.query_start_loc.tolist()
+    assert i32["qsl"][len(pre) + 1:].tolist() == [npre] * (K - len(pre))
+    assert i32["pl"].tolist() == rest.seq_lens.tolist() + [0] * (K - len(pre))
+    for j, i in enumerate(pre):
+        bt = sched.scheduled[i].seq.block_table
+        assert i32["pt"][j, :len(bt)].tolist() == bt
+    # each sampling item's logit row reads the token row the eager path samples
+    to_graph = lambda t: t if t < nd else b + (t - nd)  # noqa: E731
+    assert [int(i64[3, r]) for r in rows] == [to_graph(t) for t in sample_rows]
+
+
+def test_plan_mixed_leaves_other_steps_to_the_other_paths():
+    from engine.mixed_graphs import MAX_PREFILL_SEQS, plan_mixed, token_buckets
+    from engine.scheduler import ScheduledSeq, SchedulerOutput
+    from engine.sequence import Sequence
+    from engine.request import SamplingParams
+    assert token_buckets(512) == [128, 256, 512] and token_buckets(300) == [128, 256, 300]
+    assert token_buckets(0) == []
+    sp = SamplingParams()
+
+    def item(n, blocks=1):
+        s = Sequence("x", list(range(1, 2 + n)), sp)
+        s.block_table = list(range(blocks))
+        return ScheduledSeq(s, n)
+
+    buckets, toks = [1, 2, 4], [128, 256]
+    assert plan_mixed(SchedulerOutput([item(1), item(1)]), buckets, toks, 8) is None  # decode
+    assert plan_mixed(SchedulerOutput([item(1), item(300)]), buckets, toks, 8) is None
+    assert plan_mixed(SchedulerOutput([item(1), item(5, blocks=9)]), buckets, toks, 8) is None
+    assert plan_mixed(SchedulerOutput([item(1)] * 5 + [item(5)]), buckets, toks, 8) is None
+    many = [item(2)] * (MAX_PREFILL_SEQS + 1)
+    assert plan_mixed(SchedulerOutput(many), buckets, toks, 8) is None
+    assert plan_mixed(SchedulerOutput([item(1), item(1), item(1), item(200)]), buckets, toks,
+                      8)[2:] == (4, 256)
+    assert plan_mixed(SchedulerOutput([item(7)]), buckets, toks, 8)[2:] == (1, 128)
+    assert plan_mixed(SchedulerOutput([item(7)]), buckets, [], 8) is None
