@@ -140,13 +140,15 @@ def test_engine_thread_on_second_gpu_matches_first():
     assert first == second
 
 
-def test_prefill_progress_carries_one_event_per_layer():
-    """Prefill role on a GPU: each chunk is reported when it is queued, with one event per
-    layer (layer-by-layer KV sending waits on them) and a final event; by the time the
+@pytest.mark.parametrize("graphs", [False, True])
+def test_prefill_progress_carries_one_event_per_layer(graphs):
+    """Prefill role on a GPU: each chunk is reported when it is queued, with a final event
+    and, on the eager path, one event per layer (layer-by-layer KV sending waits on them);
+    a chunk that replays a mixed-step graph has the final event only. By the time the
     request's output is read they have all completed, and the last report names the whole
     block table."""
     llm = LLM("dummy:tiny", dtype="bfloat16", device="cuda", max_num_batched_tokens=64,
-              block_size=16)
+              block_size=16, mixed_graph_tokens=512 if graphs else 0)
     eng = llm.engine
     eng.add_request("p", list(range(1, 151)), SamplingParams(max_tokens=4, temperature=0),
                     prefill_only=True, report_progress=True)
@@ -155,9 +157,13 @@ def test_prefill_progress_carries_one_event_per_layer():
         outs = eng.step()
     layers = eng.runner.model.config.num_layers
     assert [p.num_computed_tokens for p in eng.progress] == [64, 128, 150]
+    assert eng.runner.mixed_graph_steps == (3 if graphs else 0)
     for p in eng.progress:
         assert p.ready is not None and p.ready.query()
-        assert len(p.layer_ready) == layers and all(e.query() for e in p.layer_ready)
+        if graphs:
+            assert p.layer_ready is None
+        else:
+            assert len(p.layer_ready) == layers and all(e.query() for e in p.layer_ready)
     assert eng.progress[-1].block_ids == outs[0].held_block_ids
     eng.release("p")
 
