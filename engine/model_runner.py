@@ -135,6 +135,21 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return raw.view(dtype).view(shape)
 
 
+def _capture(run: Callable[[], tuple], pool, stream) -> tuple:
+    """(graph, *outputs) of ``run`` captured on ``stream`` into the shared memory ``pool``,
+    after one eager run on a side stream (compiles kernels, creates library handles)."""
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool, stream=stream):
+            outputs = run()
+    return (g, *outputs)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, mc: ModelConfig, weights: dict[str, torch.Tensor],
                  packed: dict[str, tuple] | None = None):
@@ -249,16 +264,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden)
                 return logits, logits.argmax(dim=-1)
 
-            with torch.inference_mode():
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    run()  # compile kernels, create handles
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool, stream=capture_stream):
-                    logits, greedy = run()
-            self.graphs[b] = (g, logits, greedy)
+            self.graphs[b] = _capture(run, pool, capture_stream)
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch %s, table width %d)",
                     len(self.graphs), self.graph_buckets, width)
@@ -309,16 +315,7 @@ class ModelRunner:
                         hidden.index_select(0, self.m_i64[3, :b + k]))
                     return logits, logits.argmax(dim=-1)
 
-                with torch.inference_mode():
-                    st = torch.cuda.Stream()
-                    st.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(st):
-                        run()
-                    torch.cuda.current_stream().wait_stream(st)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool, stream=capture_stream):
-                        logits, greedy = run()
-                self.mixed_graphs[(b, p)] = (g, logits, greedy)
+                self.mixed_graphs[(b, p)] = _capture(run, pool, capture_stream)
         torch.cuda.synchronize()
         logger.info("captured %d mixed-step CUDA graphs (prefill tokens %s, up to %d chunks)",
                     len(self.mixed_graphs), self.mixed_tokens, k)

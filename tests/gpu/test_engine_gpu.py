@@ -21,8 +21,8 @@ def prompts():
 
 
 def run(**kw):
-    llm = LLM("dummy:tiny", dtype="bfloat16", device="cuda", max_num_seqs=8,
-              max_num_batched_tokens=1024, max_model_len=1024, **kw)
+    llm = LLM("dummy:tiny", **{"dtype": "bfloat16", "device": "cuda", "max_num_seqs": 8,
+                               "max_num_batched_tokens": 1024, "max_model_len": 1024, **kw})
     outs = llm.generate(prompts(), SamplingParams(max_tokens=24, temperature=0,
                                                   ignore_eos=True))
     return llm, [o.token_ids for o in outs]
@@ -51,15 +51,9 @@ def test_mixed_step_graphs_match_eager_mixed_steps():
     """Steps that mix decodes with short prompt chunks replay the mixed graphs and give the
     tokens of the same steps run eagerly (mixed_graph_tokens=0), up to bf16 near-ties.
     A 128-token budget keeps every prompt's chunks short and mixed with running decodes."""
-    def gen(**kw):
-        llm = LLM("dummy:tiny", dtype="bfloat16", device="cuda", max_num_seqs=8,
-                  max_num_batched_tokens=128, max_model_len=1024, **kw)
-        outs = llm.generate(prompts(), SamplingParams(max_tokens=24, temperature=0,
-                                                      ignore_eos=True))
-        return llm, [o.token_ids for o in outs]
-    llm, graphed = gen()
+    llm, graphed = run(max_num_batched_tokens=128)
     assert llm.engine.runner.mixed_graphs and llm.engine.runner.mixed_graph_steps > 0
-    llm2, eager = gen(mixed_graph_tokens=0)
+    llm2, eager = run(max_num_batched_tokens=128, mixed_graph_tokens=0)
     assert llm2.engine.runner.mixed_graph_steps == 0
     print(f"mixed graphs vs eager: {agreement(graphed, eager):.3f} token agreement, "
           f"{llm.engine.runner.mixed_graph_steps} mixed graph steps")
