@@ -35,7 +35,8 @@ async def serve_gateway(settings: GatewaySettings) -> None:
                     prefix_weight=settings.prefix_weight, registry=registry, index=index,
                     static_prefill=settings.prefill_addrs, static_decode=settings.decode_addrs,
                     local_prefill_max_tokens=settings.local_prefill_max_tokens,
-                    local_prefill_queue_tokens=settings.local_prefill_queue_tokens)
+                    local_prefill_queue_tokens=settings.local_prefill_queue_tokens,
+                    local_prefill_decode_tokens=settings.local_prefill_decode_tokens)
     await router.refresh()
     metrics = GatewayMetrics()
     metrics.watch_router(router)

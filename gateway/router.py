@@ -17,12 +17,17 @@ Placement: the best prefill worker ``p`` and the best decode worker ``d``; with 
 worker, a colocated one alone. Conditional disaggregation (``local_prefill_max_tokens`` > 0;
 0, the default, is off): the request goes to ``d`` alone, which prefills it itself, when
 
-    prompt_tokens - cached_d <= local_prefill_max_tokens
+    uncached_d = prompt_tokens - cached_d <= local_prefill_max_tokens
     and pending_prefill_tokens_p >= local_prefill_queue_tokens
+    and (local_prefill_decode_tokens == 0
+         or pending_prefill_tokens_d + uncached_d <= local_prefill_decode_tokens)
 
-``pending_prefill_tokens_p`` is this gateway's own count of uncached prompt tokens it sent to
-``p`` whose first token has not come back yet (exact, instant, like ``inflight_w``): a short
-prompt is computed on the decode worker instead of queueing behind a backed-up prefill worker.
+``pending_prefill_tokens_w`` is this gateway's own count of uncached prompt tokens it sent to
+``w`` to prefill (a prefill worker, or a decode worker prefilling locally) whose first token
+has not come back yet (exact, instant, like ``inflight_w``): a short prompt is computed on the
+decode worker instead of queueing behind a backed-up prefill worker, as long as the decode
+worker is not itself backed up with such prompts (a decode worker that falls behind returns
+first tokens late, its count grows, and short prompts go back to the prefill pool).
 """
 from __future__ import annotations
 
@@ -42,7 +47,8 @@ logger = logging.getLogger(__name__)
 class Worker:
     info: WorkerInfo
     inflight: int = 0
-    pending_prefill_tokens: int = 0  # uncached prompt tokens sent here, first token not back
+    pending_prefill_tokens: int = 0  # uncached prompt tokens sent here to prefill, first
+    #                                  token not back (a decode worker: local prefills)
     failures_until: float = 0.0  # routed around until then, after a failed call
 
     @property
@@ -65,7 +71,8 @@ class Route:
     index_ok: bool
     scores: dict[str, float] = field(default_factory=dict)
     local: bool = False  # prefill None because the prefill pool was busy (not colocated)
-    prefill_tokens: int = 0  # uncached prompt tokens charged to ``prefill`` while it works
+    prefill_tokens: int = 0  # uncached prompt tokens charged to the worker that prefills
+    #                          (``prefill``, or ``decode`` when local) while it works
     prefilled: bool = False  # the charge was released (first token back, or the end)
 
 
@@ -82,7 +89,8 @@ class Router:
                  registry: WorkerRegistry | None = None, index: PrefixIndex | None = None,
                  static_prefill: tuple[str, ...] = (), static_decode: tuple[str, ...] = (),
                  static_capacity: int = 64, queue_factor: float = 2.0,
-                 local_prefill_max_tokens: int = 0, local_prefill_queue_tokens: int = 0):
+                 local_prefill_max_tokens: int = 0, local_prefill_queue_tokens: int = 0,
+                 local_prefill_decode_tokens: int = 0):
         self.model = model
         self.block_size = block_size
         self.prefix_weight = prefix_weight
@@ -91,6 +99,7 @@ class Router:
         self.queue_factor = queue_factor
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.local_prefill_queue_tokens = local_prefill_queue_tokens
+        self.local_prefill_decode_tokens = local_prefill_decode_tokens
         self.workers: dict[str, Worker] = {}
         self._rr = itertools.count()
         self.registry_ok = registry is None
@@ -188,21 +197,24 @@ class Router:
         p, scores = self._best(prefill_pool, prefix_score)
         d, _ = self._best(decode_pool, lambda w: -w.load())
         d_hit = min(cached.get(d.id, 0) * self.block_size, prompt_len)
-        if self._prefill_locally(p, prompt_len - d_hit):
+        if self._prefill_locally(p, d, prompt_len - d_hit):
             self.stats["local_prefill"] += 1
             self._count(d_hit, index_ok)
             return Route(decode=d, prefill=None, cached_tokens=d_hit, index_ok=index_ok,
-                         scores=scores, local=True)
+                         scores=scores, local=True, prefill_tokens=prompt_len - d_hit)
         hit = cached.get(p.id, 0) * self.block_size
         self._count(hit, index_ok)
         return Route(decode=d, prefill=p, cached_tokens=hit, index_ok=index_ok, scores=scores,
                      prefill_tokens=prompt_len - min(hit, prompt_len))
 
-    def _prefill_locally(self, p: Worker, uncached_on_decode: int) -> bool:
-        """Conditional disaggregation: a short prompt while ``p`` is backed up."""
+    def _prefill_locally(self, p: Worker, d: Worker, uncached_on_decode: int) -> bool:
+        """Conditional disaggregation: a short prompt while ``p`` is backed up and ``d``
+        is not (module docstring)."""
+        cap = self.local_prefill_decode_tokens
         return (0 < self.local_prefill_max_tokens
                 and uncached_on_decode <= self.local_prefill_max_tokens
-                and p.pending_prefill_tokens >= self.local_prefill_queue_tokens)
+                and p.pending_prefill_tokens >= self.local_prefill_queue_tokens
+                and (not cap or d.pending_prefill_tokens + uncached_on_decode <= cap))
 
     def _count(self, hit: int, index_ok: bool) -> None:
         if not index_ok:
@@ -214,7 +226,7 @@ class Router:
         route.decode.inflight += 1
         if route.prefill is not None:
             route.prefill.inflight += 1
-            route.prefill.pending_prefill_tokens += route.prefill_tokens
+        _prefiller(route).pending_prefill_tokens += route.prefill_tokens
 
     def prefilled(self, route: Route) -> None:
         """The prompt of a begun ``route`` is computed (its first token came back): release
@@ -222,8 +234,7 @@ class Router:
         if route.prefilled:
             return
         route.prefilled = True
-        if route.prefill is not None:
-            route.prefill.pending_prefill_tokens -= route.prefill_tokens
+        _prefiller(route).pending_prefill_tokens -= route.prefill_tokens
 
     def end(self, route: Route) -> None:
         self.prefilled(route)
@@ -234,3 +245,8 @@ class Router:
     def mark_failed(self, worker: Worker, seconds: float = 2.0) -> None:
         """Route around a worker whose call failed (until the registry shows it again)."""
         worker.failures_until = time.monotonic() + seconds
+
+
+def _prefiller(route: Route) -> Worker:
+    """The worker that computes ``route``'s prompt (charged its pending prefill tokens)."""
+    return route.prefill if route.prefill is not None else route.decode

@@ -88,6 +88,11 @@ class GatewaySettings:
                                                  "tokens this gateway sent it await their first "
                                                  "token (0: always, i.e. every short prompt "
                                                  "prefills locally)")
+    local_prefill_decode_tokens: int = _opt(0, "router: local prefill only while the decode "
+                                               "worker's own such prompts awaiting their first "
+                                               "token stay within this many uncached tokens "
+                                               "(a decode worker that falls behind gets no "
+                                               "more); 0: no cap")
     refresh_s: float = _opt(1.0, "how often to re-read the registry")
     reaper_interval_s: float = _opt(1.0, "how often to reap dead workers' index entries")
     request_timeout_s: float = _opt(600.0, "end-to-end deadline per request")
@@ -110,7 +115,8 @@ class GatewaySettings:
             _check_address(a)
         if self.prefix_weight < 0:
             raise ValueError("prefix_weight must be >= 0")
-        for name in ("local_prefill_max_tokens", "local_prefill_queue_tokens"):
+        for name in ("local_prefill_max_tokens", "local_prefill_queue_tokens",
+                     "local_prefill_decode_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         from services.auth import load_api_keys

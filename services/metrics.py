@@ -78,7 +78,8 @@ class GatewayMetrics:
                              registry=r)
         self.pending_prefill_tokens = Gauge(
             "pdserve_pending_prefill_tokens", "Uncached prompt tokens this gateway sent to "
-            "prefill workers whose first token has not come back yet (all prefill workers)",
+            "be prefilled (by prefill workers, or by decode workers prefilling locally) whose "
+            "first token has not come back yet (all workers)",
             registry=r)
         for mode in ROUTE_MODES:
             self.routes.labels(mode)  # exported as 0 before the first decision

@@ -124,7 +124,7 @@ def test_short_prompt_prefills_on_the_decode_worker_while_the_prefill_worker_is_
                       local_prefill_queue_tokens=8192)
         route = await r.route(512, [])
         assert route.prefill is None and route.local and route.decode.id == "d1"
-        assert route.cached_tokens == 0 and route.prefill_tokens == 0
+        assert route.cached_tokens == 0 and route.prefill_tokens == 512  # charged to d1
         assert route_mode(route) == "local_prefill"
         assert r.stats == {"routed": 1, "prefix_routed": 0, "load_only": 1, "colocated": 0,
                            "local_prefill": 1}
@@ -136,6 +136,34 @@ def test_short_prompt_prefills_on_the_decode_worker_while_the_prefill_worker_is_
         route = await r.route(32, [])
         assert route.prefill.id == "p1" and not route.local
         assert r.stats["local_prefill"] == 1 and r.stats["routed"] == 3
+    asyncio.run(go())
+
+
+def test_a_decode_worker_backed_up_with_local_prefills_gets_no_more():
+    """--local-prefill-decode-tokens caps the uncached tokens a decode worker prefills
+    locally at once: a route charges them to it from begin() until its first token comes
+    back (prefilled() or end()), and a prompt that would exceed the cap goes to the
+    prefill worker, however busy that one is."""
+    async def go():
+        r = busy_pair(pending=0, local_prefill_max_tokens=512, local_prefill_queue_tokens=0,
+                      local_prefill_decode_tokens=600)
+        d = r.workers["d1"]
+        first = await r.route(400, [])
+        assert first.local and first.prefill_tokens == 400
+        r.begin(first)
+        assert d.pending_prefill_tokens == 400 and r.workers["p1"].pending_prefill_tokens == 0
+        second = await r.route(300, [])  # 400 + 300 > 600
+        assert second.prefill.id == "p1" and not second.local
+        assert (await r.route(200, [])).local  # 400 + 200 fits
+        r.prefilled(first)  # its first token: the decode worker has room again
+        assert d.pending_prefill_tokens == 0
+        third = await r.route(300, [])
+        assert third.local
+        r.begin(third)
+        r.end(third)  # ended before any token: released too, and only once
+        r.prefilled(third)
+        r.end(first)
+        assert d.pending_prefill_tokens == 0 and d.inflight == 0
     asyncio.run(go())
 
 
@@ -191,16 +219,17 @@ def test_pending_prefill_tokens_are_charged_once_and_released_once():
     asyncio.run(go())
 
 
-def test_local_and_colocated_routes_charge_nothing():
+def test_local_routes_charge_the_decode_worker_and_colocated_ones_nothing():
     async def go():
         r = busy_pair(pending=500, local_prefill_max_tokens=64, local_prefill_queue_tokens=1)
         local = await r.route(64, [])
         assert local.local
         r.begin(local)
         assert r.workers["p1"].pending_prefill_tokens == 500
-        assert r.workers["d1"].pending_prefill_tokens == 0 and r.workers["d1"].inflight == 1
+        assert r.workers["d1"].pending_prefill_tokens == 64 and r.workers["d1"].inflight == 1
         r.end(local)
-        assert r.workers["p1"].pending_prefill_tokens == 500 and r.workers["d1"].inflight == 0
+        assert r.workers["p1"].pending_prefill_tokens == 500
+        assert r.workers["d1"].pending_prefill_tokens == 0 and r.workers["d1"].inflight == 0
         r2 = make_router()
         add(r2, info("c1", "colocated"))
         co = await r2.route(64, [])
@@ -216,10 +245,14 @@ def test_local_prefill_settings():
     from services.config import ConfigError, gateway_settings
     base = ["--decode-addrs", "d:1"]
     s = gateway_settings(base, env={})
-    assert (s.local_prefill_max_tokens, s.local_prefill_queue_tokens) == (0, 8192)
-    s = gateway_settings(base + ["--local-prefill-max-tokens", "512"],
+    assert (s.local_prefill_max_tokens, s.local_prefill_queue_tokens,
+            s.local_prefill_decode_tokens) == (0, 8192, 0)
+    s = gateway_settings(base + ["--local-prefill-max-tokens", "512",
+                                 "--local-prefill-decode-tokens", "2048"],
                          env={"PDSERVE_LOCAL_PREFILL_QUEUE_TOKENS": "0"})
-    assert (s.local_prefill_max_tokens, s.local_prefill_queue_tokens) == (512, 0)
-    for flag in ("--local-prefill-max-tokens", "--local-prefill-queue-tokens"):
+    assert (s.local_prefill_max_tokens, s.local_prefill_queue_tokens,
+            s.local_prefill_decode_tokens) == (512, 0, 2048)
+    for flag in ("--local-prefill-max-tokens", "--local-prefill-queue-tokens",
+                 "--local-prefill-decode-tokens"):
         with pytest.raises(ConfigError, match=flag.strip("-").replace("-", "_") + " must be >= 0"):
             gateway_settings(base + [flag, "-1"], env={})
