@@ -40,6 +40,11 @@ class EngineStats:
     prefix_hit_tokens: int
     num_preemptions: int
     steps: int
+    # model runs by path (cumulative): CUDA graphs for decode-only steps, CUDA graphs for
+    # steps that mix decodes with short prompt chunks, eager (everything else, the CPU)
+    graph_steps: int = 0
+    mixed_graph_steps: int = 0
+    eager_steps: int = 0
 
 
 class LLMEngine:
@@ -327,4 +332,6 @@ class LLMEngine:
             num_held=statuses.count(SeqStatus.HELD),
             kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
             prefix_query_tokens=bm.prefix_queries_tokens, prefix_hit_tokens=bm.prefix_hit_tokens,
-            num_preemptions=self.num_preemptions, steps=self.steps)
+            num_preemptions=self.num_preemptions, steps=self.steps,
+            graph_steps=self.runner.graph_steps, mixed_graph_steps=self.runner.mixed_graph_steps,
+            eager_steps=self.runner.eager_steps)

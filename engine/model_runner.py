@@ -199,7 +199,10 @@ class ModelRunner:
         self.graphs: dict[int, tuple] = {}
         self.mixed_graphs: dict[tuple[int, int], tuple] = {}
         self.mixed_tokens: list[int] = []
-        self.mixed_graph_steps = 0  # steps that replayed a mixed graph
+        # steps by path (engine stats, pdserve_engine_steps_total{path})
+        self.graph_steps = 0  # decode-only CUDA graphs
+        self.mixed_graph_steps = 0  # mixed-step CUDA graphs
+        self.eager_steps = 0
         self.gemv_tuning: dict = {}
         if self.device.type == "cuda" and self.backend.name == "triton":
             self.model.enable_fused_ops(True)
@@ -381,6 +384,7 @@ class ModelRunner:
             self.g_i64[0, :chained].copy_(src)
         g, logits, greedy = self.graphs[b]
         g.replay()
+        self.graph_steps += 1
         host = self.h_tok[k]
         host[:n].copy_(greedy[:n], non_blocking=True)
         landed = torch.cuda.Event()
@@ -533,6 +537,7 @@ class ModelRunner:
             tokens, logprobs = self.sampler(logits[rows], batch)
             return StepHandle(out, sampled, tokens=tokens, logprobs=logprobs)
         ids, pos, meta, rows = self.prepare(out)
+        self.eager_steps += 1
         layers: list | None = None
         after_layer = None
         if on_queued is not None and self.device.type == "cuda":
@@ -579,6 +584,7 @@ class ModelRunner:
         if prev.tokens is None:
             return None
         x, pos, meta, rows = self.prepare(out, next_ids=[prev.tokens[j] for j in keep])
+        self.eager_steps += 1
         hidden = self.model(x, pos, self.kv_cache, meta, self.backend)
         tokens, _ = self.sampler(self.model.compute_logits(hidden[rows]), batch)
         return StepHandle(out, ids, tokens=tokens, chained=True)

@@ -171,6 +171,9 @@ class WorkerMetrics:
                                   "the local prefix cache", registry=r)
         self.preemptions = Counter("pdserve_preemptions", "Requests preempted by the "
                                    "scheduler", registry=r)
+        self.steps = Counter("pdserve_engine_steps", "Model runs by path: decode_graph "
+                             "(CUDA graph, decode only), mixed_graph (CUDA graph, decodes plus "
+                             "short prompt chunks), eager", ["path"], registry=r)
         self.requests = Counter("pdserve_worker_requests", "Requests served by this worker, by "
                                 "kind (prefill, decode_remote, decode_local) and outcome",
                                 ["kind", "outcome"], registry=r)
@@ -201,17 +204,17 @@ class WorkerMetrics:
         self.kv_free.set(st.kv_blocks_free)
         self.kv_usage.set(used / st.kv_blocks_total if st.kv_blocks_total else 0.0)
         last = self._last
-        if last is not None:
-            for counter, now, before in (
-                    (self.prefix_query, st.prefix_query_tokens, last.prefix_query_tokens),
-                    (self.prefix_hit, st.prefix_hit_tokens, last.prefix_hit_tokens),
-                    (self.preemptions, st.num_preemptions, last.num_preemptions)):
-                if now > before:
-                    counter.inc(now - before)
-        else:
-            self.prefix_query.inc(st.prefix_query_tokens)
-            self.prefix_hit.inc(st.prefix_hit_tokens)
-            self.preemptions.inc(st.num_preemptions)
+        for counter, field in (
+                (self.prefix_query, "prefix_query_tokens"),
+                (self.prefix_hit, "prefix_hit_tokens"),
+                (self.preemptions, "num_preemptions"),
+                (self.steps.labels("decode_graph"), "graph_steps"),
+                (self.steps.labels("mixed_graph"), "mixed_graph_steps"),
+                (self.steps.labels("eager"), "eager_steps")):
+            now = getattr(st, field, 0)
+            before = getattr(last, field, 0) if last is not None else 0
+            if now > before:
+                counter.inc(now - before)
         self._last = st
 
     def transfer(self, direction: str, state: str, num_bytes: int, seconds: float) -> None:

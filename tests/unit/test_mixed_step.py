@@ -96,3 +96,13 @@ def test_generation_with_mixed_steps_matches_each_request_alone():
     alone = LLM("dummy:tiny", block_size=4, num_blocks=128, max_num_seqs=8)
     for p, out in zip(prompts, mixed):
         assert out.token_ids == alone.generate([p], sp)[0].token_ids
+
+
+def test_engine_stats_count_model_runs_by_path():
+    """The CPU runs every step eagerly (no CUDA graphs): its stats say so."""
+    eng, _ = mixed_step()
+    while eng.has_work:
+        eng.step()
+    st = eng.stats()
+    assert st.eager_steps == st.steps > 0
+    assert st.graph_steps == st.mixed_graph_steps == 0

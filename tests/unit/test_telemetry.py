@@ -164,7 +164,8 @@ def test_worker_metrics_follow_engine_stats():
     m.observe_engine(_stats(num_running=3, num_waiting=2, num_awaiting_kv=1, kv_blocks_free=60,
                             prefix_query_tokens=64, prefix_hit_tokens=32))
     m.observe_engine(_stats(num_running=1, kv_blocks_free=90, prefix_query_tokens=96,
-                            prefix_hit_tokens=48, num_preemptions=2))
+                            prefix_hit_tokens=48, num_preemptions=2, graph_steps=7,
+                            mixed_graph_steps=3, eager_steps=2))
     assert _sample(m, "pdserve_running_requests") == 1
     assert _sample(m, "pdserve_queue_depth") == 0
     assert _sample(m, "pdserve_kv_blocks_used") == 10
@@ -173,6 +174,9 @@ def test_worker_metrics_follow_engine_stats():
     assert _sample(m, "pdserve_prefix_cache_query_tokens_total") == 96
     assert _sample(m, "pdserve_prefix_cache_hit_tokens_total") == 48
     assert _sample(m, "pdserve_preemptions_total") == 2
+    assert _sample(m, "pdserve_engine_steps_total", path="decode_graph") == 7
+    assert _sample(m, "pdserve_engine_steps_total", path="mixed_graph") == 3
+    assert _sample(m, "pdserve_engine_steps_total", path="eager") == 2
     m.transfer("received", "done", 4096, 0.002)
     assert _sample(m, "pdserve_kv_transfer_bytes_total", direction="received") == 4096
     assert _sample(m, "pdserve_kv_transfers_total", direction="received", state="done") == 1
