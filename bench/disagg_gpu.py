@@ -348,12 +348,11 @@ def print_commands(a) -> None:
         print("pdserve gateway " + " ".join(shlex.quote(x) for x in c.gateway_cmd_args()))
 
 
-def route_counts(cluster: LocalCluster) -> dict[str, float]:
-    """The gateway's routing decisions so far, by mode (its /metrics)."""
+def _scrape(port: int, metric: str, label: str) -> dict[str, float]:
+    """``{label value: sample}`` of one labelled counter on a service's /metrics."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
-    port = cluster.gateway.metrics_port if cluster.gateway else 0
     if not port:
         return {}
     try:
@@ -361,8 +360,24 @@ def route_counts(cluster: LocalCluster) -> dict[str, float]:
             text = r.read().decode()
     except OSError:
         return {}
-    return {s.labels["mode"]: s.value for fam in text_string_to_metric_families(text)
-            for s in fam.samples if s.name == "pdserve_routing_decisions_total"}
+    return {s.labels[label]: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == metric}
+
+
+def route_counts(cluster: LocalCluster) -> dict[str, float]:
+    """The gateway's routing decisions so far, by mode (its /metrics)."""
+    return _scrape(cluster.gateway.metrics_port if cluster.gateway else 0,
+                   "pdserve_routing_decisions_total", "mode")
+
+
+def step_paths(cluster: LocalCluster) -> dict[str, dict[str, float]]:
+    """Each worker's model runs so far by path (decode_graph, mixed_graph, eager)."""
+    return {f"{w.kind}{i}": _scrape(w.metrics_port, "pdserve_engine_steps_total", "path")
+            for i, w in enumerate(cluster.workers)}
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: int(v - before.get(k, 0)) for k, v in after.items() if v - before.get(k, 0)}
 
 
 def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None) -> dict:
@@ -435,7 +450,7 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
             items = rate_items(a, k, rate)
             long_ids = {it.id for it in items if it.extra.get("long")}
             t = time.monotonic()
-            routes0 = route_counts(cluster)
+            routes0, steps0 = route_counts(cluster), step_paths(cluster)
             res, toks, queues = asyncio.run(drive(
                 addr, items, rate=rate, timeout_s=a.timeout, seed=rate_seed(a, rate, 200),
                 duration_s=None if a.num_requests else a.duration,
@@ -453,11 +468,12 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
                 for kind, sub in (("long", [r for r in res if r.id in long_ids]),
                                   ("short", [r for r in res if r.id not in long_ids]))}
             MIXED_TOKENS[(name, k)] = toks  # compared in memory: too big for the JSON
-            routes = {m: int(v - routes0.get(m, 0)) for m, v in route_counts(cluster).items()
-                      if v - routes0.get(m, 0)}
+            routes = _delta(route_counts(cluster), routes0)
+            steps = {w: _delta(v, steps0.get(w, {})) for w, v in step_paths(cluster).items()}
             dep["mixed"].append({"rate": rate, "wall_s": round(time.monotonic() - t, 1),
                                  "summary": s, "errors": errors_of(res),
                                  "worker_queues": queues, "routes": routes,
+                                 "step_paths": steps,
                                  "request_fields": REQUEST_FIELDS,
                                  "requests": [_row(r, r.id in long_ids) for r in res]})
             log(f"{name}: rate {rate:g}: {s['num_ok']}/{s['num_requests']} ok, ITL p50/p99 "
@@ -465,7 +481,8 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
                 f"{s['ttft_ms']['p50']}/{s['ttft_ms']['p99']} ms, TPOT p50 "
                 f"{s['tpot_ms']['p50']} ms, goodput {s['goodput']} req/s "
                 f"({s['num_good']} good), {s['output_token_throughput']} tok/s, offered "
-                f"{s['offered_prompt_tokens_per_s']} prompt tok/s, routes {routes}")
+                f"{s['offered_prompt_tokens_per_s']} prompt tok/s, routes {routes}, "
+                f"model runs {steps}")
             save()
     finally:
         t = time.monotonic()

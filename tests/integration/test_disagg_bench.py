@@ -51,6 +51,11 @@ def test_disagg_bench_quick_cpu(tmp_path):
     for dep in (one, co):
         for run in dep["mixed"]:  # every request routed once (no retries, no errors)
             assert sum(run["routes"].values()) == run["summary"]["num_requests"], run["routes"]
+            # each worker's model runs in the window, from its /metrics: all eager on the CPU
+            paths = run["step_paths"]
+            assert len(paths) == sum(dep["cluster"].values()), paths
+            assert all(set(p) <= {"eager"} for p in paths.values()), paths
+            assert all(p.get("eager", 0) > 0 for p in paths.values()), paths
     assert set(co["mixed"][0]["routes"]) == {"colocated"}
     assert rep["deployments"]["colocated"]["cluster"] == {"prefill": 0, "decode": 0,
                                                           "colocated": 2}
