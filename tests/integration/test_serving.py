@@ -173,14 +173,22 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(
     prompts = [[10 + (i * 37 + j * 11) % 200 for j in range(n)] for i, n in enumerate(lens)]
     ref = LLM("dummy:tiny").generate(prompts, SamplingParams(max_tokens=8, temperature=0,
                                                              ignore_eos=True))
-    gateway_args = ("--local-prefill-max-tokens", "48", "--local-prefill-queue-tokens", "0")
+    # a decode-side cap that never binds here (its rule: tests/unit/test_router.py)
+    gateway_args = ("--local-prefill-max-tokens", "48", "--local-prefill-queue-tokens", "0",
+                    "--local-prefill-decode-tokens", "100000")
     with LocalCluster("dummy:tiny", prefill=1, decode=1, metrics=True,
                       gateway_args=gateway_args) as c:
         reqs = [client.make_request(token_ids=p, max_tokens=8, ignore_eos=True)
                 for p in prompts]
         outs = run(gen_many(c.address, reqs))
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
-        gw, pre, dec = (scrape(s.metrics_port) for s in (c.gateway, *c.workers))
+        eager = ("pdserve_engine_steps_total", (("path", "eager"),))
+        deadline = time.monotonic() + 5  # engine stats reach /metrics every 0.25 s
+        while True:
+            gw, pre, dec = (scrape(s.metrics_port) for s in (c.gateway, *c.workers))
+            if min(pre.get(eager, 0), dec.get(eager, 0)) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     assert gw[("pdserve_routing_decisions_total", (("mode", "local_prefill"),))] == 3
     assert sum(v for (n, lab), v in gw.items() if n == "pdserve_routing_decisions_total") == 5
     assert gw[("pdserve_pending_prefill_tokens", ())] == 0
@@ -188,3 +196,6 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(
     assert pre[("pdserve_worker_requests_total", ok)] == 2
     for kind, n in (("decode_local", 3), ("decode_remote", 2)):
         assert dec[("pdserve_worker_requests_total", (("kind", kind), ("outcome", "ok")))] == n
+    for w in (pre, dec):  # model runs by path: all eager on the CPU
+        assert w[eager] > 0
+        assert w[("pdserve_engine_steps_total", (("path", "mixed_graph"),))] == 0
