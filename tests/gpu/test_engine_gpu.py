@@ -60,6 +60,19 @@ def test_mixed_step_graphs_match_eager_mixed_steps():
     assert agreement(graphed, eager) >= 0.9
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_operations_through_the_graph_paths_keep_the_block_accounting(seed):
+    """The CPU fuzz run (colocated, prefill-role and decode-role requests, aborts, preemption,
+    greedy and sampled, async decode) on the GPU path: decode and mixed-step CUDA graphs
+    serve most steps, and the block accounting holds after every operation."""
+    from tests.unit.test_engine_fuzz import random_operations
+    eng = random_operations(seed, device="cuda", dtype="bfloat16", async_decode=True)
+    r = eng.runner
+    print(f"model runs: {r.graph_steps} decode graph, {r.mixed_graph_steps} mixed graph, "
+          f"{r.eager_steps} eager")
+    assert r.graph_steps > 0 and r.mixed_graph_steps > 0
+
+
 def test_triton_matches_torch_backend():
     _, fast = run(attention_backend="triton")
     _, ref = run(attention_backend="torch")

@@ -34,9 +34,16 @@ def check(eng):
 
 @pytest.mark.parametrize("seed,async_decode", [(0, False), (1, True), (2, True), (3, False)])
 def test_random_operations_keep_the_block_accounting_exact(seed, async_decode):
-    llm = LLM("dummy:tiny", block_size=4, num_blocks=48, max_num_seqs=6,
-              max_num_batched_tokens=24, async_decode=async_decode)
+    random_operations(seed, async_decode=async_decode)
+
+
+def random_operations(seed: int, **engine_kw):
+    """The run above; the GPU tests reuse it with CUDA graphs (tests/gpu). Returns the
+    engine, drained."""
+    llm = LLM("dummy:tiny", **{"block_size": 4, "num_blocks": 48, "max_num_seqs": 6,
+                               "max_num_batched_tokens": 24, **engine_kw})
     eng = llm.engine
+    async_decode = eng.config.async_decode
     rng = random.Random(seed)
     held, awaiting, live = set(), set(), set()
 
@@ -92,3 +99,4 @@ def test_random_operations_keep_the_block_accounting_exact(seed, async_decode):
     assert eng.num_preemptions > 0  # the run did squeeze the cache
     if async_decode:
         assert eng.chained_steps > 0
+    return eng
