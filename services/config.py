@@ -197,7 +197,7 @@ class WorkerSettings:
         if self.heartbeat_s <= 0 or self.heartbeat_s >= self.registry_ttl_s:
             raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be > 0 and shorter than "
                              f"registry_ttl_s ({self.registry_ttl_s})")
-        for name in ("num_blocks", "num_threads"):
+        for name in ("num_blocks", "num_threads", "mixed_graph_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.schedule_policy not in POLICIES:

@@ -48,3 +48,13 @@ def test_schedule_policy_reaches_the_engine_and_bad_values_are_refused():
         worker_settings(["--schedule-policy", "sjf"], env={})
     with pytest.raises(ConfigError, match="schedule_max_wait_s"):
         worker_settings(["--schedule-max-wait-s", "0"], env={})
+
+
+def test_mixed_graph_tokens_reaches_the_engine_and_negative_is_refused():
+    from services.worker_runtime import engine_config
+
+    assert engine_config(worker_settings([], env={})).mixed_graph_tokens == 512
+    s = worker_settings(["--mixed-graph-tokens", "0"], env={})
+    assert engine_config(s).mixed_graph_tokens == 0
+    with pytest.raises(ConfigError, match="mixed_graph_tokens must be >= 0"):
+        worker_settings(["--mixed-graph-tokens", "-1"], env={})
