@@ -11,7 +11,7 @@ process, on dummy:llama-3-8b bf16:
 * ``mixed_one_launch``: eager, every row through one prefill-kernel launch (the engine
   before the split; PDSERVE_SPLIT_MIXED=0);
 * ``mixed_split``: eager, decode rows through the decode kernel (TritonAttention.split_mixed);
-* ``mixed_graph``: the mixed-step CUDA graph (engine.mixed_graphs), where P fits one;
+* ``mixed_graph``: the mixed-step CUDA graph (engine.cuda_graphs), where P fits one;
 * ``chunk`` / ``chunk_graph``: the P-token chunk alone, eager / through a mixed graph.
 
 ``same_tokens_*``: the share of rows whose greedy token equals the one-launch path's.

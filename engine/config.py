@@ -103,7 +103,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton
     enforce_eager: bool = False  # GPU: disable CUDA graphs
     # GPU with CUDA graphs: mixed steps (decode rows plus chunks of up to this many prompt
-    # tokens in all, from at most 8 sequences) replay captured graphs (engine.mixed_graphs);
+    # tokens in all, from at most 8 sequences) replay captured graphs (engine.cuda_graphs);
     # 0: such steps run eagerly
     mixed_graph_tokens: int = 512
     num_threads: int | None = None  # CPU: torch intra-op threads

@@ -1,88 +1,25 @@
 """CUDA graphs of the model runner: capture and replay of decode-only steps (one graph per
-batch bucket) and of mixed steps (engine.mixed_graphs: decode rows plus short prompt chunks),
-and the host side of a decode graph step. ``ModelRunner`` takes these methods from
-``CudaGraphsMixin``; they read and write the runner's state (model, KV cache, backend, the
-static buffers made at capture)."""
+batch bucket) and of mixed steps (decode rows plus short prompt chunks; their layout is in
+engine.graph_inputs, which fills the static inputs on the host). ``ModelRunner`` takes these
+methods from ``CudaGraphsMixin``; they read and write the runner's state (model, KV cache,
+backend, the static buffers made at capture)."""
 from __future__ import annotations
 
 from collections.abc import Callable
 import logging
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from engine.layers.attention import AttentionMetadata
-from engine.mixed_graphs import MAX_PREFILL_SEQS, fill_mixed_inputs, plan_mixed, token_buckets
+from engine.graph_inputs import (MAX_PREFILL_SEQS, BlockTableRows, fill_decode_inputs,
+                                 fill_mixed_inputs, plan_mixed, token_buckets)
 from engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.model_runner import StepHandle
 
 logger = logging.getLogger(__name__)
-
-
-class BlockTableRows:
-    """Each running request's block table as an int32 array, converted from its Python list
-    a block at a time: a decode step copies whole rows (memcpy) instead of converting every
-    entry of every table (256 requests of 4,000 tokens: 64,000 list items per step).
-
-    Tables only grow while a request runs; a request whose table was replaced (preempted and
-    rescheduled) is converted afresh. ``drop`` forgets a finished request."""
-
-    def __init__(self, width: int):
-        self.width = width
-        self._rows: dict[str, tuple[list[int], np.ndarray, int]] = {}
-
-    def get(self, request_id: str, table: list[int]) -> np.ndarray:
-        if len(table) > self.width:
-            raise ValueError(f"block table of {len(table)} blocks exceeds width {self.width}")
-        ent = self._rows.get(request_id)
-        if ent is None or ent[0] is not table or ent[2] > len(table):
-            arr, n = np.zeros(self.width, np.int32), 0
-        else:
-            _, arr, n = ent
-        if len(table) > n:
-            arr[n:len(table)] = table[n:]
-            n = len(table)
-        self._rows[request_id] = (table, arr, n)
-        return arr[:n]
-
-    def drop(self, request_id: str) -> None:
-        self._rows.pop(request_id, None)
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-
-def fill_decode_inputs(out: SchedulerOutput, b: int, block_size: int, i64: np.ndarray,
-                       seq_lens: np.ndarray, tables: np.ndarray, table_rows: BlockTableRows,
-                       chained: int = 0) -> None:
-    """Host side of a CUDA-graph decode step: write the first ``b`` rows of the static inputs
-    for ``out`` (one token per sequence). ``i64`` is [3, >=b] (ids, positions, slots),
-    ``seq_lens`` [>=b], ``tables`` [>=b, width]. Rows past ``len(out.scheduled)`` are padding:
-    slot -1 (no KV write) and length 0 (no attention). The first ``chained`` rows compute
-    position num_computed_tokens + 1 and their ids are left for the device to fill (the
-    previous step's tokens, not read yet); the other rows take their last token."""
-    n = len(out.scheduled)
-    tables[:b] = 0
-    i64[:, :b] = 0
-    i64[2, :b] = -1
-    seq_lens[:b] = 0
-    pos, slots = [], []  # built as lists, then one numpy assignment each
-    for i, item in enumerate(out.scheduled):
-        s = item.seq
-        p = s.num_computed_tokens + (1 if i < chained else 0)
-        bt = s.block_table
-        pos.append(p)
-        slots.append(bt[p // block_size] * block_size + p % block_size)
-        tables[i, :len(bt)] = table_rows.get(s.request_id, bt)
-    if chained < n:
-        i64[0, chained:n] = [item.seq.token_ids[p] for item, p in
-                             zip(out.scheduled[chained:], pos[chained:])]
-    i64[1, :n] = pos
-    i64[2, :n] = slots
-    seq_lens[:n] = i64[1, :n] + 1
 
 
 def _capture(run: Callable[[], tuple], pool, stream) -> tuple:
@@ -163,7 +100,7 @@ class CudaGraphsMixin:
 
     def _capture_mixed_graphs(self, pool, capture_stream) -> None:
         """One graph per (decode bucket, prefill-token bucket) for mixed steps; layout and
-        padding in engine.mixed_graphs."""
+        padding in engine.graph_inputs."""
         self.mixed_tokens = token_buckets(self.config.mixed_graph_tokens)
         k = MAX_PREFILL_SEQS
         mb, w, dev = self.graph_buckets[-1], self.graph_width, self.device

@@ -243,26 +243,16 @@ class ModelRunner(CudaGraphsMixin):
         and ``layer_ready`` holds one event per layer (eager GPU path; None elsewhere), so a
         KV sender can start on a chunk while it computes."""
         sampled = [item.seq.request_id for item in out.scheduled if item.samples]
+        launched = None  # a graph step: (logits, greedy, host copy, its event, rows)
         if self._can_graph(out):
-            logits, greedy, host, landed = self._graph_step(out)
-            if on_queued is not None:
-                on_queued(self.record_event(), None)
-            if not sampled:
-                return StepHandle(out, [], tokens=[])
-            batch = self._sampling_batch(out)
-            rows = None
+            rows = None  # graph row i is scheduled item i; None: every item samples
             if len(sampled) < len(out.scheduled):
                 rows = [i for i, item in enumerate(out.scheduled) if item.samples]
-            if batch.all_greedy and not batch.want_logprobs:
-                return StepHandle(out, sampled, rows=rows, greedy=greedy, host=host,
-                                  event=landed)
-            if rows is not None:
-                logits = logits[rows]
-            tokens, logprobs = self.sampler(logits, batch)
-            return StepHandle(out, sampled, tokens=tokens, logprobs=logprobs)
-        plan = self._mixed_plan(out)
-        if plan is not None:
-            logits, greedy, host, landed, rows = self._mixed_step(out, plan)
+            launched = (*self._graph_step(out), rows)
+        elif (plan := self._mixed_plan(out)) is not None:
+            launched = self._mixed_step(out, plan)
+        if launched is not None:
+            logits, greedy, host, landed, rows = launched
             if on_queued is not None:
                 on_queued(self.record_event(), None)
             if not sampled:
@@ -271,7 +261,7 @@ class ModelRunner(CudaGraphsMixin):
             if batch.all_greedy and not batch.want_logprobs:
                 return StepHandle(out, sampled, rows=rows, greedy=greedy, host=host,
                                   event=landed)
-            tokens, logprobs = self.sampler(logits[rows], batch)
+            tokens, logprobs = self.sampler(logits if rows is None else logits[rows], batch)
             return StepHandle(out, sampled, tokens=tokens, logprobs=logprobs)
         ids, pos, meta, rows = self.prepare(out)
         self.eager_steps += 1

@@ -1,4 +1,4 @@
-"""The CUDA-graph paths' host side (engine.cuda_graphs, engine.mixed_graphs), checked on the
+"""The CUDA-graph paths' host side (engine.graph_inputs), checked on the
 CPU: the per-request block-table rows and the static-input fills against the eager path's
 inputs."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 def test_block_table_rows_convert_only_new_blocks():
     import numpy as np
 
-    from engine.cuda_graphs import BlockTableRows
+    from engine.graph_inputs import BlockTableRows
     rows = BlockTableRows(width=8)
     t = [5, 9]
     assert rows.get("a", t).tolist() == [5, 9]
@@ -33,7 +33,7 @@ def test_graph_decode_inputs_match_the_eager_inputs():
     import numpy as np
 
     from engine import LLM, SamplingParams
-    from engine.cuda_graphs import BlockTableRows, fill_decode_inputs
+    from engine.graph_inputs import BlockTableRows, fill_decode_inputs
     llm = LLM("dummy:tiny", block_size=4, num_blocks=256, max_num_seqs=8)
     eng = llm.engine
     sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
@@ -95,8 +95,8 @@ def test_mixed_graph_inputs_match_the_eager_inputs():
     padding behind each part, and maps every sampling item to the row of its logits."""
     import numpy as np
 
-    from engine.mixed_graphs import MAX_PREFILL_SEQS as K, fill_mixed_inputs, plan_mixed
-    from engine.cuda_graphs import BlockTableRows
+    from engine.graph_inputs import MAX_PREFILL_SEQS as K, fill_mixed_inputs, plan_mixed
+    from engine.graph_inputs import BlockTableRows
     eng = _mixed_engine()
     sched = eng.scheduler.schedule()
     kinds = [item.num_new_tokens == 1 for item in sched.scheduled]
@@ -136,7 +136,7 @@ def test_mixed_graph_inputs_match_the_eager_inputs():
 
 
 def test_plan_mixed_leaves_other_steps_to_the_other_paths():
-    from engine.mixed_graphs import MAX_PREFILL_SEQS, plan_mixed, token_buckets
+    from engine.graph_inputs import MAX_PREFILL_SEQS, plan_mixed, token_buckets
     from engine.scheduler import ScheduledSeq, SchedulerOutput
     from engine.sequence import Sequence
     from engine.request import SamplingParams

@@ -1,7 +1,10 @@
-"""CUDA graphs for mixed steps: running sequences decoding plus a few short prefill chunks.
+"""Host side of the CUDA-graph steps (engine.cuda_graphs captures and replays them): the
+static inputs of a decode-only step and of a mixed step, written into pinned numpy buffers.
+Checked against the eager inputs on the CPU (tests/unit/test_graph_inputs.py).
 
-An eager step of Llama-3-8B costs ~13 ms of host time on an H200 (launches of 32 layers),
-as long as the GPU work of ~128 decode rows. A decode worker that prefills short prompts
+Mixed steps: running sequences decoding plus a few short prefill chunks. An eager step of
+Llama-3-8B costs ~11 ms of host time on an H200 (launches of 32 layers), about as long as the
+GPU work of ~100 decode rows. A decode worker that prefills short prompts
 itself, and a colocated worker whose short prompts join running decodes, run such steps all
 the time; captured, they cost their GPU time only (bench/mixed_step_gpu.py).
 
@@ -24,6 +27,69 @@ import numpy as np
 from engine.scheduler import SchedulerOutput
 
 MAX_PREFILL_SEQS = 8
+
+
+class BlockTableRows:
+    """Each running request's block table as an int32 array, converted from its Python list
+    a block at a time: a decode step copies whole rows (memcpy) instead of converting every
+    entry of every table (256 requests of 4,000 tokens: 64,000 list items per step).
+
+    Tables only grow while a request runs; a request whose table was replaced (preempted and
+    rescheduled) is converted afresh. ``drop`` forgets a finished request."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self._rows: dict[str, tuple[list[int], np.ndarray, int]] = {}
+
+    def get(self, request_id: str, table: list[int]) -> np.ndarray:
+        if len(table) > self.width:
+            raise ValueError(f"block table of {len(table)} blocks exceeds width {self.width}")
+        ent = self._rows.get(request_id)
+        if ent is None or ent[0] is not table or ent[2] > len(table):
+            arr, n = np.zeros(self.width, np.int32), 0
+        else:
+            _, arr, n = ent
+        if len(table) > n:
+            arr[n:len(table)] = table[n:]
+            n = len(table)
+        self._rows[request_id] = (table, arr, n)
+        return arr[:n]
+
+    def drop(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+def fill_decode_inputs(out: SchedulerOutput, b: int, block_size: int, i64: np.ndarray,
+                       seq_lens: np.ndarray, tables: np.ndarray, table_rows: BlockTableRows,
+                       chained: int = 0) -> None:
+    """Host side of a CUDA-graph decode step: write the first ``b`` rows of the static inputs
+    for ``out`` (one token per sequence). ``i64`` is [3, >=b] (ids, positions, slots),
+    ``seq_lens`` [>=b], ``tables`` [>=b, width]. Rows past ``len(out.scheduled)`` are padding:
+    slot -1 (no KV write) and length 0 (no attention). The first ``chained`` rows compute
+    position num_computed_tokens + 1 and their ids are left for the device to fill (the
+    previous step's tokens, not read yet); the other rows take their last token."""
+    n = len(out.scheduled)
+    tables[:b] = 0
+    i64[:, :b] = 0
+    i64[2, :b] = -1
+    seq_lens[:b] = 0
+    pos, slots = [], []  # built as lists, then one numpy assignment each
+    for i, item in enumerate(out.scheduled):
+        s = item.seq
+        p = s.num_computed_tokens + (1 if i < chained else 0)
+        bt = s.block_table
+        pos.append(p)
+        slots.append(bt[p // block_size] * block_size + p % block_size)
+        tables[i, :len(bt)] = table_rows.get(s.request_id, bt)
+    if chained < n:
+        i64[0, chained:n] = [item.seq.token_ids[p] for item, p in
+                             zip(out.scheduled[chained:], pos[chained:])]
+    i64[1, :n] = pos
+    i64[2, :n] = slots
+    seq_lens[:n] = i64[1, :n] + 1
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -62,7 +128,7 @@ def plan_mixed(out: SchedulerOutput, decode_buckets: list[int], tokens: list[int
 def fill_mixed_inputs(out: SchedulerOutput, dec: list[int], pre: list[int], b: int, p: int,
                       block_size: int, i64: np.ndarray, dec_lens: np.ndarray,
                       dec_tables: np.ndarray, qsl: np.ndarray, pre_lens: np.ndarray,
-                      pre_tables: np.ndarray, table_rows) -> list[int]:
+                      pre_tables: np.ndarray, table_rows: BlockTableRows) -> list[int]:
     """Host side of a mixed graph step. ``i64`` is [4, >= b + p] (ids, positions, slots, then
     in its first b + MAX_PREFILL_SEQS entries the rows whose logits are computed);
     ``dec_lens`` [>= b], ``dec_tables`` [>= b, width]; ``qsl`` [MAX_PREFILL_SEQS + 1],
@@ -71,29 +137,15 @@ def fill_mixed_inputs(out: SchedulerOutput, dec: list[int], pre: list[int], b: i
     items = out.scheduled
     k = MAX_PREFILL_SEQS
     t = b + p
-    i64[:3, :t] = 0
-    i64[2, :t] = -1
+    # decode rows [0, b): as in a decode-only graph step
+    fill_decode_inputs(SchedulerOutput([items[i] for i in dec]), b, block_size, i64[:3],
+                       dec_lens, dec_tables, table_rows)
+    i64[:3, b:t] = 0
+    i64[2, b:t] = -1
     i64[3, :b + k] = 0
-    dec_lens[:b] = 0
-    dec_tables[:b] = 0
+    i64[3, :len(dec)] = np.arange(len(dec))
     pre_lens[:] = 0
     pre_tables[:] = 0
-    ids, pos, slots = [], [], []
-    for r, i in enumerate(dec):
-        s = items[i].seq
-        q = s.num_computed_tokens
-        bt = s.block_table
-        ids.append(s.token_ids[q])
-        pos.append(q)
-        slots.append(bt[q // block_size] * block_size + q % block_size)
-        dec_tables[r, :len(bt)] = table_rows.get(s.request_id, bt)
-    nd = len(dec)
-    if nd:
-        i64[0, :nd] = ids
-        i64[1, :nd] = pos
-        i64[2, :nd] = slots
-        dec_lens[:nd] = i64[1, :nd] + 1
-        i64[3, :nd] = np.arange(nd)
     ids, pos, slots = [], [], []
     qsl[0] = 0
     for j, i in enumerate(pre):
