@@ -116,11 +116,35 @@ def device_index(ids: list[int], device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def gather_layers(cache: torch.Tensor, idx: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+def gather_layers(cache: torch.Tensor, idx: torch.Tensor, lo: int, hi: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Layers ``[lo, hi)`` of blocks ``idx`` (an index tensor on the cache's device) as one
-    new contiguous tensor ``[len(idx), hi - lo, per_layer]``: one gather kernel, so a
-    layer group of scattered blocks travels as one message."""
-    return _by_layer(cache)[:, lo:hi].index_select(0, idx)
+    contiguous tensor ``[len(idx), hi - lo, per_layer]``: one gather kernel, so a layer
+    group of scattered blocks travels as one message. ``out``: a contiguous buffer of the
+    cache's dtype with room for it (its first elements are used), else a new tensor."""
+    src = _by_layer(cache)[:, lo:hi]
+    if out is None:
+        return src.index_select(0, idx)
+    view = staging_view(out, len(idx), hi - lo, src.shape[-1])
+    torch.index_select(src, 0, idx, out=view)
+    return view
+
+
+def staging_view(buf: torch.Tensor, num_blocks: int, num_layers: int,
+                 per_layer: int) -> torch.Tensor:
+    """The first ``num_blocks * num_layers * per_layer`` elements of a flat buffer as
+    ``[num_blocks, num_layers, per_layer]`` (ValueError when it is too small)."""
+    n = num_blocks * num_layers * per_layer
+    if buf.numel() < n:
+        raise ValueError(f"staging buffer of {buf.numel()} elements, {n} needed")
+    return buf.reshape(-1)[:n].view(num_blocks, num_layers, per_layer)
+
+
+def pack_groups(num_layers: int, part_bytes: int, message_bytes: int) -> list[tuple[int, int]]:
+    """Layer groups for moving a part of ``part_bytes`` (all layers) in messages of about
+    ``message_bytes``: whole layers per message, at least one, at most all of them."""
+    per_layer = max(1, part_bytes // num_layers)
+    return layer_groups(num_layers, max(1, min(num_layers, message_bytes // per_layer)))
 
 
 def scatter_layers(cache: torch.Tensor, idx: torch.Tensor, lo: int, hi: int,

@@ -10,10 +10,13 @@ A scattered transfer is one copy per run of blocks contiguous on both sides (up 
   2 or 4 streams did not help (bench/disagg_notes.md, session 7). One contiguous copy runs
   at ~385.
 
-:func:`copy_blocks` therefore moves transfers made of many short runs with ONE Triton kernel
-on the receiving GPU that reads the peer's memory (:func:`kernel_copy_runs`: 326-340 GB/s
-for scattered blocks with 32 programs in bench/kv_copy_gpu.py, ~300 through cuda_ipc). Long
-runs go to the copy engines, which take no SMs and are faster on them.
+Two ways around the per-copy cost: ONE ``cuMemcpyBatchAsync`` call for all runs (CUDA
+12.8+ drivers; :func:`batch_copy_runs`: 271-319 GB/s for the scattered blocks in
+bench/kv_copy_gpu.py, 295 through cuda_ipc), or ONE Triton kernel on the receiving GPU
+that reads the peer's memory (:func:`kernel_copy_runs`: 304-340 in bench/kv_copy_gpu.py
+but 257-285 through cuda_ipc, where the receiving GPU idles between transfers, and it
+takes SMs from the decode worker's own kernels). :func:`copy_blocks` takes the batched
+copy engines where the driver has them, else the kernel for short runs.
 
 Addresses are unified (UVA): a source mapped from another process (CUDA IPC) or living on
 another GPU of this process is copied peer to peer by the driver. Where the driver library
@@ -64,11 +67,17 @@ KERNEL_PROGRAMS = 32  # CTAs of the copy kernel: 32 already fill NVLink on H200 
 
 def copy_blocks(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
                 stream: torch.cuda.Stream, kernel_below: int | None = None) -> str:
-    """Queue the copies of ``runs`` (see :func:`copy_runs`) the fastest way: one kernel
-    launch when the runs average under ``kernel_below`` bytes (default
-    ``PDSERVE_KERNEL_COPY_BELOW_BYTES``, else KERNEL_BELOW_RUN_BYTES; 0: never) and ``src``
-    is mapped into ``dst``'s device (a CUDA IPC mapping; another GPU's tensor of this
-    process may not be addressable by kernels), else the copy engines. Returns which."""
+    """Queue the copies of ``runs`` (see :func:`copy_runs`) the fastest way. Several runs go
+    to the copy engines in ONE batched call where the driver has one
+    (:func:`batch_copy_runs`). Without it, runs averaging under ``kernel_below`` bytes
+    (default ``PDSERVE_KERNEL_COPY_BELOW_BYTES``, else KERNEL_BELOW_RUN_BYTES; 0: never)
+    take one kernel launch when ``src`` is mapped into ``dst``'s device (a CUDA IPC
+    mapping; another GPU's tensor of this process may not be addressable by kernels), else
+    one copy-engine call per run (``PDSERVE_BATCH_COPY=0`` turns the batched call off).
+    Returns which ("batch", "kernel", "copy_engine")."""
+    if len(runs) > 1 and os.environ.get("PDSERVE_BATCH_COPY", "1") != "0" and \
+            batch_copy_runs(dst, src, runs, stream):
+        return "batch"
     if kernel_below is None:
         kernel_below = int(os.environ.get("PDSERVE_KERNEL_COPY_BELOW_BYTES",
                                           KERNEL_BELOW_RUN_BYTES))
@@ -116,6 +125,66 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, i
                 _warn_once(rc)
                 _torch_copy(dst, src, runs[i:], stream)
                 return
+
+
+class _MemcpyAttributes(ctypes.Structure):  # CUmemcpyAttributes (CUDA 12.8+)
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_loc_type", ctypes.c_int),
+                ("src_loc_id", ctypes.c_int), ("dst_loc_type", ctypes.c_int),
+                ("dst_loc_id", ctypes.c_int), ("flags", ctypes.c_uint)]
+
+
+_SRC_ACCESS_ORDER_STREAM = 1
+_batch = None  # (function, takes failIdx) once looked up; False: unavailable
+
+
+def _driver_batch():
+    """``cuMemcpyBatchAsync``: CUDA 13 drivers export the 8-argument form as ``_v2``; 12.8-12.9
+    ones the 9-argument form (with ``failIdx``) under the plain name."""
+    global _batch
+    if _batch is None:
+        with _lock:
+            if _batch is None:
+                _batch = False
+                try:
+                    lib = ctypes.CDLL("libcuda.so.1")
+                except OSError:
+                    return _batch
+                for name, fail_idx in (("cuMemcpyBatchAsync_v2", False),
+                                       ("cuMemcpyBatchAsync", True)):
+                    fn = getattr(lib, name, None)
+                    if fn is not None:
+                        fn.restype = ctypes.c_int
+                        _batch = (fn, fail_idx)
+                        break
+    return _batch
+
+
+def batch_copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
+                    stream: torch.cuda.Stream) -> bool:
+    """Like :func:`copy_runs`, with ONE ``cuMemcpyBatchAsync`` call for all runs (the driver
+    may spread them over its copy engines). False when the driver has no batch call or
+    refused it (nothing was queued then)."""
+    found = _driver_batch()
+    if not (found and runs and dst.is_cuda and src.is_cuda):
+        return False
+    fn, fail_idx = found
+    bb = dst.stride(0)
+    n = len(runs)
+    dsts = (ctypes.c_uint64 * n)(*(dst.data_ptr() + d * bb for _, d, _ in runs))
+    srcs = (ctypes.c_uint64 * n)(*(src.data_ptr() + s * bb for s, _, _ in runs))
+    sizes = (ctypes.c_size_t * n)(*(c * bb for _, _, c in runs))
+    attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, 1, src.device.index, 1,
+                              dst.device.index, 0)
+    idx = (ctypes.c_size_t * 1)(0)
+    args = [dsts, srcs, sizes, ctypes.c_size_t(n), ctypes.byref(attrs), idx, ctypes.c_size_t(1)]
+    if fail_idx:
+        args.append(ctypes.byref(ctypes.c_size_t(0)))
+    args.append(ctypes.c_void_p(stream.cuda_stream))
+    with torch.cuda.device(dst.device):
+        rc = fn(*args)
+    if rc != 0:
+        logger.info("cuMemcpyBatchAsync returned CUDA error %d", rc)
+    return rc == 0
 
 
 _warned = False
@@ -170,11 +239,14 @@ def _gather_kernel():
 
 def kernel_copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
                      stream: torch.cuda.Stream | None, programs: int = KERNEL_PROGRAMS,
-                     tile_bytes: int | None = None, num_warps: int = 8) -> None:
+                     tile_bytes: int | None = None, num_warps: int = 8,
+                     device: torch.device | None = None) -> None:
     """Like :func:`copy_runs`, in ONE kernel launch on ``dst``'s GPU that reads ``src``
     directly (a CUDA IPC mapping, or a peer GPU's memory once peer access is enabled):
     no per-run cost, but ``programs`` CTAs take SMs while it runs. ``tile_bytes`` (default:
-    the largest power of two up to 32 KiB dividing a block) must divide a block."""
+    the largest power of two up to 32 KiB dividing a block) must divide a block.
+    ``device``: the GPU the kernel runs on (default ``dst``'s; ``src``'s pushes the data
+    into a peer, which then must be addressable from there); ``stream`` must be on it."""
     bb = dst.stride(0)
     tile_bytes = tile_bytes or _tile_bytes(bb, src, dst)
     if src.stride(0) != bb or not tile_bytes or bb % tile_bytes or tile_bytes % 8:
@@ -184,10 +256,11 @@ def kernel_copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int,
         return
     n_tiles = len(pairs) * (bb // tile_bytes)
     grid = (max(1, min(programs, n_tiles)),)
-    ctx = torch.cuda.stream(stream) if stream is not None and dst.is_cuda \
+    device = device or dst.device
+    ctx = torch.cuda.stream(stream) if stream is not None and device.type == "cuda" \
         else contextlib.nullcontext()
     with ctx:  # the ids travel on the copy's stream: ordered before the kernel reads them
-        idx = torch.tensor(pairs, dtype=torch.int32).to(dst.device, non_blocking=True)
+        idx = torch.tensor(pairs, dtype=torch.int32).to(device, non_blocking=True)
         _gather_kernel()[grid](src.view(torch.int64), dst.view(torch.int64), idx, n_tiles,
                                BLOCK_ELEMS=bb // 8, TILE=tile_bytes // 8, num_warps=num_warps)
 

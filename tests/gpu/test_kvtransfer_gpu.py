@@ -73,7 +73,7 @@ def test_driver_and_kernel_copies_match_torch_copies_across_gpus_and_within_one(
         want = torch.zeros_like(src, device=DST)
         for s, d, n in runs:
             want[d:d + n] = src[s:s + n].to(DST)
-        for how in ("copy_runs", "kernel_copy_runs", "copy_blocks"):
+        for how in ("copy_runs", "kernel_copy_runs", "copy_blocks", "batch_copy_runs"):
             dst = torch.zeros_like(src, device=DST)
             stream = torch.cuda.Stream(DST)
             with torch.cuda.device(DST):
@@ -81,8 +81,18 @@ def test_driver_and_kernel_copies_match_torch_copies_across_gpus_and_within_one(
                 picked = getattr(cuda_copy, how)(dst, src, runs, stream)
             stream.synchronize()
             assert torch.equal(dst, want), (src_dev, how)
-            if how == "copy_blocks":  # 32 KiB blocks: short runs; a kernel on one device only
-                assert picked == ("kernel" if src_dev == DST else "copy_engine")
+            if how == "copy_blocks":  # several runs: one batched copy-engine call
+                assert picked == "batch"
+                os.environ["PDSERVE_BATCH_COPY"] = "0"  # without it: 32 KiB blocks are short
+                try:  # runs, a kernel on one device only
+                    assert cuda_copy.copy_blocks(dst, src, runs, stream) == \
+                        ("kernel" if src_dev == DST else "copy_engine")
+                    stream.synchronize()
+                    assert torch.equal(dst, want), (src_dev, how, "without batch")
+                finally:
+                    del os.environ["PDSERVE_BATCH_COPY"]
+            if how == "batch_copy_runs":
+                assert picked is True, "cuMemcpyBatchAsync unavailable or refused"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -251,6 +261,98 @@ def test_layered_send_waits_for_each_layers_event(backend):
         await rx.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("pack_layers", [1, 2, 4, 0])
+def test_nccl_packs_a_written_part_of_scattered_blocks(pack_layers, monkeypatch):
+    """A part whose KV is written (here: behind an event still pending when it is handed
+    over) with scattered blocks moves as layer-group messages of about
+    ``pack_message_bytes`` (1 layer: four messages through two staging buffers per side,
+    reused), gathered after the part's event; contiguous blocks, or packing off, move as
+    whole messages. The data lands exactly either way."""
+    from kvtransfer.nccl import NcclSender
+
+    packed = []
+    real = NcclSender._send_layers
+
+    async def counting(self, sock, comm, part, groups, staged):
+        packed.append(len(groups))
+        return await real(self, sock, comm, part, groups, staged)
+
+    monkeypatch.setattr(NcclSender, "_send_layers", counting)
+
+    async def main():
+        src, dst = cache(96, SRC), cache(96, DST)
+        rx = make_receiver("nccl", dst, LAYOUT)
+        await rx.start()
+        s_ids, d_ids = [40, 2, 17, 90, 5, 6, 33, 71, 12, 60], [3, 88, 41, 7, 8, 9, 52, 20, 64, 1]
+        part_bytes = len(s_ids) * LAYOUT.block_bytes
+        tx = make_sender("nccl", src, LAYOUT,
+                         pack_message_bytes=part_bytes // LAYOUT.num_layers * pack_layers)
+        for rep, (si, di) in enumerate(((s_ids, d_ids), (list(range(10)), list(range(50, 60))))):
+            want = cache(len(si), SRC, seed=20 + rep)
+            torch.cuda.synchronize(SRC)
+            handle = rx.expect(f"pk{rep}", di, 30)
+            compute = torch.cuda.Stream(SRC)
+            with torch.cuda.device(SRC), torch.cuda.stream(compute):
+                torch.cuda._sleep(50_000_000)  # the part is still being written
+                src[si] = want
+                written = torch.cuda.Event()
+                written.record(compute)
+            blocks = BlockStream(len(si))
+            blocks.extend(si, written)
+            res = await tx.send(f"pk{rep}", rx.endpoint, blocks, 30)
+            got = await handle.wait()
+            assert res.state is got.state is TransferState.DONE, (res.error, got.error)
+            assert torch.equal(dst[di].cpu(), want.cpu()), (pack_layers, rep)
+            dst.zero_()
+        await tx.close()
+        await rx.close()
+
+    run(main())
+    # scattered: packed in 4 / 2 / 1 messages (0: off); contiguous: one whole message
+    assert packed == ([LAYOUT.num_layers // pack_layers] if pack_layers else [])
+
+
+@pytest.mark.parametrize("short_side", [DST, SRC])
+def test_nccl_without_memory_to_pack_moves_whole_messages(short_side, monkeypatch):
+    """A side that cannot allocate the staging buffers (out of GPU memory) does not pack:
+    the receiver declines the offer, or the sender does not make it; the scattered part
+    then moves as one message per segment, exactly, and the pair stays usable."""
+    from kvtransfer import nccl
+
+    real_try, packed = nccl._try_staging, []  # noqa: SLF001
+
+    def short_of_memory(layout, num_blocks, groups, comm):
+        if str(comm.device) == short_side:
+            return None
+        return real_try(layout, num_blocks, groups, comm)
+
+    real_send = nccl.NcclSender._send_layers  # noqa: SLF001
+
+    async def counting(self, sock, comm, part, groups, staged):
+        packed.append(len(groups))
+        return await real_send(self, sock, comm, part, groups, staged)
+
+    monkeypatch.setattr(nccl, "_try_staging", short_of_memory)
+    monkeypatch.setattr(nccl.NcclSender, "_send_layers", counting)
+
+    async def main():
+        src, dst = cache(64, SRC, seed=31), cache(64, DST)
+        rx, tx = await pair("nccl", src, dst)
+        s_ids, d_ids = [9, 3, 50, 22, 7], [60, 1, 33, 12, 40]
+        for rep in range(2):
+            handle = rx.expect(f"oom{rep}", d_ids, 30)
+            res = await tx.send(f"oom{rep}", rx.endpoint, s_ids, 30)
+            got = await handle.wait()
+            assert res.state is got.state is TransferState.DONE, (res.error, got.error)
+            assert torch.equal(dst[d_ids].cpu(), src[s_ids].cpu())
+            dst.zero_()
+        await tx.close()
+        await rx.close()
+
+    run(main())
+    assert packed == []
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -426,3 +426,32 @@ def test_block_copies_kernel_and_fallback_land_every_run():
     with pytest.raises(ValueError, match="tiles"):
         kernel_copy_runs(torch.zeros(4, 1000, dtype=torch.uint8),
                          torch.zeros(4, 1000, dtype=torch.uint8), [(0, 0, 1)], None)
+
+
+def test_layer_group_packing_gathers_and_scatters_through_a_reused_buffer():
+    """The nccl backend's packed / layered messages: ``pack_groups`` cuts a part into whole
+    layers per message of about the asked size, and gathering each group into (the front
+    of) one shared staging buffer and scattering it back moves every layer of every block
+    exactly (CPU tensors; the same torch ops run on the GPU)."""
+    from kvtransfer.blocks import gather_layers, pack_groups, scatter_layers, staging_view
+
+    assert pack_groups(32, 512 << 20, 128 << 20) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert pack_groups(32, 32 << 20, 128 << 20) == [(0, 32)]  # small part: one message
+    assert pack_groups(5, 5 << 20, 2 << 20) == [(0, 2), (2, 4), (4, 5)]
+    assert pack_groups(4, 4 << 20, 1) == [(0, 1), (1, 2), (2, 3), (3, 4)]  # at least a layer
+    layout = KVLayout(num_layers=5, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+    src = torch.randn(12, *layout.block_shape)
+    dst = torch.zeros(10, *layout.block_shape)
+    s_ids, d_ids = [7, 0, 11, 3], [9, 2, 4, 5]
+    per_layer = layout.block_bytes // layout.num_layers // 4
+    groups = pack_groups(5, len(s_ids) * layout.block_bytes, 2 * len(s_ids) * per_layer * 4)
+    assert groups == [(0, 2), (2, 4), (4, 5)]
+    buf = torch.full((len(s_ids) * 2 * per_layer,), float("nan"))
+    for lo, hi in groups:
+        staged = gather_layers(src, torch.tensor(s_ids), lo, hi, out=buf)
+        assert staged.data_ptr() == buf.data_ptr() and staged.shape == (4, hi - lo, per_layer)
+        scatter_layers(dst, torch.tensor(d_ids), lo, hi, staged)
+    assert torch.equal(dst[d_ids], src[s_ids])
+    assert not dst[[0, 1, 3, 6, 7, 8]].any()
+    with pytest.raises(ValueError, match="staging buffer"):
+        staging_view(buf, 4, 3, per_layer)
