@@ -1,8 +1,12 @@
 """The connection skeleton every TCP-connected backend shares (tcp, nccl, cuda_ipc, nixl).
 
-Each transfer opens one TCP connection to the receiver's endpoint (``<scheme>://host:port``):
-for tcp it carries the payload too, for the GPU backends it is the *control* connection
-while the data moves over NVLink / NCCL / NIXL::
+Each transfer runs over one TCP connection to the receiver's endpoint
+(``<scheme>://host:port``): for tcp it carries the payload too, for the GPU backends it is
+the *control* connection while the data moves over NVLink / NCCL / NIXL. A connection whose
+transfer ended DONE is kept for the next transfer to the same receiver (a sender keeps up to
+POOL_PER_ENDPOINT idle ones per receiver for up to POOL_IDLE_S, a receiver waits up to
+RECEIVER_IDLE_S for the next HELLO on it): no connect, accept or TCP slow start per transfer.
+Any other outcome closes it::
 
     sender                                   receiver
     HELLO (kind, layout, transfer id, n)  -> claim the expected transfer
@@ -11,13 +15,14 @@ while the data moves over NVLink / NCCL / NIXL::
         one part at a time as the sender's BlockStream hands the blocks over ...
                                           <- OK (the blocks are in place) | ERROR (why)
 
-A sender connects when its request arrives, so HELLO and the backend's set-up overlap the
-prompt's forward pass; parts (each prefill chunk's blocks, handed over when the chunk is
-queued on the GPU) follow, each moved once its KV is written. A one-sided backend (cuda_ipc,
-nixl: the receiver reads the blocks) whose blocks are all readable when the send starts
-(a retry, a benchmark) writes its payload right behind HELLO and reads the answer to HELLO
-with the ack: one round trip less; a receiver that rejects it reads the payload away
-before closing, so the sender gets the reason, not a connection reset.
+A sender connects (or takes a kept connection) when its request arrives, so HELLO and the
+backend's set-up overlap the prompt's forward pass; parts (each prefill chunk's blocks,
+handed over when the chunk is queued on the GPU) follow, each moved once its KV is written.
+A one-sided backend (cuda_ipc, nixl: the receiver reads the blocks) whose blocks are all
+readable when the send starts (a retry, a benchmark) writes its payload right behind HELLO
+and reads the answer to HELLO with the ack: one round trip less; a receiver that rejects
+it reads the payload away before closing, so the sender gets the reason, not a connection
+reset.
 
 The control connection is also how each side learns that the other gave up: a side that
 times out, is cancelled or fails closes it (after an ERROR saying why when it can), and the
@@ -55,6 +60,12 @@ from services.tasks import cancel_and_wait
 logger = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 30.0
+POOL_IDLE_S = 30.0  # a sender reuses a connection idle at most this long
+POOL_PER_ENDPOINT = 8  # idle connections a sender keeps per receiver
+# a receiver closes a connection idle this long: well above POOL_IDLE_S, so a sender never
+# picks a connection its receiver is closing (only a receiver's exit or restart does that,
+# which fails the transfer as any receiver crash would)
+RECEIVER_IDLE_S = 120.0
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -93,6 +104,7 @@ class ControlReceiver(TrackedReceiver):
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
         self._conns: set[asyncio.Task] = set()
+        self.connections_accepted = 0  # control connections so far (reused ones count once)
 
     async def start(self) -> None:
         sock = socket.socket(socket.AF_INET6 if ":" in self._host else socket.AF_INET)
@@ -136,12 +148,25 @@ class ControlReceiver(TrackedReceiver):
                 await asyncio.sleep(0.05)
                 continue
             self._tune(conn)
+            self.connections_accepted += 1
             task = loop.create_task(self._serve(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
     async def _serve(self, conn: socket.socket) -> None:
+        """Serve the connection's transfers one after another, while each ends DONE and
+        the sender sends the next HELLO within RECEIVER_IDLE_S."""
         loop = asyncio.get_running_loop()
+        try:
+            while await self._serve_one(loop, conn):
+                if not await _readable(loop, conn, RECEIVER_IDLE_S):
+                    return
+        finally:
+            conn.close()
+
+    async def _serve_one(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> bool:
+        """One transfer on the connection; True when it ended DONE and was acked (the
+        connection is clean: the sender may send its next HELLO on it)."""
         entry: ExpectedTransfer | None = None
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
@@ -155,7 +180,7 @@ class ControlReceiver(TrackedReceiver):
             except TransferError as exc:
                 await loop.sock_sendall(conn, proto.encode_reply(proto.ERROR, 0, str(exc)))
                 await _linger(loop, conn)
-                return
+                return False
             await loop.sock_sendall(conn, proto.encode_reply(proto.OK))
             entry.mark("hello_ok")
             await entry.destination()  # expected by count: the ids may still be on their way
@@ -163,12 +188,15 @@ class ControlReceiver(TrackedReceiver):
             if _peer_failed(conn):  # gave up while the data moved: its blocks may be gone
                 raise TransferError(f"peer gave up: {await _peer_reason(loop, conn)}")
             entry.mark("landed")
-            entry.finish(TransferState.DONE)
+            if not entry.finish(TransferState.DONE):  # it timed out or was cancelled meanwhile
+                return False
             await loop.sock_sendall(conn, proto.encode_reply(proto.OK, 0, message or ""))
+            return True
         except asyncio.CancelledError:
             if entry is not None:
                 proto.try_send_error(conn, f"transfer {entry.transfer_id} "
                                            f"{entry.state.value} on receiver")
+            raise
         except (OSError, EOFError, TransferError) as exc:
             if entry is not None:
                 if entry.finish(TransferState.FAILED, f"{type(exc).__name__}: {exc}"):
@@ -179,8 +207,7 @@ class ControlReceiver(TrackedReceiver):
             logger.exception("%s receiver: unexpected error", self.scheme)
             if entry is not None and entry.finish(TransferState.FAILED, f"receiver error: {exc!r}"):
                 proto.try_send_error(conn, f"receiver error: {exc!r}")
-        finally:
-            conn.close()
+        return False
 
     async def _receive_payload(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
                                entry: ExpectedTransfer) -> str | None:
@@ -191,6 +218,71 @@ class ControlReceiver(TrackedReceiver):
         (e.g. :func:`~kvtransfer.protocol.data_seconds_message`).
         """
         raise NotImplementedError
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                    timeout_s: float) -> bool:
+    """Wait until ``sock`` has input (or end of stream); False after ``timeout_s``."""
+    ready = loop.create_future()
+    fd = sock.fileno()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        async with asyncio.timeout(timeout_s):
+            await ready
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+
+
+class ConnectionPool:
+    """A sender's idle control connections, by receiver endpoint: the most recently used
+    first, each at most POOL_IDLE_S old, at most POOL_PER_ENDPOINT per receiver."""
+
+    def __init__(self, idle_s: float = POOL_IDLE_S, per_endpoint: int = POOL_PER_ENDPOINT):
+        self._idle: dict[str, list[tuple[socket.socket, float]]] = {}
+        self._idle_s = idle_s
+        self._per_endpoint = per_endpoint
+
+    def take(self, endpoint: str) -> socket.socket | None:
+        """An idle connection that is still open and has nothing unread, else None."""
+        idle = self._idle.get(endpoint)
+        now = time.monotonic()
+        while idle:
+            sock, since = idle.pop()
+            if now - since <= self._idle_s and _quiet(sock):
+                return sock
+            sock.close()
+        return None
+
+    def give(self, endpoint: str, sock: socket.socket) -> None:
+        idle = self._idle.setdefault(endpoint, [])
+        if len(idle) >= self._per_endpoint:
+            sock.close()
+            return
+        idle.append((sock, time.monotonic()))
+
+    def idle(self, endpoint: str) -> int:
+        return len(self._idle.get(endpoint, ()))
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for sock, _ in idle:
+                sock.close()
+        self._idle.clear()
+
+
+def _quiet(sock: socket.socket) -> bool:
+    """An idle connection is usable while nothing waits on it: a receiver that closed it
+    shows end of stream (or a reset), and any bytes would be out of protocol."""
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 LINGER_S = 1.0  # most a rejecting receiver waits for the sender to hang up
@@ -210,12 +302,21 @@ async def _linger(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
 
 
 class ControlSender(RunnerSender):
-    """Opens a control connection per transfer; ``_send_payload`` moves the data."""
+    """Runs each transfer over a control connection (a pooled one when the last transfer
+    to that receiver left one); ``_send_payload`` moves the data."""
 
     scheme: str
     kind: int
 
     _tune = staticmethod(tune_socket)
+
+    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+        super().__init__(cache, layout)
+        self.pool = ConnectionPool()
+
+    async def close(self) -> None:
+        await super().close()
+        self.pool.close()
 
     # True for backends whose payload messages may follow HELLO before the receiver accepted
     # (one-sided: the payload is metadata, the receiver moves the data)
@@ -224,10 +325,18 @@ class ControlSender(RunnerSender):
     async def _send(self, sm: TransferStateMachine, endpoint: str, blocks: BlockStream) -> int:
         loop = asyncio.get_running_loop()
         host, port = parse_host_port(endpoint, self.scheme)
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock = self.pool.take(endpoint)
+        reused = sock is not None
+        if reused:
+            sm.mark("reused")
+        else:
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        done = False
         try:
-            self._tune(sock)
-            await loop.sock_connect(sock, (host, port))
+            if not reused:
+                self._tune(sock)
+                await loop.sock_connect(sock, (host, port))
+                sm.mark("connected")
             await loop.sock_sendall(sock, proto.encode_hello(self.kind, self._layout,
                                                              sm.transfer_id, blocks.total))
             if not (self.eager_payload and blocks.ready()):
@@ -238,9 +347,13 @@ class ControlSender(RunnerSender):
             await self._send_payload(loop, sock, endpoint, sm, blocks)
             sm.mark("acked")
             sm.num_bytes = blocks.total * self._layout.block_bytes
+            done = True
             return sm.num_bytes
         finally:
-            sock.close()
+            if done:  # acked: the connection is clean, the next transfer may use it
+                self.pool.give(endpoint, sock)
+            else:
+                sock.close()
 
     @staticmethod
     async def _hold_lease(loop: asyncio.AbstractEventLoop, sock: socket.socket,

@@ -1,6 +1,6 @@
 """Wire format shared by the socket backends (tcp, shm) and async socket helpers.
 
-Sender -> receiver, once per connection (one connection per transfer)::
+Sender -> receiver, once per transfer (a connection carries transfers one after another)::
 
     HELLO  !4sHH IIII 16s Q III H  + transfer id (utf-8)
            magic b"PDKV", version, backend kind,

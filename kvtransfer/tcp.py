@@ -1,4 +1,5 @@
-"""TCP backend: any two hosts. One connection per transfer (see :mod:`kvtransfer.control`).
+"""TCP backend: any two hosts. One connection at a time per transfer, kept for the next
+transfer to the same receiver when this one ends DONE (see :mod:`kvtransfer.control`).
 
 After the handshake the sender writes the payload straight from the cache's memory: one
 ``sock_sendall`` per run of consecutive source block ids (no gather copy), then waits for the
