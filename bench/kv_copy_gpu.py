@@ -1,7 +1,8 @@
 """How to move a 4096-token prompt's KV blocks from one GPU to another of the same host,
 when its blocks are scattered (issue 5): copy engines (one cuMemcpyDtoDAsync per run of
-blocks, what cuda_ipc does; the same spread over 2 / 4 streams; ONE cuMemcpyBatchAsync call
-for all runs, CUDA 12.8+) against one Triton kernel on the receiving GPU reading the peer's
+blocks; ONE cuMemcpyBatchAsync call for all runs, CUDA 12.8+, what cuda_ipc does now; the
+first version of this script also spread the per-run calls over 2 / 4 streams, which gained
+nothing: kv_copy_gpu_h200_batch.json) against one Triton kernel on the receiving GPU reading the peer's
 memory (kvtransfer.cuda_copy.kernel_copy_runs, "pull") with various numbers of programs
 (CTAs), the same kernel on the SENDING GPU writing into the peer ("push"), and both engines
 at once (``split_kNN``: NN% of the blocks by the pulling kernel, the rest by batched copy
@@ -73,22 +74,6 @@ def split_copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, 
             stream.wait_event(joined)
 
 
-def _lanes(dst, src, runs, lanes) -> None:
-    """Runs dealt round-robin over several streams (each joins the first's order)."""
-    main = lanes[0]
-    start = torch.cuda.Event()
-    start.record(main)
-    for k, lane in enumerate(lanes):
-        share = runs[k::len(lanes)]
-        if lane is not main:
-            lane.wait_event(start)
-        copy_runs(dst, src, share, lane)
-        if lane is not main:
-            done = torch.cuda.Event()
-            done.record(lane)
-            main.wait_event(done)
-
-
 def _push(dst, src, runs, stream, push_stream, programs) -> None:
     """The copy kernel launched on the SOURCE GPU, writing into the peer; the receiving
     stream waits for it (so the events on ``stream`` time it)."""
@@ -131,17 +116,14 @@ def main() -> None:
     stream = torch.cuda.Stream("cuda:1")
     payload = a.blocks * a.block_bytes
     methods = {"copy_engine": lambda runs: copy_runs(dst, src, runs, stream)}
-    lanes = [stream] + [torch.cuda.Stream("cuda:1") for _ in range(3)]
-    for n in (2, 4):
-        methods[f"copy_engine_lanes{n}"] = (
-            lambda runs, n=n: _lanes(dst, src, runs, lanes[:n]))
+    side = torch.cuda.Stream("cuda:1")
     def batch(runs):
         if not batch_copy_runs(dst, src, runs, stream):
             raise RuntimeError("cuMemcpyBatchAsync unavailable or refused")
     methods["copy_engine_batch"] = batch
     for share in (float(x) for x in a.kernel_shares.split(",") if x):
         methods[f"split_k{round(share * 100)}"] = (
-            lambda runs, share=share: split_copy_runs(dst, src, runs, stream, lanes[1], share))
+            lambda runs, share=share: split_copy_runs(dst, src, runs, stream, side, share))
     push_stream = torch.cuda.Stream("cuda:0")
     for prog in (int(x) for x in a.push_programs.split(",") if x):
         methods[f"push_p{prog}_t32k"] = (
