@@ -295,7 +295,30 @@ def merge(paths: list[str]) -> dict:
 
 
 # ------------------------------------------------------------------------------ SLO limits
-def limits(docs: list[dict], attainment: float = SLO_ATTAINMENT) -> dict:
+def rescore(row: dict, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> tuple[int, int]:
+    """(requests within another SLO, requests) of one rate of a run, from its per-request
+    records (bench/disagg_gpu.py's REQUEST_FIELDS), by the rule of
+    ``pdserve.benchlib.metrics.meets_slo``."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from pdserve.benchlib.metrics import RequestResult, meets_slo
+
+    if "requests" not in row:
+        raise ValueError(f"rate {row.get('rate')}: no per-request records to re-score")
+    f = {k: i for i, k in enumerate(row["request_fields"])}
+    good = 0
+    for r in row["requests"]:
+        ok = r[f["code"]] == "OK"
+        rr = RequestResult(id=str(r[f["id"]]), start_s=r[f["start_s"]], ok=ok, code=r[f["code"]],
+                           ttft_s=(r[f["ttft_ms"]] or 0.0) / 1000, latency_s=r[f["e2e_ms"]] / 1000,
+                           completion_tokens=r[f["completion_tokens"]])
+        good += meets_slo(rr, None if slo_ttft_ms is None else slo_ttft_ms / 1000,
+                          None if slo_tpot_ms is None else slo_tpot_ms / 1000)
+    return good, len(row["requests"])
+
+
+def limits(docs: list[dict], attainment: float = SLO_ATTAINMENT,
+           slo: tuple[float | None, float | None] | None = None) -> dict:
     """Each deployment's SLO limit from every rate it ran in ``docs`` (several runs, any rate
     lists, repeated rates with other samples), two ways:
 
@@ -305,20 +328,27 @@ def limits(docs: list[dict], attainment: float = SLO_ATTAINMENT) -> dict:
       below the lowest that did not. It does not depend on how many long prompts a
       sample happened to draw.
 
-    and the ratios of 1P1D's to colocated's when both ran."""
+    and the ratios of 1P1D's to colocated's when both ran. ``slo``: (TTFT ms, TPOT ms) to
+    re-score every request against instead of the runs' own SLO (:func:`rescore`)."""
     rows: dict[str, list[dict]] = {}
     for d in docs:
         for name, dep in d["deployments"].items():
             for row in dep.get("mixed", []):
                 s = row["summary"]
-                got = s.get("slo_attainment")
+                good, sent = s["num_good"], s["num_requests"]
+                if slo is not None:
+                    good, sent = rescore(row, *slo)
+                got = round(good / sent, 4) if sent and s.get("slo_attainment") is not None \
+                    else None
                 if got is None:
                     continue
                 rows.setdefault(name, []).append({
                     "rate": row["rate"], "slo_attainment": got, "ok": got >= attainment,
-                    "good": s["num_good"], "sent": s["num_requests"],
+                    "good": good, "sent": sent,
                     "offered_prompt_tokens_per_s": s.get("offered_prompt_tokens_per_s")})
     out: dict = {"attainment": attainment, "deployments": {}}
+    if slo is not None:
+        out["slo"] = {"ttft_ms": slo[0], "tpot_ms": slo[1]}
     for name, rs in rows.items():
         rs.sort(key=lambda r: (r["rate"], r["offered_prompt_tokens_per_s"] or 0))
         pooled: dict[float, list[int]] = {}
@@ -351,11 +381,21 @@ def main(argv=None) -> None:
                    help="combine the deployments of several runs of the same workload")
     p.add_argument("--limits", action="store_true",
                    help="each deployment's SLO limit over every rate of the given runs")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="with --limits: re-score every request against this TTFT SLO (and "
+                        "--slo-tpot-ms) instead of the runs' own")
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.limits:
-        doc = limits([json.load(open(r)) for r in a.reports])
-        doc["command"] = "python3 bench/disagg_report.py --limits " + " ".join(a.reports)
+        slo = None
+        if a.slo_ttft_ms is not None or a.slo_tpot_ms is not None:
+            slo = (a.slo_ttft_ms, a.slo_tpot_ms)
+        doc = limits([json.load(open(r)) for r in a.reports], slo=slo)
+        doc["command"] = "python3 bench/disagg_report.py --limits " + " ".join(
+            ([f"--slo-ttft-ms {a.slo_ttft_ms:g}"] if a.slo_ttft_ms is not None else []) +
+            ([f"--slo-tpot-ms {a.slo_tpot_ms:g}"] if a.slo_tpot_ms is not None else []) +
+            a.reports)
         for name, dep in doc["deployments"].items():
             print(f"{name:10s} limit {dep['rate']} req/s, {dep['prompt_tokens_per_s']} prompt "
                   f"tok/s; samples: " + ", ".join(

@@ -306,3 +306,34 @@ def test_slo_limits_pool_the_samples_of_a_rate_across_runs():
     assert (pd["rate"], pd["prompt_tokens_per_s"]) == (26, 34400)
     assert out["ratio"] == {"rate": 1.3, "prompt_tokens_per_s": round(34400 / 27400, 4)}
     assert limits([run("1p1d", (4, 80, 100, 1000))])["deployments"]["1p1d"]["rate"] is None
+
+
+def test_limits_rescore_requests_against_another_slo():
+    """disagg_report --limits --slo-ttft-ms/--slo-tpot-ms: every request of every rate is
+    re-scored from its record; against the run's own SLO it gives the run's own count (a
+    committed GPU run), and a tighter TPOT SLO drops exactly the slow decoders."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from disagg_report import limits, rescore
+
+    doc = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" /
+                      "disagg_gpu_h200_colocated_s10.json").read_text())
+    for row in doc["deployments"]["colocated"]["mixed"]:
+        s = row["summary"]
+        assert rescore(row, 1000, 50) == (s["num_good"], s["num_requests"])
+    fields = ["id", "long", "start_s", "code", "e2e_ms", "ttft_ms", "prompt_tokens",
+              "completion_tokens", "cached_tokens", "max_gap_ms"]
+    reqs = [["a", False, 0.0, "OK", 1100.0, 100.0, 10, 41, 0, 30.0],    # TPOT 25 ms
+            ["b", False, 0.1, "OK", 1300.0, 100.0, 10, 41, 0, 40.0],    # TPOT 30 ms
+            ["c", True, 0.2, "OK", 1280.0, 1200.0, 10, 5, 0, 20.0],     # TTFT 1.2 s, TPOT 20
+            ["d", False, 0.3, "UNAVAILABLE", 5.0, None, 10, 0, 0, None],
+            ["e", False, 0.4, "OK", 300.0, 300.0, 10, 1, 0, None]]      # one token: no TPOT
+    row = {"rate": 4.0, "request_fields": fields, "requests": reqs,
+           "summary": {"slo_attainment": 0.6, "num_good": 3, "num_requests": 5,
+                       "offered_prompt_tokens_per_s": 50}}
+    assert rescore(row, 1000, 50) == (3, 5)
+    assert rescore(row, 1000, 25) == (2, 5)
+    assert rescore(row, None, 25) == (3, 5)  # TTFT left out: not checked
+    out = limits([{"deployments": {"1p1d": {"mixed": [row]}}}], attainment=0.5, slo=(1000, 25))
+    assert out["slo"] == {"ttft_ms": 1000, "tpot_ms": 25}
+    assert out["deployments"]["1p1d"]["samples"][0]["slo_attainment"] == 0.4
+    assert out["deployments"]["1p1d"]["rate"] is None
