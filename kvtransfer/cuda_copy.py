@@ -182,9 +182,13 @@ def batch_copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, 
     args.append(ctypes.c_void_p(stream.cuda_stream))
     with torch.cuda.device(dst.device):
         rc = fn(*args)
-    if rc != 0:
-        logger.info("cuMemcpyBatchAsync returned CUDA error %d", rc)
+    if rc != 0 and not _batch_refused:
+        _batch_refused.append(rc)  # said once: the caller falls back to the other copies
+        logger.warning("cuMemcpyBatchAsync returned CUDA error %d: copying otherwise", rc)
     return rc == 0
+
+
+_batch_refused: list[int] = []
 
 
 _warned = False
