@@ -100,8 +100,21 @@ def check_layer_groups(groups, num_layers: int) -> list[tuple[int, int]]:
 
 
 def _by_layer(cache: torch.Tensor) -> torch.Tensor:
-    """``[num_blocks, num_layers, per_layer]`` view of a block-major cache (no copy)."""
-    return cache.view(cache.shape[0], cache.shape[1], -1)
+    """``[num_blocks, num_layers, per_layer]`` view of a block-major cache (no copy), in the
+    widest integer type that divides a layer of a block: torch's index kernels move one
+    element per thread, so 8-byte elements move bf16 KV in a quarter of the steps."""
+    return _widest(cache).view(cache.shape[0], cache.shape[1], -1)
+
+
+def _widest(cache: torch.Tensor) -> torch.Tensor:
+    """A block-major cache's bytes, flat, as int64 / int32 / int16 / uint8: the widest type
+    whose size divides one layer of one block and the cache's address."""
+    flat = cache.reshape(-1).view(torch.uint8)
+    unit = flat.numel() // max(1, cache.shape[0] * cache.shape[1])
+    for dt in (torch.int64, torch.int32, torch.int16):
+        if unit % dt.itemsize == 0 and flat.data_ptr() % dt.itemsize == 0:
+            return flat.view(dt)
+    return flat
 
 
 def device_index(ids: list[int], device: torch.device) -> torch.Tensor:
@@ -120,14 +133,20 @@ def gather_layers(cache: torch.Tensor, idx: torch.Tensor, lo: int, hi: int,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Layers ``[lo, hi)`` of blocks ``idx`` (an index tensor on the cache's device) as one
     contiguous tensor ``[len(idx), hi - lo, per_layer]``: one gather kernel, so a layer
-    group of scattered blocks travels as one message. ``out``: a contiguous buffer of the
-    cache's dtype with room for it (its first elements are used), else a new tensor."""
+    group of scattered blocks travels as one message. Its elements are of
+    :func:`_by_layer`'s integer type (the bytes are the cache's). ``out``: a contiguous
+    buffer with room for it (its first bytes are used), else a new tensor."""
     src = _by_layer(cache)[:, lo:hi]
     if out is None:
         return src.index_select(0, idx)
-    view = staging_view(out, len(idx), hi - lo, src.shape[-1])
+    view = staging_view(_as(out, src.dtype), len(idx), hi - lo, src.shape[-1])
     torch.index_select(src, 0, idx, out=view)
     return view
+
+
+def _as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous buffer's bytes, flat, as ``dtype``."""
+    return buf.reshape(-1).view(torch.uint8).view(dtype)
 
 
 def staging_view(buf: torch.Tensor, num_blocks: int, num_layers: int,
@@ -149,6 +168,7 @@ def pack_groups(num_layers: int, part_bytes: int, message_bytes: int) -> list[tu
 
 def scatter_layers(cache: torch.Tensor, idx: torch.Tensor, lo: int, hi: int,
                    src: torch.Tensor) -> None:
-    """Inverse of :func:`gather_layers`: write ``src`` into layers ``[lo, hi)`` of blocks
-    ``idx`` (one kernel)."""
-    _by_layer(cache)[:, lo:hi].index_copy_(0, idx, src.view(len(idx), hi - lo, -1))
+    """Inverse of :func:`gather_layers`: write ``src`` (a contiguous tensor holding those
+    layers' bytes, of any dtype) into layers ``[lo, hi)`` of blocks ``idx`` (one kernel)."""
+    dst = _by_layer(cache)[:, lo:hi]
+    dst.index_copy_(0, idx, _as(src, dst.dtype).view(len(idx), hi - lo, -1))

@@ -449,9 +449,26 @@ def test_layer_group_packing_gathers_and_scatters_through_a_reused_buffer():
     buf = torch.full((len(s_ids) * 2 * per_layer,), float("nan"))
     for lo, hi in groups:
         staged = gather_layers(src, torch.tensor(s_ids), lo, hi, out=buf)
-        assert staged.data_ptr() == buf.data_ptr() and staged.shape == (4, hi - lo, per_layer)
-        scatter_layers(dst, torch.tensor(d_ids), lo, hi, staged)
+        assert staged.data_ptr() == buf.data_ptr()
+        assert staged.nbytes == 4 * (hi - lo) * per_layer * 4
+        assert staged.dtype == torch.int64  # 8-byte elements: a quarter of the index steps
+        # the receiver scatters from its own staging view (the cache's dtype): same bytes
+        scatter_layers(dst, torch.tensor(d_ids), lo, hi,
+                       staging_view(buf, 4, hi - lo, per_layer))
     assert torch.equal(dst[d_ids], src[s_ids])
     assert not dst[[0, 1, 3, 6, 7, 8]].any()
     with pytest.raises(ValueError, match="staging buffer"):
         staging_view(buf, 4, 3, per_layer)
+    # a layer of a block is 2 x head_dim x itemsize bytes here: 24 (int64), 12 (int32), 6
+    for head_dim, dtype, want in ((3, "float32", torch.int64), (3, "bfloat16", torch.int32),
+                                  (3, "uint8", torch.int16)):
+        odd = KVLayout(num_layers=3, num_kv_heads=1, head_dim=head_dim, block_size=1,
+                       dtype=dtype)
+        src = (torch.arange(6 * 3 * 2 * head_dim) % 251).to(odd.torch_dtype).view(
+            6, *odd.block_shape)
+        dst = torch.zeros(5, *odd.block_shape, dtype=odd.torch_dtype)
+        out = gather_layers(src, torch.tensor([5, 0, 3]), 1, 3)
+        assert out.dtype == want
+        scatter_layers(dst, torch.tensor([4, 1, 2]), 1, 3, out)
+        assert torch.equal(dst[[4, 1, 2], 1:3], src[[5, 0, 3], 1:3])
+        assert not dst[:, 0].any() and not dst[[0, 3]].any()
