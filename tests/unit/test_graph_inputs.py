@@ -32,15 +32,8 @@ def test_graph_decode_inputs_match_the_eager_inputs():
     chained step the positions one further on (ids then come from the device)."""
     import numpy as np
 
-    from engine import LLM, SamplingParams
     from engine.graph_inputs import BlockTableRows, fill_decode_inputs
-    llm = LLM("dummy:tiny", block_size=4, num_blocks=256, max_num_seqs=8)
-    eng = llm.engine
-    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    for i, n in enumerate((3, 9, 14)):
-        eng.add_request(f"r{i}", list(range(5, 5 + n)), sp)
-    for _ in range(6):
-        eng.step()
+    eng = _decoding_engine("r", steps=6, max_num_seqs=8)
     sched = eng.scheduler.schedule()
     assert all(item.num_new_tokens == 1 for item in sched.scheduled)
     n, b, width = len(sched.scheduled), 4, 16
@@ -74,18 +67,26 @@ def test_graph_decode_inputs_match_the_eager_inputs():
     assert i64[0, :n].tolist() == [0] * (n - 1) + [ids[-1].item()] == ids3.tolist()
 
 
-def _mixed_engine():
-    from engine import LLM, SamplingParams
-    llm = LLM("dummy:tiny", block_size=4, num_blocks=256, max_num_seqs=16,
-              max_num_batched_tokens=24)
-    eng = llm.engine
-    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+def _decoding_engine(prefix: str, steps: int, **opts):
+    """A dummy:tiny engine with three requests (3, 9, 14 prompt tokens) run ``steps`` steps."""
+    from engine import LLM
+    eng = LLM("dummy:tiny", block_size=4, num_blocks=256, **opts).engine
     for i, n in enumerate((3, 9, 14)):
-        eng.add_request(f"d{i}", list(range(5, 5 + n)), sp)
-    for _ in range(3):
+        eng.add_request(f"{prefix}{i}", list(range(5, 5 + n)), _greedy())
+    for _ in range(steps):
         eng.step()
-    eng.add_request("p0", list(range(40, 70)), sp)  # 30 tokens: chunked under the budget
-    eng.add_request("p1", list(range(80, 85)), sp)
+    return eng
+
+
+def _greedy():
+    from engine import SamplingParams
+    return SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+
+def _mixed_engine():
+    eng = _decoding_engine("d", steps=3, max_num_seqs=16, max_num_batched_tokens=24)
+    eng.add_request("p0", list(range(40, 70)), _greedy())  # 30 tokens: chunked under the budget
+    eng.add_request("p1", list(range(80, 85)), _greedy())
     return eng
 
 
