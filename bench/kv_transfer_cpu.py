@@ -5,7 +5,8 @@ per backend and drives it over stdin/stdout lines: ``expect <tid> <pattern>`` ->
 then the parent sends and the child prints the receiver's result as JSON. Throughput is the
 payload over the sender's ``send()`` time (connect to ack: the data is in the receiver's
 cache), median of ``--runs`` runs after ``--warmup`` runs. Two block patterns: ``contiguous``
-(blocks 0..n-1 on both sides) and ``scattered`` (random, distinct ids on both sides).
+(blocks 0..n-1 on both sides) and ``scattered`` (random, distinct ids on both sides). Both
+processes run their event loop as the workers do (uvloop where installed).
 
     python bench/kv_transfer_cpu.py --out bench/results/kv_transfer_cpu.json
 """
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvtransfer import KVLayout, make_receiver, make_sender  # noqa: E402
 from kvtransfer.stream import BlockStream  # noqa: E402
+from services.grpc_server import run as run_on_service_loop  # noqa: E402  (uvloop, as workers)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -298,7 +300,8 @@ async def main(args: argparse.Namespace, script: str = __file__) -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "torch_threads": torch.get_num_threads(),
-                    "loadavg_at_start": load},
+                    "loadavg_at_start": load,
+                    "event_loop": type(asyncio.get_running_loop()).__module__},
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     if args.out:
@@ -317,4 +320,4 @@ def log_timelines(role: str) -> None:
 if __name__ == "__main__":
     ns = parse_args()
     log_timelines(ns.role)
-    asyncio.run(receiver_main(ns) if ns.role == "receiver" else main(ns))
+    run_on_service_loop(receiver_main(ns) if ns.role == "receiver" else main(ns))

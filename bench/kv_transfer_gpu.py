@@ -18,7 +18,6 @@ The ceiling is one contiguous cuda:0 -> cuda:1 copy of the same payload in one p
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import os
 import sys
@@ -45,7 +44,7 @@ def main() -> None:
         print("nixl_cu13 not importable: skipping the nixl backend", flush=True)
         args.backends = ",".join(b for b in args.backends.split(",") if b != "nixl")
     driver.log_timelines(args.role)
-    asyncio.run(driver.main(args, script=__file__))
+    driver.run_on_service_loop(driver.main(args, script=__file__))
 
 
 if __name__ == "__main__":

@@ -467,7 +467,7 @@ _POLLERS = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_pref
 
 
 async def wait_event(event, *, watch: socket.socket | None = None,
-                     what: str = "device work") -> None:
+                     what: str = "device work", mark=None) -> None:
     """Await a CUDA event (anything with ``query()`` and ``synchronize()``; None: nothing to
     wait for). A helper thread blocks in ``synchronize()`` (events made with
     ``blocking=True`` sleep in the driver; default ones spin there, waking sooner but taking
@@ -475,40 +475,76 @@ async def wait_event(event, *, watch: socket.socket | None = None,
     event loop, whose timers have millisecond granularity, and no busy loop holding
     the GIL (which would stall the engine thread of the same process at every torch call).
     With ``watch``, a peer that reports an error or hangs up first raises TransferError.
-    The thread always returns: the work it waits on ends or is aborted (NCCL)."""
+    The thread always returns: the work it waits on ends or is aborted (NCCL). ``mark``
+    (a transfer's ``mark``) notes "synced" from the helper thread when the event completed,
+    so a timeline shows the loop's wake-up apart from the device work."""
     if event is None or event.query():
         return
     loop = asyncio.get_running_loop()
-    await _until_done(loop, loop.run_in_executor(_EVENT_WAITERS, event.synchronize), watch,
-                      what)
+
+    def synchronize() -> None:
+        event.synchronize()
+        if mark is not None:
+            mark("synced")
+
+    await _until_done(loop, _in_thread(loop, _EVENT_WAITERS, synchronize)[1], watch, what)
+
+
+def _in_thread(loop: asyncio.AbstractEventLoop, pool: concurrent.futures.Executor,
+               fn) -> tuple[concurrent.futures.Future, asyncio.Future]:
+    """Run ``fn`` in ``pool``; returns the pool's future and a loop future that the thread
+    settles itself (True, or ``fn``'s exception) with ONE ``call_soon_threadsafe``: a
+    thread's completion wakes the awaiting coroutine in two loop iterations, where
+    ``run_in_executor`` / ``wrap_future`` plus ``asyncio.wait`` chain four or five
+    callbacks (~0.1-0.3 ms on the transfer's critical path). The loop future may already
+    be settled or cancelled by then (the peer gave up, the waiter was cancelled)."""
+    fut = loop.create_future()
+
+    def settle(exc: BaseException | None) -> None:
+        if not fut.done():
+            if exc is None:
+                fut.set_result(True)
+            else:
+                fut.set_exception(exc)
+
+    def job() -> None:
+        exc = None
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            exc = e
+        try:
+            loop.call_soon_threadsafe(settle, exc)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits
+            pass
+        if exc is not None:
+            raise exc
+
+    return pool.submit(job), fut
 
 
 async def _until_done(loop: asyncio.AbstractEventLoop, done: asyncio.Future,
                       watch: socket.socket | None, what: str) -> None:
-    """Await ``done`` (a helper thread's wait); with ``watch``, a peer that reports an error
-    or hangs up first raises TransferError."""
+    """Await ``done`` (settled by a helper thread, :func:`_in_thread`); with ``watch``, a
+    peer that reports an error or hangs up first raises TransferError (it settles ``done``
+    with False)."""
     if watch is None:
         await done
         return
-    failed = loop.create_future()
     fd = watch.fileno()
 
     def on_readable() -> None:
-        if _peer_failed(watch):
-            if not failed.done():
-                failed.set_result(None)
+        if _peer_failed(watch) and not done.done():
+            done.set_result(False)
         loop.remove_reader(fd)  # an OK is waiting: not our business
 
     loop.add_reader(fd, on_readable)
     try:
-        await asyncio.wait({done, failed}, return_when=asyncio.FIRST_COMPLETED)
-        if done.done():
-            done.result()
+        if await done:
             return
         raise TransferError(f"peer gave up during {what}: {await _peer_reason(loop, watch)}")
     finally:
         loop.remove_reader(fd)
-        failed.cancel()
 
 
 async def poll_in_thread(done, *, interval_s: float = 0.00002, max_interval_s: float = 0.0002,
@@ -529,9 +565,9 @@ async def poll_in_thread(done, *, interval_s: float = 0.00002, max_interval_s: f
             delay = min(delay * 2, max_interval_s)
 
     loop = asyncio.get_running_loop()
-    job = _POLLERS.submit(spin)
+    job, done_ = _in_thread(loop, _POLLERS, spin)
     try:
-        await _until_done(loop, asyncio.wrap_future(job), watch, what)
+        await _until_done(loop, done_, watch, what)
     finally:
         stop.set()
         # a started poll is at most one back-off from seeing ``stop``: let it finish its

@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -168,15 +169,20 @@ def batch_copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, 
     if not (found and runs and dst.is_cuda and src.is_cuda):
         return False
     fn, fail_idx = found
-    bb = dst.stride(0)
     n = len(runs)
-    dsts = (ctypes.c_uint64 * n)(*(dst.data_ptr() + d * bb for _, d, _ in runs))
-    srcs = (ctypes.c_uint64 * n)(*(src.data_ptr() + s * bb for s, _, _ in runs))
-    sizes = (ctypes.c_size_t * n)(*(c * bb for _, _, c in runs))
+    # the three address arrays through numpy: built element by element (a torch call per
+    # data_ptr(), ctypes arrays from Python ints) they cost ~0.5 ms for 256 runs, on the
+    # critical path of every scattered transfer
+    r = np.array(runs, dtype=np.uint64).reshape(n, 3) * np.uint64(dst.stride(0))
+    srcs = np.ascontiguousarray(r[:, 0] + np.uint64(src.data_ptr()))
+    dsts = np.ascontiguousarray(r[:, 1] + np.uint64(dst.data_ptr()))
+    sizes = np.ascontiguousarray(r[:, 2])
     attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, 1, src.device.index, 1,
                               dst.device.index, 0)
     idx = (ctypes.c_size_t * 1)(0)
-    args = [dsts, srcs, sizes, ctypes.c_size_t(n), ctypes.byref(attrs), idx, ctypes.c_size_t(1)]
+    args = [ctypes.c_void_p(dsts.ctypes.data), ctypes.c_void_p(srcs.ctypes.data),
+            ctypes.c_void_p(sizes.ctypes.data), ctypes.c_size_t(n), ctypes.byref(attrs), idx,
+            ctypes.c_size_t(1)]
     if fail_idx:
         args.append(ctypes.byref(ctypes.c_size_t(0)))
     args.append(ctypes.c_void_p(stream.cuda_stream))

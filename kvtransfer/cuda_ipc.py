@@ -214,6 +214,7 @@ class CudaIpcReceiver(ControlReceiver):
             if any(s + n > peer.shape[0] for s, _, n in segs):
                 raise TransferError("cuda_ipc: source block ids beyond the sender's cache")
             start, event = self._copy(dst, peer, segs)
+            entry.mark("launched")
             if not copies:
                 # however the transfer ends (timeout and cancel included), the queued copies
                 # finish before its waiter hears of it and may free the blocks: on_end runs
@@ -226,7 +227,7 @@ class CudaIpcReceiver(ControlReceiver):
         # wake the waiting thread ~0.1-0.3 ms late
         copied = torch.cuda.Event()
         copied.record(self._stream)
-        await wait_event(copied, watch=conn, what="CUDA IPC copy")
+        await wait_event(copied, watch=conn, what="CUDA IPC copy", mark=entry.mark)
         entry.mark("copied")
         entry.add_bytes(len(dst_ids) * self._layout.block_bytes)
         seconds = sum(a.elapsed_time(b) for a, b in copies) / 1000.0

@@ -283,7 +283,7 @@ class NcclReceiver(ControlReceiver):
                         event = await comm.queued(watch=conn)
                 entry.mark("queued")
                 got += len(src)
-            await wait_event(event, watch=conn, what="NCCL receive")
+            await wait_event(event, watch=conn, what="NCCL receive", mark=entry.mark)
             entry.mark("received")
             comm.check()
             entry.add_bytes(len(dst) * self._layout.block_bytes)

@@ -240,6 +240,53 @@ def test_poll_in_thread_wakes_at_once_stops_when_cancelled_and_raises_errors():
     asyncio.run(main())
 
 
+def test_wait_event_wakes_on_completion_raises_its_errors_and_stops_when_the_peer_gives_up():
+    """The helper-thread event wait: returns once ``synchronize()`` returns (noting "synced"
+    from the thread), passes on an error raised there, and ends with TransferError when the
+    watched control socket closes first (the event never completing)."""
+    import socket
+    import threading
+    import time
+
+    from kvtransfer.control import wait_event
+    from kvtransfer.tracking import TransferError
+
+    class Event:
+        def __init__(self, seconds: float = 0.0, error: Exception | None = None):
+            self.done = threading.Event()
+            self.seconds, self.error = seconds, error
+
+        def query(self) -> bool:
+            return False
+
+        def synchronize(self) -> None:
+            if self.error is not None:
+                raise self.error
+            self.done.wait(self.seconds)
+
+    async def main():
+        marks = []
+        t0 = time.perf_counter()
+        await wait_event(Event(0.02), mark=marks.append)
+        assert 0.02 <= time.perf_counter() - t0 < 0.5 and marks == ["synced"]
+
+        with pytest.raises(RuntimeError, match="illegal address"):
+            await wait_event(Event(error=RuntimeError("illegal address")))
+
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        stuck = Event(5.0)
+        asyncio.get_running_loop().call_later(0.02, theirs.close)
+        t0 = time.perf_counter()
+        with pytest.raises(TransferError, match="peer gave up during the copy"):
+            await wait_event(stuck, watch=ours, what="the copy")
+        assert time.perf_counter() - t0 < 1.0
+        stuck.done.set()  # lets the helper thread go
+        ours.close()
+
+    asyncio.run(main())
+
+
 def test_one_sided_send_that_times_out_returns_only_after_the_receiver_stopped():
     """The receiver's "copy" never completes; the sender times out. Its send() may only
     return (and its caller free the source blocks) once the receiver heard of it and ended
