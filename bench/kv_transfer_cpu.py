@@ -5,7 +5,8 @@ per backend and drives it over stdin/stdout lines: ``expect <tid> <pattern>`` ->
 then the parent sends and the child prints the receiver's result as JSON. Throughput is the
 payload over the sender's ``send()`` time (connect to ack: the data is in the receiver's
 cache), median of ``--runs`` runs after ``--warmup`` runs. Two block patterns: ``contiguous``
-(blocks 0..n-1 on both sides) and ``scattered`` (random, distinct ids on both sides). Both
+(blocks 0..n-1 on both sides), ``scattered`` (random, distinct ids on both sides) and
+``runs<k>`` (k runs of consecutive ids at random places on each side). Both
 processes run their event loop as the workers do (uvloop where installed).
 
     python bench/kv_transfer_cpu.py --out bench/results/kv_transfer_cpu.json
@@ -69,9 +70,24 @@ def layout_of(args: argparse.Namespace) -> KVLayout:
 
 
 def block_ids(pattern: str, n: int, num_blocks: int, seed: int) -> list[int]:
+    """``contiguous``: blocks 0..n-1; ``scattered``: n random distinct ids; ``runs<k>``: k
+    runs of consecutive ids (lengths within 1 of each other), each at a random place (what a
+    used-through cache hands out: bench/kv_block_runs.py, ~8 runs for a 4096-token prompt)."""
     if pattern == "contiguous":
         return list(range(n))
-    return random.Random(seed).sample(range(num_blocks), n)
+    rng = random.Random(seed)
+    if pattern.startswith("runs"):
+        k = int(pattern[4:])
+        lengths = [n // k + (1 if i < n % k else 0) for i in range(k)]
+        slots = num_blocks // (n // k + 1)  # places that fit the longest run
+        if not 1 <= k <= n or slots < k:
+            raise ValueError(f"{pattern}: cannot place {k} runs of {n} blocks in {num_blocks}")
+        ids: list[int] = []
+        for length, slot in zip(lengths, rng.sample(range(slots), k)):
+            start = slot * (n // k + 1)
+            ids.extend(range(start, start + length))
+        return ids
+    return rng.sample(range(num_blocks), n)
 
 
 async def receiver_main(args: argparse.Namespace) -> None:

@@ -5,8 +5,10 @@ The KV of one 4096-token prompt of Llama-3-8B (32 layers, 8 KV heads, head_dim 1
 receiver process on cuda:1, through each backend's real sender / receiver. Same method as
 bench/kv_transfer_cpu.py (whose driver this reuses): GB/s = payload / sender ``send()`` time
 (control connection, handshake, data, receiver's ack), median of ``--runs``; patterns
-``contiguous`` (one run of blocks on both sides) and ``scattered`` (random block ids on both
-sides: up to 256 separate messages); the receiver checks every landed block's contents.
+``contiguous`` (one run of blocks on both sides), ``scattered`` (random block ids on both
+sides: up to 256 separate messages) and ``runs<k>`` (k runs at random places on each side:
+``runs8`` is what the engine's allocator hands out in a used-through cache, see
+bench/kv_block_runs.py); the receiver checks every landed block's contents.
 ``first_transfer_s`` is the first transfer to the peer (NCCL: communicator creation).
 Modes ``ahead`` / ``two_parts`` send through a BlockStream as the prefill worker does: the
 handshake happens first, then all blocks (or half, 20 ms, the rest) are handed over; their

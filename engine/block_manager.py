@@ -11,13 +11,20 @@ Events: every block hash that becomes cached is recorded as ``stored`` and every
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+import itertools
 from dataclasses import dataclass, field
 import logging
+
+import numpy as np
 
 from engine.sequence import Sequence
 from services.block_hash import BlockHasher
 
 logger = logging.getLogger(__name__)
+# _take_free_runs: how far past strict eviction order a multi-block allocation may look
+RUN_WINDOW = 8  # times the blocks wanted
+RUN_WINDOW_MAX = 4096  # blocks (bounds the host time)
+RUN_MIN_BLOCKS = 16  # fewer are taken in eviction order (decode steps, short prompts)
 
 
 @dataclass
@@ -175,6 +182,13 @@ class BlockManager:
 
     def _take_free(self) -> int:
         bid, _ = self.free.popitem(last=False)
+        return self._claim(bid)
+
+    def _take(self, bid: int) -> int:
+        del self.free[bid]
+        return self._claim(bid)
+
+    def _claim(self, bid: int) -> int:
         blk = self.blocks[bid]
         if blk.block_hash is not None:  # evict its cached content
             if self.hash_to_block.get(blk.block_hash) == bid:
@@ -191,15 +205,53 @@ class BlockManager:
         need = self.blocks_needed(seq, seq.num_computed_tokens + num_new_tokens)
         if need > len(self.free):
             return False
-        for _ in range(need):
-            seq.block_table.append(self._take_free())
+        seq.block_table.extend(self._take_free_runs(need))
         return True
 
     def allocate_blocks(self, n: int) -> list[int] | None:
         """Take ``n`` fresh blocks outside any sequence (e.g. a decode worker's pre-allocation)."""
         if n > len(self.free):
             return None
-        return [self._take_free() for _ in range(n)]
+        return self._take_free_runs(n)
+
+    def _take_free_runs(self, n: int) -> list[int]:
+        """``n`` free blocks for one sequence (or pre-allocation), in ascending id order and
+        in as few runs of consecutive ids as the oldest free blocks allow.
+
+        A KV transfer costs one copy / message / descriptor per run that is contiguous in
+        both caches (``kvtransfer.control.segments``), and on two H200s 256 pieces of 2 MiB
+        move at 250-295 GB/s where one of 512 MiB moves at 330-385. Taking blocks strictly
+        in eviction order fragments a cache once it has been used through: every freed
+        sequence goes back tail first, decode steps take blocks one at a time, and a 4096-
+        token prompt's transfer came to ~216 pieces of ~1.2 blocks (bench/kv_block_runs.py).
+        So ``n`` >= RUN_MIN_BLOCKS blocks come from the ``RUN_WINDOW * n`` least recently
+        freed ones (at most RUN_WINDOW_MAX), whole runs of consecutive ids first, the longest first (ties: the
+        older run), which brings it to ~8 pieces. The cost is eviction order within that
+        window: a cached block there may go while an older one of a shorter run stays. Host
+        time: ~0.1-0.4 ms for 128-256 blocks (against ~0.05-0.15 in strict order)."""
+        if n < RUN_MIN_BLOCKS or len(self.free) <= n:
+            return sorted(self._take_free() for _ in range(n))
+        k = min(len(self.free), max(RUN_WINDOW * n, n), max(RUN_WINDOW_MAX, n))
+        ids = np.fromiter(itertools.islice(self.free, k), dtype=np.int64, count=k)
+        order = np.argsort(ids, kind="stable")
+        sorted_ids = ids[order]
+        starts = np.flatnonzero(np.diff(sorted_ids, prepend=-2) != 1)  # run starts
+        lengths = np.diff(np.append(starts, k))
+        age = np.minimum.reduceat(order, starts)  # a run's oldest member's queue position
+        pick = np.lexsort((age, -lengths))  # runs: the longest first, then the oldest
+        total = np.cumsum(lengths[pick])
+        m = int(np.searchsorted(total, n)) + 1  # the first m runs hold n blocks
+        pick = pick[:m]
+        take = lengths[pick].copy()
+        take[-1] -= int(total[m - 1]) - n  # only the head of the last one
+        firsts = sorted_ids[starts[pick]]
+        # ids first..first+take-1 of each picked run, without a Python loop over runs
+        offsets = np.arange(n) - np.repeat(np.cumsum(take) - take, take)
+        chosen = (np.repeat(firsts, take) + offsets).tolist()
+        chosen.sort()
+        for bid in chosen:
+            self._take(bid)
+        return chosen
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop ``seq``'s references. Tail blocks are queued for eviction before head blocks,
