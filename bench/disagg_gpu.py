@@ -376,6 +376,28 @@ def step_paths(cluster: LocalCluster) -> dict[str, dict[str, float]]:
             for i, w in enumerate(cluster.workers)}
 
 
+def kv_received(cluster: LocalCluster) -> dict[str, float]:
+    """The decode-side KV transfer counters summed over workers: transfers with a piece
+    count, pieces (runs contiguous in both caches), bytes received."""
+    out = {"transfers": 0.0, "pieces": 0.0, "bytes": 0.0}
+    for w in cluster.workers:
+        for key, metric in (("transfers", "pdserve_kv_transfer_pieces_count"),
+                            ("pieces", "pdserve_kv_transfer_pieces_sum"),
+                            ("bytes", "pdserve_kv_transfer_bytes_total")):
+            out[key] += _scrape(w.metrics_port, metric, "direction").get("received", 0.0)
+    return out
+
+
+def kv_pieces(after: dict, before: dict) -> dict:
+    """One rate's transfers: how many pieces each moved, and how large they were."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    if not d["transfers"] or not d["pieces"]:
+        return {"transfers": int(d["transfers"])}
+    return {"transfers": int(d["transfers"]),
+            "pieces_per_transfer": round(d["pieces"] / d["transfers"], 2),
+            "mib_per_piece": round(d["bytes"] / d["pieces"] / 2**20, 2)}
+
+
 def _delta(after: dict, before: dict) -> dict:
     return {k: int(v - before.get(k, 0)) for k, v in after.items() if v - before.get(k, 0)}
 
@@ -451,6 +473,7 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
             long_ids = {it.id for it in items if it.extra.get("long")}
             t = time.monotonic()
             routes0, steps0 = route_counts(cluster), step_paths(cluster)
+            kv0 = kv_received(cluster)
             res, toks, queues = asyncio.run(drive(
                 addr, items, rate=rate, timeout_s=a.timeout, seed=rate_seed(a, rate, 200),
                 duration_s=None if a.num_requests else a.duration,
@@ -470,10 +493,11 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
             MIXED_TOKENS[(name, k)] = toks  # compared in memory: too big for the JSON
             routes = _delta(route_counts(cluster), routes0)
             steps = {w: _delta(v, steps0.get(w, {})) for w, v in step_paths(cluster).items()}
+            pieces = kv_pieces(kv_received(cluster), kv0)
             dep["mixed"].append({"rate": rate, "wall_s": round(time.monotonic() - t, 1),
                                  "summary": s, "errors": errors_of(res),
                                  "worker_queues": queues, "routes": routes,
-                                 "step_paths": steps,
+                                 "step_paths": steps, "kv_pieces": pieces,
                                  "request_fields": REQUEST_FIELDS,
                                  "requests": [_row(r, r.id in long_ids) for r in res]})
             log(f"{name}: rate {rate:g}: {s['num_ok']}/{s['num_requests']} ok, ITL p50/p99 "
@@ -482,7 +506,7 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
                 f"{s['tpot_ms']['p50']} ms, goodput {s['goodput']} req/s "
                 f"({s['num_good']} good), {s['output_token_throughput']} tok/s, offered "
                 f"{s['offered_prompt_tokens_per_s']} prompt tok/s, routes {routes}, "
-                f"model runs {steps}")
+                f"model runs {steps}, KV pieces {pieces}")
             save()
     finally:
         t = time.monotonic()

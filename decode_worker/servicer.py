@@ -282,7 +282,7 @@ class _PendingKV:
             if resp.transfer.num_blocks:
                 result = await self.handle.wait()
                 svc.metrics.transfer("received", result.state.value, result.num_bytes,
-                                     time.perf_counter() - self.t0)
+                                     time.perf_counter() - self.t0, result.pieces)
                 self.kspan.set_attributes({"pdserve.kv.bytes": result.num_bytes,
                                            "pdserve.kv.state": result.state.value})
                 if not result.ok:

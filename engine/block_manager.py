@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 import itertools
+import os
 from dataclasses import dataclass, field
 import logging
 
@@ -63,6 +64,8 @@ class BlockManager:
         self.block_size = block_size
         self.hasher = hasher
         self.enable_prefix_caching = enable_prefix_caching and hasher is not None
+        # PDSERVE_KV_BLOCK_RUNS=0: strict eviction order (the A/B of _take_free_runs)
+        self._runs = os.environ.get("PDSERVE_KV_BLOCK_RUNS", "1") != "0"
         self.blocks = [_Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order (front = evicted first). Values unused.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -227,9 +230,10 @@ class BlockManager:
         So ``n`` >= RUN_MIN_BLOCKS blocks come from the ``RUN_WINDOW * n`` least recently
         freed ones (at most RUN_WINDOW_MAX), whole runs of consecutive ids first, the longest first (ties: the
         older run), which brings it to ~8 pieces. The cost is eviction order within that
-        window: a cached block there may go while an older one of a shorter run stays. Host
+        window: a cached block there may go while an older one of a shorter run stays
+        (``PDSERVE_KV_BLOCK_RUNS=0`` keeps strict order). Host
         time: ~0.1-0.4 ms for 128-256 blocks (against ~0.05-0.15 in strict order)."""
-        if n < RUN_MIN_BLOCKS or len(self.free) <= n:
+        if not self._runs or n < RUN_MIN_BLOCKS or len(self.free) <= n:
             return sorted(self._take_free() for _ in range(n))
         k = min(len(self.free), max(RUN_WINDOW * n, n), max(RUN_WINDOW_MAX, n))
         ids = np.fromiter(itertools.islice(self.free, k), dtype=np.int64, count=k)

@@ -203,6 +203,10 @@ class TransferResult:
     # what the transfer adds after the prompt was computed (``seconds`` then includes the
     # forward pass it overlapped); for a list of ids the same as ``seconds``
     tail_seconds: float | None = None
+    # receiver, GPU backends: the pieces contiguous in both caches it moved (one copy, NCCL
+    # segment or NIXL descriptor run each; kvtransfer.control.segments): how fragmented the
+    # two caches' blocks were; None where the backend does not count them
+    pieces: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -209,6 +209,7 @@ class CudaIpcReceiver(ControlReceiver):
                 if not src or got + len(src) > len(dst_ids):
                     raise ValueError(f"sender sent {got + len(src)} of {len(dst_ids)} blocks")
                 segs = segments(src, dst_ids[got:got + len(src)])
+                entry.add_pieces(len(segs))
             except (ValueError, KeyError, TypeError) as exc:
                 raise TransferError(f"cuda_ipc: bad part from the sender: {exc}") from None
             if any(s + n > peer.shape[0] for s, _, n in segs):

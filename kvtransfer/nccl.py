@@ -249,6 +249,7 @@ class NcclReceiver(ControlReceiver):
                     groups = check_layer_groups(meta["layers"], self._layout.num_layers) \
                         if meta.get("layers") else None
                     segs = segments(src, dst[got:got + len(src)])
+                    entry.add_pieces(len(segs))
                     pack = None  # taken when the segments are short (scattered blocks)
                     if groups is None and meta.get("pack") and len(segs) > 1 and \
                             len(src) * self._layout.block_bytes < PACK_BELOW_BYTES * len(segs):

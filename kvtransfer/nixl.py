@@ -372,7 +372,8 @@ class NixlReceiver(ControlReceiver):
                                 f"expected {len(entry.dst_block_ids)}")
         if offer.src_ids.min() < 0 or offer.src_ids.max() >= offer.num_blocks:
             raise TransferError("nixl offer has source block ids out of range")
-        local, remote = self._descriptors(offer, entry.dst_block_ids)
+        local, remote, pieces = self._descriptors(offer, entry.dst_block_ids)
+        entry.add_pieces(pieces)
         if self._nixl.agent is None:
             raise TransferError("nixl receiver closed")
         if entry.state.terminal:  # ended meanwhile (its cancel reaches us at the next await)
@@ -402,10 +403,11 @@ class NixlReceiver(ControlReceiver):
 
     def _descriptors(self, offer: _Offer, dst_ids: list[int]):
         """Local and remote nixl descriptor lists: one ``(address, length, device)`` row per
-        piece contiguous in both caches."""
+        piece contiguous in both caches (split at ``max_descriptor_bytes``), and the count of
+        those pieces before the split."""
         bb = self._layout.block_bytes
-        pieces = np.asarray(split_pieces(segments(offer.src_ids.tolist(), dst_ids),
-                                         self._max_blocks), dtype=np.uint64)
+        segs = segments(offer.src_ids.tolist(), dst_ids)
+        pieces = np.asarray(split_pieces(segs, self._max_blocks), dtype=np.uint64)
         lengths = pieces[:, 2] * np.uint64(bb)
         local = np.empty((len(pieces), 3), dtype=np.uint64)
         local[:, 0] = np.uint64(self._nixl.base) + pieces[:, 1] * np.uint64(bb)
@@ -425,7 +427,7 @@ class NixlReceiver(ControlReceiver):
             raise TransferError(f"nixl descriptor lists: {type(exc).__name__}: {exc}") from exc
         if local_descs is None or remote_descs is None:
             raise TransferError("nixl rejected the descriptor lists")
-        return local_descs, remote_descs
+        return local_descs, remote_descs, len(segs)
 
     def _use_remote(self, offer: _Offer) -> _Remote:
         """The sender's agent, loaded from its metadata the first time it shows up."""

@@ -59,6 +59,7 @@ class ExpectedTransfer(TransferHandle):
         if dst_block_ids is not None:
             self._assigned.set()
         self.num_bytes = 0
+        self.num_pieces = 0  # contiguous-in-both-caches pieces (backends that count them)
         self._tracker = tracker
         self._sm = TransferStateMachine(transfer_id, "recv")
         self._t0 = time.monotonic()
@@ -106,6 +107,9 @@ class ExpectedTransfer(TransferHandle):
     def mark(self, what: str) -> None:
         self._sm.mark(what)
 
+    def add_pieces(self, n: int) -> None:
+        self.num_pieces += n
+
     def add_bytes(self, n: int) -> None:
         self.num_bytes += n
         self._tracker.bytes_received += n
@@ -127,7 +131,8 @@ class ExpectedTransfer(TransferHandle):
                 logger.exception("transfer %s: cleanup failed", self.transfer_id)
         self._cleanups.clear()
         self._future.set_result(TransferResult(
-            self.transfer_id, state, self.num_bytes, time.monotonic() - self._t0, error))
+            self.transfer_id, state, self.num_bytes, time.monotonic() - self._t0, error,
+            pieces=self.num_pieces or None))
         return True
 
     def _on_timeout(self, timeout_s: float) -> None:

@@ -190,6 +190,11 @@ class WorkerMetrics:
                                           "blocks handed over -> acked; receiver: prefill RPC "
                                           "done -> KV landed wait)", ["direction"],
                                           buckets=TRANSFER_BUCKETS, registry=r)
+        self.transfer_pieces = Histogram(
+            "pdserve_kv_transfer_pieces", "Pieces contiguous in both caches per received KV "
+            "transfer (one copy / NCCL segment / NIXL descriptor run each; GPU backends): "
+            "how fragmented the workers' KV blocks are", ["direction"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=r)
         self.transfers = Counter("pdserve_kv_transfers", "KV transfers by direction and final "
                                  "state", ["direction", "state"], registry=r)
         self._last = None
@@ -217,8 +222,11 @@ class WorkerMetrics:
                 counter.inc(now - before)
         self._last = st
 
-    def transfer(self, direction: str, state: str, num_bytes: int, seconds: float) -> None:
+    def transfer(self, direction: str, state: str, num_bytes: int, seconds: float,
+                 pieces: int | None = None) -> None:
         self.transfers.labels(direction, state).inc()
         if num_bytes:
             self.transfer_bytes.labels(direction).inc(num_bytes)
         self.transfer_seconds.labels(direction).observe(seconds)
+        if pieces:
+            self.transfer_pieces.labels(direction).observe(pieces)

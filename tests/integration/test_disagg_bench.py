@@ -56,6 +56,9 @@ def test_disagg_bench_quick_cpu(tmp_path):
             assert len(paths) == sum(dep["cluster"].values()), paths
             assert all(set(p) <= {"eager"} for p in paths.values()), paths
             assert all(p.get("eager", 0) > 0 for p in paths.values()), paths
+            # pieces per KV transfer come from the decode workers' /metrics, counted by the
+            # GPU backends and nixl; tcp does not count them
+            assert run["kv_pieces"] == {"transfers": 0}, run["kv_pieces"]
     assert set(co["mixed"][0]["routes"]) == {"colocated"}
     assert rep["deployments"]["colocated"]["cluster"] == {"prefill": 0, "decode": 0,
                                                           "colocated": 2}

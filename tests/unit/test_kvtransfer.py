@@ -139,6 +139,9 @@ def test_round_trip(backend, loop):
         assert got.state is TransferState.DONE, got.error
         assert res.num_bytes == got.num_bytes == len(src_ids) * SMALL.block_bytes
         assert torch.equal(dst[dst_ids], src[src_ids])
+        # pieces contiguous in both caches: (4..6 -> 0..2) and seven single blocks; counted
+        # by the backends that move pieces (GPU ones, nixl here)
+        assert got.pieces == (8 if backend == "nixl" else None)
         untouched = [b for b in range(40) if b not in dst_ids]
         assert not dst[untouched].any()
         stats = rx.stats()

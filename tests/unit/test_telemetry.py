@@ -181,3 +181,7 @@ def test_worker_metrics_follow_engine_stats():
     assert _sample(m, "pdserve_kv_transfer_bytes_total", direction="received") == 4096
     assert _sample(m, "pdserve_kv_transfers_total", direction="received", state="done") == 1
     assert _sample(m, "pdserve_kv_transfer_seconds_count", direction="received") == 1
+    assert _sample(m, "pdserve_kv_transfer_pieces_count", direction="received") is None
+    m.transfer("received", "done", 8192, 0.003, pieces=3)  # a backend that counts pieces
+    assert _sample(m, "pdserve_kv_transfer_pieces_count", direction="received") == 1
+    assert _sample(m, "pdserve_kv_transfer_pieces_sum", direction="received") == 3
