@@ -132,6 +132,8 @@ def simulate(a: argparse.Namespace) -> dict:
             segs = segments(pseq.block_table, dseq.block_table)
             transfers.append({"t": now, "blocks": len(pseq.block_table), "segments": len(segs)})
             pbm.free_seq(pseq)  # the KV left (a transfer takes ~2 ms; not modelled)
+            if prefill_busy_until <= now:  # a step that found the cache full goes again
+                prefill_step(now)
             dseq.num_computed_tokens = dseq.num_tokens
             push(now + a.tpot_ms / 1000, "decode", (dseq, out))
         elif kind == "decode":

@@ -11,10 +11,10 @@ Events: every block hash that becomes cached is recorded as ``stored`` and every
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-import itertools
-import os
 from dataclasses import dataclass, field
+import itertools
 import logging
+import os
 
 import numpy as np
 
@@ -228,14 +228,14 @@ class BlockManager:
         sequence goes back tail first, decode steps take blocks one at a time, and a 4096-
         token prompt's transfer came to ~216 pieces of ~1.2 blocks (bench/kv_block_runs.py).
         So ``n`` >= RUN_MIN_BLOCKS blocks come from the ``RUN_WINDOW * n`` least recently
-        freed ones (at most RUN_WINDOW_MAX), whole runs of consecutive ids first, the longest first (ties: the
-        older run), which brings it to ~8 pieces. The cost is eviction order within that
-        window: a cached block there may go while an older one of a shorter run stays
-        (``PDSERVE_KV_BLOCK_RUNS=0`` keeps strict order). Host
-        time: ~0.1-0.4 ms for 128-256 blocks (against ~0.05-0.15 in strict order)."""
+        freed ones (at most RUN_WINDOW_MAX), whole runs of consecutive ids first, the
+        longest first (ties: the older run), which brings it to ~8 pieces. The cost is
+        eviction order within that window: a cached block there may go while an older one
+        of a shorter run stays (``PDSERVE_KV_BLOCK_RUNS=0`` keeps strict order). Host time:
+        ~0.1-0.4 ms for 128-256 blocks (against ~0.05-0.15 in strict order)."""
         if not self._runs or n < RUN_MIN_BLOCKS or len(self.free) <= n:
             return sorted(self._take_free() for _ in range(n))
-        k = min(len(self.free), max(RUN_WINDOW * n, n), max(RUN_WINDOW_MAX, n))
+        k = min(len(self.free), max(n, min(RUN_WINDOW * n, RUN_WINDOW_MAX)))
         ids = np.fromiter(itertools.islice(self.free, k), dtype=np.int64, count=k)
         order = np.argsort(ids, kind="stable")
         sorted_ids = ids[order]

@@ -171,8 +171,8 @@ def batch_copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, 
     fn, fail_idx = found
     n = len(runs)
     # the three address arrays through numpy: built element by element (a torch call per
-    # data_ptr(), ctypes arrays from Python ints) they cost ~0.5 ms for 256 runs, on the
-    # critical path of every scattered transfer
+    # data_ptr(), ctypes arrays from Python ints) they took ~0.2 ms for 256 runs on a 2-core
+    # host, ~0.07 ms this way (the driver call itself then takes ~0.6 ms on an H200 host)
     r = np.array(runs, dtype=np.uint64).reshape(n, 3) * np.uint64(dst.stride(0))
     srcs = np.ascontiguousarray(r[:, 0] + np.uint64(src.data_ptr()))
     dsts = np.ascontiguousarray(r[:, 1] + np.uint64(dst.data_ptr()))
