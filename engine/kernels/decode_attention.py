@@ -20,7 +20,16 @@ _LOG2E = 1.4426950408889634
 _INT = (torch.int32, torch.int64)
 
 
-@triton.jit
+# Triton compiles a kernel again for every new "class" of an integer argument (== 1, a
+# multiple of 16, other). The arguments below change from step to step (the layer, the
+# split count and the block-table width of eager steps), so each new class met under load
+# cost a compile of ~0.3-1 s in the middle of serving (a colocated worker's first rate:
+# TTFT p99 2.4-2.9 s, bench/disagg_notes.md, session 11). Unspecialized, each kernel
+# compiles once per constexpr set, which warm-up and graph capture reach.
+_VARYING = ["layer", "num_splits", "stride_bt"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _decode_kernel(q_ptr, cache_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, layer, qk_scale,
                    group, head_dim, block_size, num_splits,
                    stride_q_seq, stride_q_head, stride_o_seq, stride_o_head, stride_bt,
@@ -75,7 +84,7 @@ def _decode_kernel(q_ptr, cache_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, 
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(acc_ptr, ml_ptr, out_ptr, num_heads, head_dim, num_splits,
                    stride_o_seq, stride_o_head, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)

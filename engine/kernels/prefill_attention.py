@@ -44,7 +44,7 @@ def _tile(q, acc, m_i, l_i, kv_base, bt_row, s_blk, s_tok, s_kv, lo, hi, q_pos, 
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer", "stride_bt"])  # see decode_attention._VARYING
 def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr, layer, qk_scale,
                     group, head_dim, block_size, stride_q_tok, stride_q_head, stride_o_tok,
                     stride_o_head, stride_bt, s_blk, s_layer, s_kv, s_tok, s_head,
