@@ -53,10 +53,10 @@ from kvtransfer.control import (
     await_ack,
     require_cuda,
     segments,
-    wait_event,
 )
 from kvtransfer.stream import BlockStream
 from kvtransfer.tracking import ExpectedTransfer, TransferError
+from kvtransfer.waits import wait_event
 
 logger = logging.getLogger(__name__)
 

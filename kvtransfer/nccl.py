@@ -60,10 +60,8 @@ from kvtransfer.control import (
     ControlReceiver,
     ControlSender,
     await_ack,
-    poll_in_thread,
     require_cuda,
     segments,
-    wait_event,
 )
 from kvtransfer.blocks import (
     check_layer_groups,
@@ -76,6 +74,7 @@ from kvtransfer.blocks import (
 )
 from kvtransfer.stream import BlockStream, Part
 from kvtransfer.tracking import ExpectedTransfer, TransferError
+from kvtransfer.waits import poll_in_thread, wait_event
 
 logger = logging.getLogger(__name__)
 

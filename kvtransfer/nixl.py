@@ -61,11 +61,11 @@ from kvtransfer.control import (
     ControlReceiver,
     ControlSender,
     await_ack,
-    poll_in_thread,
     segments,
 )
 from kvtransfer.stream import BlockStream
 from kvtransfer.tracking import ExpectedTransfer, TransferError
+from kvtransfer.waits import poll_in_thread
 
 logger = logging.getLogger(__name__)
 

@@ -163,6 +163,7 @@ class BlockStream:
 
 async def wait_event(event: Any, watch=None) -> None:
     """Await a part's device event without blocking the loop (None: nothing to wait for)."""
-    from kvtransfer.control import wait_event as wait_device  # control imports this module
+    # imported here: waits -> protocol -> tracking imports this module
+    from kvtransfer.waits import wait_event as wait_device
 
     await wait_device(event, watch=watch, what="the prefill's forward pass")

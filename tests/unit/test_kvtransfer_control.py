@@ -21,11 +21,11 @@ from kvtransfer.control import (
     ControlReceiver,
     ControlSender,
     await_ack,
-    poll_until,
     segments,
     until_receiver_stopped,
 )
 from kvtransfer import control
+from kvtransfer.waits import poll_until
 from kvtransfer.tracking import TransferError
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
@@ -206,7 +206,7 @@ def test_poll_in_thread_wakes_at_once_stops_when_cancelled_and_raises_errors():
     import threading
     import time
 
-    from kvtransfer.control import poll_in_thread
+    from kvtransfer.waits import poll_in_thread
     from kvtransfer.tracking import TransferError
 
     async def main():
@@ -248,7 +248,7 @@ def test_wait_event_wakes_on_completion_raises_its_errors_and_stops_when_the_pee
     import threading
     import time
 
-    from kvtransfer.control import wait_event
+    from kvtransfer.waits import wait_event
     from kvtransfer.tracking import TransferError
 
     class Event:
