@@ -16,8 +16,8 @@ import threading
 import time
 from typing import Any
 
-from engine.engine import LLMEngine
-from engine.request import PrefillProgress, RequestOutput, SamplingParams
+from engine.engine import EngineStats, LLMEngine
+from engine.request import FinishReason, PrefillProgress, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,14 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         self.step_listeners: list[Callable[[list[RequestOutput]], None]] = []  # engine thread
         self.step_started_ns = 0  # wall clock (time.time_ns) when the current/last step began
+        # the engine's counters after its latest step or command, for readers that must not
+        # wait for a step (Stats, load reports); written by the engine thread
+        self.snapshot: EngineStats = engine.stats()
+        self.audit: EngineStats | None = None  # the latest detailed stats (see stranded())
+        self._audit_time = 0.0
+        # request id -> None while a caller owns the request (it will end, release or abort
+        # it), else the monotonic time its owner let go; see stranded()
+        self._owners: dict[str, float | None] = {}
 
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -79,11 +87,13 @@ class AsyncEngine:
                 try:
                     res = fn(eng)
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    self.snapshot = eng.stats()
                     if wanted:
                         fut.set_exception(e)
                     else:
                         logger.debug("engine command of a cancelled caller failed: %r", e)
                 else:
+                    self.snapshot = eng.stats()  # before the caller hears: it may read it
                     if wanted:
                         fut.set_result(res)
             if not eng.has_work:
@@ -98,6 +108,7 @@ class AsyncEngine:
                 self.dead = e
                 self._fail_all(e)
                 return
+            self.snapshot = eng.stats()
             for fn in self.step_listeners:
                 fn(outs)
             if outs:  # one wake-up of the event loop per step, not one per request
@@ -148,6 +159,41 @@ class AsyncEngine:
         self._streams[rid] = q
         return q
 
+    # ------------------------------------------------------------- ownership
+    def _own(self, rid: str) -> None:
+        self._owners[rid] = None
+
+    def _let_go(self, rid: str) -> None:
+        if rid in self._owners:
+            self._owners[rid] = time.monotonic()
+
+    async def refresh_audit(self) -> EngineStats:
+        """Take the detailed stats (a pass over every block, on the engine thread)."""
+        st = await self.call(lambda e: e.stats(detail=True))
+        st_time = time.monotonic()
+        for rid, gone in list(self._owners.items()):
+            if gone is not None and rid not in st.request_blocks and gone < st_time - 1.0:
+                del self._owners[rid]
+        self.audit, self._audit_time = st, st_time
+        return st
+
+    def stranded(self) -> int:
+        """KV blocks held for no one, as of the latest :meth:`refresh_audit`: blocks no request
+        references, plus those of requests whose caller let go of them over a second before
+        the audit (their abort or release should have freed them by then) or that no caller
+        ever owned. 0 unless something leaked."""
+        st = self.audit
+        if st is None:
+            return 0
+        cutoff = self._audit_time - 1.0
+        n = st.kv_blocks_orphaned
+        for rid, blocks in st.request_blocks.items():
+            gone = self._owners.get(rid, float("-inf"))  # never owned: stranded too
+            if gone is not None and gone < cutoff:
+                n += blocks
+        return n
+
+    # --------------------------------------------------------------- streams
     async def _stream(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
@@ -163,19 +209,32 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             if not finished:  # cancelled, deadline, or the consumer went away
                 await self._abort_quiet(rid)
+            self._let_go(rid)
 
     async def _abort_quiet(self, rid: str) -> None:
         try:
             await asyncio.shield(self.call(lambda e: e.abort(rid)))
         except Exception:  # noqa: BLE001 - engine dead: nothing left to free
             pass
+        self._let_go(rid)
 
+    def _end_stream(self, rid: str, reason: FinishReason) -> None:
+        """Event loop: end an open stream with a last, token-less output (an abort)."""
+        q = self._streams.get(rid)
+        if q is not None:
+            q.put_nowait(RequestOutput(request_id=rid, prompt_token_ids=[], finished=True,
+                                       finish_reason=reason))
+
+    # --------------------------------------------------------------- requests
     async def generate(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
-                       ) -> AsyncIterator[RequestOutput]:
-        """Colocated: prefill and decode here; yields step deltas until finished."""
+                       output_token_ids: list[int] = ()) -> AsyncIterator[RequestOutput]:
+        """Colocated: prefill and decode here; yields step deltas until finished.
+        ``output_token_ids``: a resumed request's tokens so far (LLMEngine.add_request)."""
         q = self._open(rid)
+        self._own(rid)
         try:
-            await self.call(lambda e: e.add_request(rid, prompt_ids, sampling))
+            await self.call(lambda e: e.add_request(rid, prompt_ids, sampling,
+                                                    output_token_ids=output_token_ids))
         except BaseException:
             self._streams.pop(rid, None)
             await self._abort_quiet(rid)  # cancelled: the command still ran; undo it
@@ -184,45 +243,72 @@ class AsyncEngine:
             yield out
 
     async def prefill(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
-                      on_progress: Callable[[PrefillProgress], None] | None = None
+                      on_progress: Callable[[PrefillProgress], None] | None = None,
+                      output_token_ids: list[int] = (), abort_on_error: bool = True
                       ) -> RequestOutput:
         """Prefill role: compute the prompt, sample the first token, HOLD the blocks.
         The caller must ``release`` (or ``abort``) the request when its transfer ends.
         ``on_progress`` is called (in the event loop) for each prefill chunk once it is
         queued on the device (the last one before this returns), so the caller can send the
-        chunk's KV while it and the rest compute."""
+        chunk's KV while it and the rest compute. A request ended by :meth:`abort` meanwhile
+        returns an ``abort`` output. ``abort_on_error=False``: when this raises (cancelled
+        included) the request is left to the caller to abort -- after it stopped whatever
+        reads the request's blocks (a KV send)."""
         q = self._open(rid)
+        self._own(rid)
         try:
-            await self.call(lambda e: e.add_request(rid, prompt_ids, sampling, prefill_only=True,
-                                                    report_progress=on_progress is not None))
+            await self.call(lambda e: e.add_request(
+                rid, prompt_ids, sampling, prefill_only=True,
+                report_progress=on_progress is not None, output_token_ids=output_token_ids))
             item = await q.get()
             while isinstance(item, PrefillProgress):
                 on_progress(item)
                 item = await q.get()
         except BaseException:
             self._streams.pop(rid, None)
-            await self._abort_quiet(rid)
+            if abort_on_error:
+                await self._abort_quiet(rid)
             raise
         self._streams.pop(rid, None)
         if isinstance(item, BaseException):
+            self._let_go(rid)
             raise item
         return item
 
     async def release(self, rid: str) -> bool:
-        return await self.call(lambda e: e.release(rid))
+        try:
+            return await self.call(lambda e: e.release(rid))
+        finally:
+            self._let_go(rid)
 
     async def abort(self, rid: str) -> bool:
-        return await self.call(lambda e: e.abort(rid))
-
-    async def preallocate(self, rid: str, prompt_ids: list[int], sampling: SamplingParams
-                          ) -> list[int] | None:
+        """End a request now, whatever its state, and free its blocks; a stream still open
+        on it ends with an ``abort`` output."""
         try:
-            return await self.call(lambda e: e.preallocate(rid, prompt_ids, sampling))
+            found = await self.call(lambda e: e.abort(rid))
+        finally:
+            self._let_go(rid)
+        if found:
+            self._end_stream(rid, FinishReason.ABORT)
+        return found
+
+    async def preallocate(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
+                          output_token_ids: list[int] = ()) -> list[int] | None:
+        self._own(rid)
+        try:
+            blocks = await self.call(lambda e: e.preallocate(rid, prompt_ids, sampling,
+                                                             output_token_ids))
         except asyncio.CancelledError:
             # the command runs anyway (or already ran): free what it reserved, or the
             # request would wait for its KV, holding its blocks, forever
             await self._abort_quiet(rid)
             raise
+        except BaseException:
+            self._let_go(rid)
+            raise
+        if blocks is None:
+            self._let_go(rid)
+        return blocks
 
     async def continue_from(self, rid: str, first_token: int, logprob: float | None,
                             num_cached_tokens: int) -> AsyncIterator[RequestOutput]:
@@ -237,6 +323,7 @@ class AsyncEngine:
             raise
         if first.finished:
             self._streams.pop(rid, None)
+            self._let_go(rid)
             yield first
             return
         try:
@@ -249,5 +336,5 @@ class AsyncEngine:
             yield out
 
     async def stats(self):
-        return await self.call(lambda e: e.stats())
-
+        """The engine's counters as of its latest step or command (no wait for a step)."""
+        return self.snapshot

@@ -10,7 +10,7 @@ worker receive a prompt's KV from elsewhere and continue from the first token.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import logging
 import time
 
@@ -45,6 +45,11 @@ class EngineStats:
     graph_steps: int = 0
     mixed_graph_steps: int = 0
     eager_steps: int = 0
+    # blocks with references that no request of the engine holds (a bookkeeping bug if > 0)
+    kv_blocks_orphaned: int = 0
+    # request id -> blocks it holds, for every request the engine knows (owners check it:
+    # a request whose caller is gone holds stranded blocks)
+    request_blocks: dict[str, int] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -86,18 +91,26 @@ class LLMEngine:
         self.chained_steps = 0  # steps launched ahead (their host work overlapped the device)
 
     # ------------------------------------------------------------ validation
-    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Raise ValueError with a readable message for a request this engine cannot serve."""
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams,
+                 output_token_ids: list[int] = ()) -> None:
+        """Raise ValueError with a readable message for a request this engine cannot serve.
+        ``output_token_ids``: tokens a resumed request already generated (see Sequence)."""
         if not prompt_token_ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the context limit is "
+        for name, ids in (("prompt", prompt_token_ids), ("output", output_token_ids)):
+            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
+            if bad:
+                raise ValueError(f"{name} token id {bad[0]!r} is outside the vocabulary "
+                                 f"[0, {vocab})")
+        if len(output_token_ids) >= sampling.max_tokens:
+            raise ValueError(f"{len(output_token_ids)} tokens were already generated; "
+                             f"max_tokens is {sampling.max_tokens}")
+        n = len(prompt_token_ids) + len(output_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; the context limit is "
                              f"{self.max_model_len} (prompt + at least one new token)")
-        need = -(-(len(prompt_token_ids) + 1) // self.block_manager.block_size)
+        need = -(-(n + 1) // self.block_manager.block_size)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"prompt needs {need} KV blocks; this worker has "
                              f"{self.block_manager.num_blocks}")
@@ -109,27 +122,34 @@ class LLMEngine:
 
     # ------------------------------------------------------------- requests
     def _new_seq(self, request_id, prompt_token_ids, sampling, prefill_only=False,
-                 report_progress=False) -> Sequence:
-        self.validate(prompt_token_ids, sampling)
-        seq = Sequence(request_id, list(prompt_token_ids), sampling, prefill_only)
+                 report_progress=False, output_token_ids=()) -> Sequence:
+        self.validate(prompt_token_ids, sampling, output_token_ids)
+        seq = Sequence(request_id, list(prompt_token_ids), sampling, prefill_only,
+                       output_token_ids)
         seq.report_progress = report_progress and prefill_only
         seq.detok = IncrementalDetokenizer(self.tokenizer, sampling.stop)
+        for tok in output_token_ids:  # a resumed request: the text so far was streamed
+            seq.detok.add(tok)
         return seq
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams, prefill_only: bool = False,
-                    report_progress: bool = False) -> None:
+                    report_progress: bool = False, output_token_ids: list[int] = ()) -> None:
         """``report_progress`` (prefill role): for every prefill chunk, once its forward
         pass is queued, report a :class:`PrefillProgress` (see ``progress_sink``), so the KV
-        of each chunk (layer by layer on a GPU) can be sent while the prompt computes."""
+        of each chunk (layer by layer on a GPU) can be sent while the prompt computes.
+        ``output_token_ids``: a request resumed on this worker after the one that served it
+        failed; generation continues after them, as if uninterrupted."""
         self.scheduler.add(self._new_seq(request_id, prompt_token_ids, sampling, prefill_only,
-                                         report_progress))
+                                         report_progress, output_token_ids))
 
     def preallocate(self, request_id: str, prompt_token_ids: list[int],
-                    sampling: SamplingParams) -> list[int] | None:
+                    sampling: SamplingParams, output_token_ids: list[int] = ()
+                    ) -> list[int] | None:
         """Decode role: reserve blocks for a prompt whose KV will arrive from a prefill worker.
         Returns the block ids (in order), or None when there are not enough free blocks."""
-        seq = self._new_seq(request_id, prompt_token_ids, sampling)
+        seq = self._new_seq(request_id, prompt_token_ids, sampling,
+                            output_token_ids=output_token_ids)
         n = -(-seq.num_tokens // self.block_manager.block_size)
         blocks = self.block_manager.allocate_blocks(n)
         if blocks is None:
@@ -322,10 +342,18 @@ class LLMEngine:
         return out
 
     # ----------------------------------------------------------------- stats
-    def stats(self) -> EngineStats:
+    def stats(self, detail: bool = False) -> EngineStats:
+        """Counters (cheap: taken after every step by a serving worker); ``detail`` adds the
+        block ownership audit (``kv_blocks_orphaned``, ``request_blocks``: a pass over every
+        block)."""
         s = self.scheduler
         statuses = [q.status for q in s.requests.values()]
         bm = self.block_manager
+        orphaned, per_request = 0, {}
+        if detail:
+            live = {b for q in s.requests.values() for b in q.block_table}
+            orphaned = sum(1 for b in bm.blocks if b.ref_count > 0 and b.block_id not in live)
+            per_request = {rid: len(q.block_table) for rid, q in s.requests.items()}
         return EngineStats(
             num_running=len(s.running), num_waiting=len(s.waiting),
             num_awaiting_kv=statuses.count(SeqStatus.AWAITING_KV),
@@ -334,4 +362,5 @@ class LLMEngine:
             prefix_query_tokens=bm.prefix_queries_tokens, prefix_hit_tokens=bm.prefix_hit_tokens,
             num_preemptions=self.num_preemptions, steps=self.steps,
             graph_steps=self.runner.graph_steps, mixed_graph_steps=self.runner.mixed_graph_steps,
-            eager_steps=self.runner.eager_steps)
+            eager_steps=self.runner.eager_steps, kv_blocks_orphaned=orphaned,
+            request_blocks=per_request)

@@ -71,7 +71,5 @@ class LLM:
         if self.tokenizer is None or not self.tokenizer.has_chat_template:
             raise ValueError("this model has no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode(
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
-            add_special_tokens=False) for c in convs]
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True) for c in convs]
         return self.generate(prompts, params)

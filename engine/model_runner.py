@@ -226,11 +226,24 @@ class ModelRunner(CudaGraphsMixin):
             if sp.seed is not None and sp.temperature > 0:
                 g = self.generators.get(item.seq.request_id)
                 if g is None:
-                    g = torch.Generator(device=self.device)
-                    g.manual_seed(sp.seed)
+                    g = self._seeded_generator(sp.seed, item.seq.num_output_tokens)
                     self.generators[item.seq.request_id] = g
             gens.append(g)
         return SamplingBatch(temps, ks, ps, gens, want_lp)
+
+    def _seeded_generator(self, seed: int, drawn: int) -> torch.Generator:
+        """A request's generator, as it is after its first ``drawn`` samples: a request whose
+        earlier tokens were sampled elsewhere (the prefill worker sampled the first one; a
+        resumed request, more) continues the same random stream, so a seed gives the same
+        tokens colocated, disaggregated and after a migration. Each sample draws one
+        exponential per vocabulary entry (layers.sampler), so they are drawn again here."""
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        if drawn:
+            scratch = torch.empty(self.mc.vocab_size, device=self.device)
+            for _ in range(drawn):
+                scratch.exponential_(generator=g)
+        return g
 
     # ------------------------------------------------------------------- run
     @torch.inference_mode()

@@ -41,11 +41,13 @@ class Sequence:
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                 prefill_only: bool = False):
+                 prefill_only: bool = False, output_token_ids: list[int] = ()):
+        """``output_token_ids``: tokens already generated for this request elsewhere (a
+        request resumed after its worker died): they count as output, not prompt."""
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id
-        self.token_ids: list[int] = list(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids) + list(output_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling = sampling
         self.status = SeqStatus.WAITING

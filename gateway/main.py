@@ -13,12 +13,16 @@ logger = logging.getLogger(__name__)
 
 async def serve_gateway(settings: GatewaySettings) -> None:
     from engine.loader import load_config, load_tokenizer, resolve_spec
+    from gateway.admission import Admission
+    from gateway.health import HealthProber
+    from gateway.pipeline import GatewayEnv
     from gateway.router import Router
     from gateway.server import GatewayServicer
-    from protos.pdserve.v1 import gateway_pb2_grpc
+    from gateway.tokenize import PromptTokenizer
+    from protos.pdserve.v1 import gateway_pb2_grpc, worker_pb2_grpc
     from services.auth import ApiKeyInterceptor, load_api_keys
     from services.block_hash import BlockHasher
-    from services.grpc_server import GATEWAY_SERVICE, GrpcServer
+    from services.grpc_server import GATEWAY_SERVICE, ChannelPool, GrpcServer
     from services.metrics import GatewayMetrics, serve_metrics
     from services.prefix_index import PrefixIndex
     from services.registry import WorkerRegistry
@@ -36,16 +40,30 @@ async def serve_gateway(settings: GatewaySettings) -> None:
                     static_prefill=settings.prefill_addrs, static_decode=settings.decode_addrs,
                     local_prefill_max_tokens=settings.local_prefill_max_tokens,
                     local_prefill_queue_tokens=settings.local_prefill_queue_tokens,
-                    local_prefill_decode_tokens=settings.local_prefill_decode_tokens)
+                    local_prefill_decode_tokens=settings.local_prefill_decode_tokens,
+                    static_capacity=settings.static_capacity,
+                    queue_factor=settings.queue_factor, model_max_len=mc.max_position)
     await router.refresh()
+    prober = HealthProber(router, interval_s=settings.health_interval_s,
+                          timeout_s=settings.health_timeout_s, failures=settings.health_failures)
+    await prober.probe_all()  # static workers: their capacity and context limit, at once
     metrics = GatewayMetrics()
     metrics.watch_router(router)
-    servicer = GatewayServicer(router, tokenizer, model=model_id, vocab_size=mc.vocab_size,
-                               max_model_len=mc.max_position,
-                               hasher=BlockHasher(settings.hash_seed, model_id, settings.block_size),
-                               request_timeout_s=settings.request_timeout_s, metrics=metrics)
-    interceptors = []
     keys = load_api_keys(settings.api_keys, settings.api_key_file)
+    env = GatewayEnv(
+        router=router,
+        tokenizer=PromptTokenizer(tokenizer, threads=settings.tokenizer_threads,
+                                  max_pending=settings.tokenizer_queue,
+                                  on_pending=metrics.tokenize_pending.set),
+        admission=Admission(num_keys=len(keys), max_concurrent=settings.key_max_concurrent,
+                            seat_share=settings.key_max_seat_share,
+                            tokens_per_s=settings.key_max_tokens_per_s),
+        hasher=BlockHasher(settings.hash_seed, model_id, settings.block_size),
+        metrics=metrics, limits=settings.limits(), model=model_id, vocab_size=mc.vocab_size,
+        max_migrations=settings.max_migrations,
+        peers=ChannelPool(worker_pb2_grpc.DecodeWorkerStub))
+    servicer = GatewayServicer(env, request_timeout_s=settings.request_timeout_s)
+    interceptors = []
     if keys:
         interceptors.append(ApiKeyInterceptor(
             keys, on_reject=lambda method: metrics.requests.labels("UNAUTHENTICATED").inc()))
@@ -54,7 +72,9 @@ async def serve_gateway(settings: GatewaySettings) -> None:
                      max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s,
                      drain_delay_s=settings.drain_delay_s, interceptors=interceptors)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, srv.server)
-    tasks = [asyncio.create_task(router.run_refresh(settings.refresh_s))]
+    srv.add_grace_end_hook(lambda: env.end_all("shutdown"))
+    tasks = [asyncio.create_task(router.run_refresh(settings.refresh_s)),
+             asyncio.create_task(prober.run())]
     if index is not None:
         tasks.append(asyncio.create_task(index.run_reaper(settings.reaper_interval_s)))
     port = await srv.start()
@@ -67,6 +87,7 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     finally:
         await cancel_and_wait(tasks)
         await servicer.close()
+        await prober.close()
         for c in (registry, index):
             if c is not None:
                 await c.close()

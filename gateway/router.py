@@ -1,6 +1,7 @@
 """KV-aware routing: which prefill worker (prefix overlap vs load) and which decode worker (load).
 
-Scores (higher wins; ties go to fewer in-flight requests, then round robin)::
+Scores (higher wins; scores within ``TIE`` of the best count as tied, and ties go to fewer
+pending prefill tokens, then fewer in-flight requests, then the next worker in turn)::
 
     load(w)          = max(inflight_w, running_w + waiting_w) / capacity_w + kv_usage_w
     prefill_score(w) = prefix_weight * cached_w / prompt_tokens - load(w)
@@ -12,6 +13,10 @@ Scores (higher wins; ties go to fewer in-flight requests, then round robin)::
 lookup. With the default weight 1, a worker holding the whole prompt wins unless it is about
 one full batch (its capacity) busier than the others. If Redis is down, ``cached_w`` is 0 for
 everyone (load-only routing) and the last known worker list is kept.
+
+Only workers that are registered (or configured), healthy (gateway.health: answering their
+probes) and not routed around after a failed call are candidates; a worker that left the
+registry keeps its in-flight requests but gets no new ones.
 
 Placement: the best prefill worker ``p`` and the best decode worker ``d``; with no prefill
 worker, a colocated one alone. Conditional disaggregation (``local_prefill_max_tokens`` > 0;
@@ -43,6 +48,9 @@ from services.registry import RegistryUnavailable, WorkerInfo, WorkerRegistry
 logger = logging.getLogger(__name__)
 
 
+TIE = 0.05  # scores closer than this (5% of a worker's capacity) are a tie
+
+
 @dataclass
 class Worker:
     info: WorkerInfo
@@ -50,10 +58,19 @@ class Worker:
     pending_prefill_tokens: int = 0  # uncached prompt tokens sent here to prefill, first
     #                                  token not back (a decode worker: local prefills)
     failures_until: float = 0.0  # routed around until then, after a failed call
+    registered: bool = True  # listed by the registry (or configured); False: leaving
+    healthy: bool = True  # answering its probes (gateway.health)
+    static: bool = False  # configured by address (learns capacity and load by probing)
+    # called with "lost" when it stops answering: the streams it serves end and resume
+    watchers: set = field(default_factory=set)
 
     @property
     def id(self) -> str:
         return self.info.worker_id
+
+    @property
+    def routable(self) -> bool:
+        return self.registered and self.healthy and self.failures_until <= time.monotonic()
 
     def load(self) -> float:
         cap = max(self.info.capacity, 1)
@@ -90,8 +107,11 @@ class Router:
                  static_prefill: tuple[str, ...] = (), static_decode: tuple[str, ...] = (),
                  static_capacity: int = 64, queue_factor: float = 2.0,
                  local_prefill_max_tokens: int = 0, local_prefill_queue_tokens: int = 0,
-                 local_prefill_decode_tokens: int = 0):
+                 local_prefill_decode_tokens: int = 0, model_max_len: int = 0):
+        """``model_max_len``: the model's own context limit, used until a worker reports its
+        own (:meth:`context_limit`)."""
         self.model = model
+        self.model_max_len = model_max_len
         self.block_size = block_size
         self.prefix_weight = prefix_weight
         self.registry = registry
@@ -113,7 +133,21 @@ class Router:
 
     def _add_static(self, addr: str, role: str, capacity: int) -> None:
         self.workers[addr] = Worker(WorkerInfo(worker_id=addr, address=addr, role=role,
-                                               model=self.model, capacity=capacity))
+                                               model=self.model, capacity=capacity),
+                                    static=True)
+
+    # ---------------------------------------------------------------- limits
+    def context_limit(self) -> int:
+        """Prompt + output tokens every worker that may serve a request accepts: the
+        smallest limit the workers reported, else the model's."""
+        known = [w.info.max_model_len for w in self.workers.values()
+                 if w.registered and w.info.max_model_len > 0]
+        return min(known) if known else self.model_max_len
+
+    def seats(self) -> int:
+        """Requests the routable decode pool runs at once (its capacity)."""
+        pool = self._pool("decode") or self._pool("colocated")
+        return sum(max(w.info.capacity, 1) for w in pool)
 
     # -------------------------------------------------------------- discovery
     async def refresh(self) -> None:
@@ -133,10 +167,14 @@ class Router:
                 self.workers[info.worker_id] = Worker(info)
                 logger.info("discovered %s worker %s at %s", info.role, info.worker_id, info.address)
             else:
-                w.info = info
-        for wid in list(self.workers):
-            if wid not in seen and self.workers[wid].inflight == 0:
-                logger.info("worker %s left the registry", wid)
+                w.info, w.registered = info, True
+        for wid, w in list(self.workers.items()):
+            if wid in seen or w.static:
+                continue
+            if w.registered:
+                logger.info("worker %s left the registry: no new requests", wid)
+                w.registered = False
+            if w.inflight == 0:
                 del self.workers[wid]
 
     async def run_refresh(self, interval_s: float) -> None:
@@ -149,23 +187,29 @@ class Router:
 
     # ---------------------------------------------------------------- routing
     def _pool(self, *roles: str) -> list[Worker]:
-        now = time.monotonic()
-        return [w for w in self.workers.values() if w.info.role in roles and w.failures_until <= now]
+        return [w for w in self.workers.values() if w.info.role in roles and w.routable]
 
     def _best(self, pool: list[Worker], score) -> tuple[Worker, dict[str, float]]:
+        """The best-scoring worker; near-ties (within TIE) go to the one with fewer pending
+        prefill tokens, then fewer requests in flight, then to each worker in turn."""
         scores = {w.id: score(w) for w in pool}
-        rr = next(self._rr)
-        order = sorted(pool, key=lambda w: (-scores[w.id], w.inflight,
-                                            (hash(w.id) + rr) % 1000003))
-        return order[0], scores
+        top = max(scores.values())
+        tied = [w for w in pool if scores[w.id] >= top - TIE]
+        least = min((w.pending_prefill_tokens, w.inflight) for w in tied)
+        tied = sorted((w for w in tied if (w.pending_prefill_tokens, w.inflight) == least),
+                      key=lambda w: w.id)
+        return tied[next(self._rr) % len(tied)], scores
 
-    async def route(self, prompt_len: int, hashes: list[bytes]) -> Route:
-        decode_pool = self._pool("decode")
+    async def route(self, prompt_len: int, hashes: list[bytes],
+                    exclude: frozenset[str] = frozenset()) -> Route:
+        """``exclude``: decode workers not to use (those a request already failed on)."""
+        decode_pool = [w for w in self._pool("decode") if w.id not in exclude]
         prefill_pool = self._pool("prefill")
         colocated = False
         if not decode_pool or not prefill_pool:
             # no disaggregated pair possible: colocated workers serve alone (also the fallback)
-            decode_pool = self._pool("colocated") or decode_pool
+            decode_pool = [w for w in self._pool("colocated") if w.id not in exclude] \
+                or decode_pool
             prefill_pool = []
             colocated = True
         if not decode_pool:
@@ -243,8 +287,22 @@ class Router:
             route.prefill.inflight -= 1
 
     def mark_failed(self, worker: Worker, seconds: float = 2.0) -> None:
-        """Route around a worker whose call failed (until the registry shows it again)."""
+        """Route around a worker whose call failed, for ``seconds``."""
         worker.failures_until = time.monotonic() + seconds
+
+    def set_health(self, worker: Worker, healthy: bool) -> None:
+        """gateway.health's verdict; a worker that stops answering has its ``watchers``
+        called: the streams it serves end and their requests resume elsewhere."""
+        if healthy == worker.healthy:
+            return
+        worker.healthy = healthy
+        if healthy:
+            logger.info("worker %s answers again", worker.id)
+            return
+        logger.warning("worker %s stopped answering: routed around, %d streams move",
+                       worker.id, len(worker.watchers))
+        for cut in list(worker.watchers):
+            cut("lost")
 
 
 def _prefiller(route: Route) -> Worker:

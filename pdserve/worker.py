@@ -43,8 +43,7 @@ async def serve_worker(settings: WorkerSettings) -> None:
             receiver = make_receiver(backend, cache, layout, **_receiver_opts(settings, backend, i))
             await receiver.start()
             receivers.append((backend, receiver))
-        decode = DecodeServicer(aengine, runtime, receivers, layout,
-                                settings.transfer_timeout_s, metrics=metrics)
+        decode = DecodeServicer(aengine, runtime, receivers, layout, settings, metrics=metrics)
         services.append(DECODE_SERVICE)
     if role in ("prefill", "colocated"):
         for backend in settings.kv_backends:
@@ -56,9 +55,10 @@ async def serve_worker(settings: WorkerSettings) -> None:
                      drain_delay_s=settings.drain_delay_s)
     if decode is not None:
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, srv.server)
+        srv.add_grace_end_hook(decode.evict_all)  # the gateways resume them elsewhere
     prefill = None
     if senders:
-        prefill = PrefillServicer(aengine, runtime, senders, layout, metrics=metrics)
+        prefill = PrefillServicer(aengine, runtime, senders, layout, settings, metrics=metrics)
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, srv.server)
     port = await srv.start()
     address = settings.advertise_address(port)

@@ -18,6 +18,7 @@ import socket
 from typing import Any, TypeVar
 
 from engine.config import POLICIES
+from services.validation import RequestLimits
 
 S = TypeVar("S")
 
@@ -66,7 +67,7 @@ def _check_common(s: Any) -> None:
 
 
 @dataclass(frozen=True)
-class GatewaySettings:
+class GatewaySettings(RequestLimits):
     host: str = _opt("0.0.0.0", "address to bind")
     port: int = _opt(50051, "gRPC port (0: any free port)")
     model: str = _opt("smollm2-135m", "model spec; requests naming another model are refused")
@@ -93,6 +94,27 @@ class GatewaySettings:
                                                "token stay within this many uncached tokens "
                                                "(a decode worker that falls behind gets no "
                                                "more); 0: no cap")
+    static_capacity: int = _opt(64, "requests a worker is assumed to run at once until it "
+                                    "reports its own capacity (Stats)")
+    queue_factor: float = _opt(2.0, "shedding: new requests get RESOURCE_EXHAUSTED while the "
+                                    "gateway has this many times the decode pool's capacity "
+                                    "in flight")
+    max_migrations: int = _opt(3, "times a request may move to another decode worker after "
+                                  "the one streaming it failed (0: never)")
+    health_interval_s: float = _opt(1.0, "how often each worker is probed (Stats, which also "
+                                         "gives a static worker's capacity and load)")
+    health_timeout_s: float = _opt(1.0, "a probe unanswered this long fails")
+    health_failures: int = _opt(2, "consecutive failed probes after which a worker gets no "
+                                   "new requests and its streams move elsewhere")
+    tokenizer_threads: int = _opt(2, "threads that tokenize prompts (off the event loop)")
+    tokenizer_queue: int = _opt(256, "prompts waiting for a tokenizer thread beyond which "
+                                     "requests get RESOURCE_EXHAUSTED")
+    key_max_concurrent: int = _opt(0, "requests one API key may have in flight (0: no "
+                                      "limit but key_max_seat_share)")
+    key_max_seat_share: float = _opt(0.5, "with two or more API keys, the share of the decode "
+                                          "pool's capacity one key may hold (1: no limit)")
+    key_max_tokens_per_s: float = _opt(0.0, "prompt + completion tokens per second one API "
+                                            "key may use, averaged over 10 s (0: no limit)")
     refresh_s: float = _opt(1.0, "how often to re-read the registry")
     reaper_interval_s: float = _opt(1.0, "how often to reap dead workers' index entries")
     request_timeout_s: float = _opt(600.0, "end-to-end deadline per request")
@@ -109,6 +131,7 @@ class GatewaySettings:
 
     def __post_init__(self) -> None:
         _check_common(self)
+        self.check_limits()
         if not self.redis_url and not self.decode_addrs:
             raise ValueError("need redis_url or decode_addrs (where do workers come from?)")
         for a in (*self.prefill_addrs, *self.decode_addrs):
@@ -121,17 +144,26 @@ class GatewaySettings:
                 raise ValueError(f"{name} must be >= 0")
         from services.auth import load_api_keys
         load_api_keys(self.api_keys, self.api_key_file)  # readable, well-formed
-        for name in ("refresh_s", "reaper_interval_s", "request_timeout_s"):
+        for name in ("refresh_s", "reaper_interval_s", "request_timeout_s", "static_capacity",
+                     "queue_factor", "health_interval_s", "health_timeout_s",
+                     "health_failures", "tokenizer_threads", "tokenizer_queue"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        for name in ("max_migrations", "key_max_concurrent", "key_max_tokens_per_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if not 0 < self.key_max_seat_share <= 1:
+            raise ValueError(f"key_max_seat_share must be in (0, 1], got "
+                             f"{self.key_max_seat_share}")
 
 
 @dataclass(frozen=True)
-class WorkerSettings:
+class WorkerSettings(RequestLimits):
     role: str = _opt("colocated", "prefill, decode or colocated")
     host: str = _opt("0.0.0.0", "address to bind")
     port: int = _opt(50061, "gRPC port (0: any free port)")
     advertise_host: str = _opt("", "host others dial (default: host, or hostname if wildcard)")
+    advertise_port: int = _opt(0, "port others dial (0: the bound port; e.g. a proxy's)")
     worker_id: str = _opt("", "unique id (default: advertise address + random suffix)")
     model: str = _opt("smollm2-135m", "model spec")
     dtype: str = _opt("float32", "float32, bfloat16 or float16")
@@ -147,7 +179,12 @@ class WorkerSettings:
                                   "transfer over tcp")
     kv_host: str = _opt("", "KV receiver bind host (default: host)")
     kv_port: int = _opt(0, "KV receiver port (0: any free port)")
-    transfer_timeout_s: float = _opt(30.0, "KV transfer timeout")
+    transfer_timeout_s: float = _opt(30.0, "KV transfer timeout (never past the request's "
+                                           "deadline)")
+    prefill_timeout_s: float = _opt(30.0, "decode role: a Prefill call's deadline, plus "
+                                          "--prefill-timeout-per-token-ms per prompt token "
+                                          "(never past the request's deadline)")
+    prefill_timeout_per_token_ms: float = _opt(1.0, "decode role: see --prefill-timeout-s")
     block_size: int = _opt(16, "KV block size in tokens")
     num_blocks: int = _opt(0, "KV blocks (0: derive from kv_cache_memory_bytes)")
     kv_cache_memory_bytes: int = _opt(1 << 30, "KV cache size when num_blocks is 0")
@@ -177,6 +214,7 @@ class WorkerSettings:
 
     def __post_init__(self) -> None:
         _check_common(self)
+        self.check_limits()
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         bad = [b for b in self.kv_backends if b not in KV_BACKENDS]
@@ -194,6 +232,10 @@ class WorkerSettings:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         _check_port("kv_port", self.kv_port)
+        _check_port("advertise_port", self.advertise_port)
+        if self.prefill_timeout_s <= 0 or self.prefill_timeout_per_token_ms < 0:
+            raise ValueError("prefill_timeout_s must be > 0 and prefill_timeout_per_token_ms "
+                             ">= 0")
         if self.heartbeat_s <= 0 or self.heartbeat_s >= self.registry_ttl_s:
             raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be > 0 and shorter than "
                              f"registry_ttl_s ({self.registry_ttl_s})")
@@ -217,7 +259,7 @@ class WorkerSettings:
         """host:port that other processes dial (``bound_port`` when port was 0)."""
         host = self.advertise_host or (socket.gethostname() if self.host in _WILDCARD_HOSTS
                                        else self.host)
-        return f"{host}:{bound_port or self.port}"
+        return f"{host}:{self.advertise_port or bound_port or self.port}"
 
 
 def _check_address(a: str) -> None:

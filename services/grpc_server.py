@@ -35,12 +35,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos.pdserve.v1 import gateway_pb2, worker_pb2
+from services.interceptors import MalformedRequestInterceptor
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+KEEPALIVE_S = 1.0
+KEEPALIVE_TIMEOUT_S = 2.0
 
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
@@ -55,10 +58,15 @@ def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tup
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        # a peer that stops answering (SIGSTOP, a partition, a dead host whose TCP does not
+        # reset) fails its calls within KEEPALIVE_S + KEEPALIVE_TIMEOUT_S: pings every
+        # second on every connection, and servers accept pings that often
+        ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+        ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_S * 500)),
+        ("grpc.http2.max_ping_strikes", 0),
     ]
 
 
@@ -75,13 +83,16 @@ class GrpcServer:
         self.port: int | None = None
         self.grace_s = grace_s
         self.drain_delay_s = drain_delay_s
+        # innermost: a malformed request is refused before any handler (or a refusing
+        # interceptor's handler) sees it
         self.server = grpc.aio.server(options=grpc_options(max_message_bytes),
-                                      interceptors=list(interceptors))
+                                      interceptors=[*interceptors, MalformedRequestInterceptor()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self._hooks: list[Callable[[], Awaitable[None] | None]] = []
+        self._grace_hooks: list[Callable[[], Awaitable[None] | None]] = []
         self._stop_task: asyncio.Task | None = None
         self._stopped = asyncio.Event()
         self._signals_installed: list[int] = []
@@ -95,6 +106,11 @@ class GrpcServer:
     def add_shutdown_hook(self, fn: Callable[[], Awaitable[None] | None]) -> None:
         """``fn`` (sync or async) runs once during shutdown, after health turns NOT_SERVING."""
         self._hooks.append(fn)
+
+    def add_grace_end_hook(self, fn: Callable[[], Awaitable[None] | None]) -> None:
+        """``fn`` runs when the grace period is nearly over and RPCs are still in flight:
+        it should end them with a final status (the server would cancel them otherwise)."""
+        self._grace_hooks.append(fn)
 
     async def start(self) -> int:
         """Bind, start and mark every service SERVING. Returns the bound port."""
@@ -124,16 +140,18 @@ class GrpcServer:
                     self.address if self.port else "(unbound)", self.drain_delay_s, grace)
         try:
             await self.health.enter_graceful_shutdown()
-            for hook in self._hooks:
-                try:
-                    res = hook()
-                    if asyncio.iscoroutine(res):
-                        await res
-                except Exception:
-                    logger.exception("shutdown hook %r failed", hook)
+            await _run_hooks(self._hooks)
             if self.drain_delay_s:
                 await asyncio.sleep(self.drain_delay_s)
-            await self.server.stop(grace)
+            stopping = asyncio.ensure_future(self.server.stop(grace))
+            if self._grace_hooks and grace > 0:
+                # stop() returns early once every RPC ended; if some are still open near the
+                # end of the grace period, the hooks end them with a final status
+                margin = min(1.0, grace / 4)
+                await asyncio.wait({stopping}, timeout=grace - margin)
+                if not stopping.done():
+                    await _run_hooks(self._grace_hooks)
+            await stopping
         finally:
             self._remove_signal_handlers()
             self._stopped.set()
@@ -169,6 +187,16 @@ class GrpcServer:
             await self.start()
         self.install_signal_handlers()
         await self.wait_stopped()
+
+
+async def _run_hooks(hooks) -> None:
+    for hook in hooks:
+        try:
+            res = hook()
+            if asyncio.iscoroutine(res):
+                await res
+        except Exception:
+            logger.exception("shutdown hook %r failed", hook)
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

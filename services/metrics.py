@@ -81,6 +81,18 @@ class GatewayMetrics:
             "be prefilled (by prefill workers, or by decode workers prefilling locally) whose "
             "first token has not come back yet (all workers)",
             registry=r)
+        self.migrations = Counter("pdserve_request_migrations", "Requests resumed on another "
+                                  "decode worker after the one streaming them failed, by "
+                                  "what failed (code of the broken stream, or 'lost': the "
+                                  "worker stopped answering its probes)", ["reason"],
+                                  registry=r)
+        self.workers_unhealthy = Gauge("pdserve_workers_unhealthy", "Workers failing their "
+                                       "health probes (routed around)", registry=r)
+        self.tokenize_pending = Gauge("pdserve_tokenize_pending", "Prompts being tokenized "
+                                      "or waiting for a tokenizer thread", registry=r)
+        self.rejections = Counter("pdserve_admission_rejections", "Requests refused before "
+                                  "routing, by reason (key_concurrency, key_rate, "
+                                  "tokenizer_queue, capacity)", ["reason"], registry=r)
         for mode in ROUTE_MODES:
             self.routes.labels(mode)  # exported as 0 before the first decision
 
@@ -94,6 +106,8 @@ class GatewayMetrics:
                                       if w.info.role == role))
         self.pending_prefill_tokens.set_function(
             lambda: sum(w.pending_prefill_tokens for w in list(router.workers.values())))
+        self.workers_unhealthy.set_function(
+            lambda: sum(1 for w in list(router.workers.values()) if not w.healthy))
 
     def routed(self, route, prompt_tokens: int) -> None:
         self.routes.labels(route_mode(route)).inc()
@@ -165,6 +179,10 @@ class WorkerMetrics:
                              "included: they are evictable)", registry=r)
         self.kv_usage = Gauge("pdserve_kv_cache_usage_ratio", "kv_blocks_used / total",
                               registry=r)
+        self.kv_stranded = Gauge("pdserve_kv_blocks_stranded", "KV blocks held for no live "
+                                 "request: referenced by no request, or by one whose caller "
+                                 "let go over a second ago (0 unless something leaked)",
+                                 registry=r)
         self.prefix_query = Counter("pdserve_prefix_cache_query_tokens", "Prompt tokens looked "
                                     "up in the local prefix cache", registry=r)
         self.prefix_hit = Counter("pdserve_prefix_cache_hit_tokens", "Prompt tokens found in "

@@ -58,6 +58,7 @@ class WorkerInfo:
     model: str
     kv_endpoint: str = ""  # KV receiver endpoint (decode/colocated), backend specific
     capacity: int = 0  # max running requests
+    max_model_len: int = 0  # context limit (prompt + output tokens); 0: unknown
     running: int = 0
     waiting: int = 0
     kv_free_blocks: int = 0

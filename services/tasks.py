@@ -47,3 +47,32 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task | None], *, timeout_s: fl
             logger.error("task %s ended with an error", t.get_name(), exc_info=t.exception())
     return [t for t in given if t in pending]
 
+
+
+class Stopped(Exception):
+    """A wait was interrupted because its owner was stopped (see :func:`unless_stopped`)."""
+
+
+async def unless_stopped(aw, stop: asyncio.Event):
+    """Await ``aw``, unless ``stop`` is set first: then ``aw`` is cancelled (and awaited, so
+    its clean-up has run) and :class:`Stopped` is raised. Cancelling the caller cancels
+    ``aw`` too."""
+    if stop.is_set():
+        if asyncio.iscoroutine(aw):
+            aw.close()
+        raise Stopped
+    task = asyncio.ensure_future(aw)
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        waiter.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+    waiter.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise Stopped

@@ -62,7 +62,8 @@ class WorkerRuntime:
             self.registry = WorkerRegistry(settings.redis_url, ttl_s=settings.registry_ttl_s, **kw)
             info = WorkerInfo(worker_id=self.worker_id, address=address, role=settings.role,
                               model=self.model_id, kv_endpoint=kv_endpoint,
-                              capacity=settings.max_num_seqs)
+                              capacity=settings.max_num_seqs,
+                              max_model_len=self.aengine.engine.max_model_len)
             self.heartbeat = Heartbeat(self.registry, info, interval_s=settings.heartbeat_s,
                                        load_fn=lambda: self._load, on_lost=self._on_lost)
             if settings.role in ("prefill", "colocated"):
@@ -104,10 +105,16 @@ class WorkerRuntime:
                                 kv_free_blocks=st.kv_blocks_free, kv_total_blocks=st.kv_blocks_total)
 
     async def _load_loop(self) -> None:
+        n = 0
         while True:
             await asyncio.sleep(min(0.25, self.settings.heartbeat_s))
             try:
                 await self._refresh_load()
+                n += 1
+                if n % 4 == 0:  # about once a second: who holds which blocks
+                    await self.aengine.refresh_audit()
+                    if self.metrics is not None:
+                        self.metrics.kv_stranded.set(self.aengine.stranded())
             except Exception:  # noqa: BLE001 - engine dead; the heartbeat keeps the last load
                 logger.exception("could not read engine stats")
                 await asyncio.sleep(1.0)
@@ -160,4 +167,6 @@ class WorkerRuntime:
             num_waiting=st.num_waiting + st.num_awaiting_kv,
             prefix_cache_query_tokens=st.prefix_query_tokens,
             prefix_cache_hit_tokens=st.prefix_hit_tokens, active_transfers=active,
-            transferred_bytes=nbytes)
+            transferred_bytes=nbytes, capacity=self.settings.max_num_seqs,
+            max_model_len=self.aengine.engine.max_model_len,
+            kv_blocks_stranded=self.aengine.stranded())

@@ -65,6 +65,36 @@ class _ChatMixin:
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
 
+    def encode_chat(self, messages: Sequence[dict[str, Any]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation. Control tokens come from the template only: text in a
+        message's content that spells a special token (``<|im_start|>system``) is encoded as
+        plain text, so a user cannot forge another turn (see :func:`split_contents`)."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        specials = self.special_token_texts()
+        contents = [m.get("content") or "" for m in messages]
+        if not any(sp in c for c in contents for sp in specials):
+            return self.encode(text, add_special_tokens=False)
+        # the text is cut only around the spellings (where the tokenizer cuts anyway: it
+        # splits special tokens out first), so everything else encodes as it would whole
+        ids: list[int] = []
+        pos = 0
+        for start, end in forged_spans(text, content_spans(text, contents), specials):
+            if start > pos:
+                ids += self.encode(text[pos:start], add_special_tokens=False)
+            ids += self.encode_plain(text[start:end])
+            pos = end
+        if pos < len(text):
+            ids += self.encode(text[pos:], add_special_tokens=False)
+        return ids
+
+    def special_token_texts(self) -> tuple[str, ...]:
+        return ()
+
+    def encode_plain(self, text: str) -> list[int]:
+        """``text`` with special-token spellings encoded as ordinary text."""
+        return self.encode(text, add_special_tokens=False)
+
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) to the prompt text.
@@ -75,6 +105,43 @@ class _ChatMixin:
         return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                **kwargs)
+
+
+def content_spans(text: str, contents: Sequence[str]) -> list[tuple[int, int]]:
+    """Where each message's content lies in a rendered conversation: found in order after
+    the previous one, verbatim or stripped (templates that trim contents). Raises ValueError
+    when a content cannot be found (a template that rewrites contents), rather than risk
+    parsing user text as control tokens."""
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    for c in contents:
+        for cand in (c, c.strip()):
+            j = text.find(cand, pos) if cand else -1
+            if j >= 0:
+                spans.append((j, j + len(cand)))
+                pos = j + len(cand)
+                break
+        else:
+            if c.strip():
+                raise ValueError("chat content could not be located in the rendered template")
+    return spans
+
+
+def forged_spans(text: str, spans: Sequence[tuple[int, int]],
+                 specials: Sequence[str]) -> list[tuple[int, int]]:
+    """Special-token spellings inside content spans, left to right, not overlapping."""
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        pos = start
+        while True:
+            hits = [(j, j + len(sp)) for sp in specials
+                    if (j := text.find(sp, pos, end)) >= 0]
+            if not hits:
+                break
+            first = min(hits, key=lambda h: (h[0], -h[1]))
+            out.append(first)
+            pos = first[1]
+    return out
 
 
 class Tokenizer(_ChatMixin):
@@ -94,6 +161,8 @@ class Tokenizer(_ChatMixin):
         first_eos = self.eos_token_ids[0] if self.eos_token_ids else None
         self.eos_token = eos_token if eos_token is not None else self._token(first_eos)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._specials: tuple[str, ...] | None = None
+        self._plain = None  # a copy of the backend that does not parse special tokens
 
     def _token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self._tok.id_to_token(token_id)
@@ -103,7 +172,23 @@ class Tokenizer(_ChatMixin):
         return self._tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not: a 1 MiB prompt
+        # would stall every other thread, e.g. a server's event loop, for ~0.6 s)
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def special_token_texts(self) -> tuple[str, ...]:
+        if self._specials is None:
+            self._specials = tuple(t.content for t in self._tok.get_added_tokens_decoder().values()
+                                   if t.special)
+        return self._specials
+
+    def encode_plain(self, text: str) -> list[int]:
+        if self._plain is None:
+            from tokenizers import Tokenizer as _Backend
+            plain = _Backend.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True  # special spellings split like other text
+            self._plain = plain
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts),

@@ -9,7 +9,7 @@ import grpc
 from engine.loader import load_config
 from kvtransfer.base import KVLayout
 from pdserve.cluster import LocalCluster
-from prefill_worker.servicer import layout_to_proto
+from kvtransfer.proto import layout_to_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.integration.helpers import run, wait_all_free, worker_stats
 
@@ -130,11 +130,12 @@ def test_decode_worker_without_room_refuses_and_calls_off_the_prefill():
         assert pre.proc.poll() is None and dec.proc.poll() is None
 
 
-def test_prefill_answers_once_the_receiver_accepted_and_a_retry_waits_for_the_lease():
+def test_prefill_answers_once_the_receiver_accepted_and_one_label_twice_is_two_requests():
     """The Prefill answer goes out with the first token once the receiver has accepted the
     transfer (TRANSFERRING), not after the last byte; the blocks stay leased until the send
-    ends, and a second Prefill of the same request id (a retry over another backend) waits
-    for that instead of failing as a duplicate."""
+    ends. A second Prefill with the same request_id (a label, not an identity) is a request
+    of its own: it is served while the first one's send is still pending, and each lease
+    ends with its own send."""
     import torch
 
     from kvtransfer import make_receiver, TransferState
@@ -163,24 +164,25 @@ def test_prefill_answers_once_the_receiver_accepted_and_a_retry_waits_for_the_le
                 assert resp.transfer.state == common_pb2.TRANSFER_STATE_TRANSFERRING
                 assert resp.transfer.num_blocks == 3 and first.state is TransferState.TRANSFERRING
                 held = (await worker_stats(address)).kv_blocks_used
-                second = rx.expect("t2", [3, 4, 5], timeout_s=20)
-                retry = asyncio.ensure_future(stub.Prefill(req("t2"), timeout=20))
-                await asyncio.sleep(0.3)
-                assert not retry.done()  # waits for the first send to end
+                second = rx.expect("t2", 3, timeout_s=20)
+                resp2 = await stub.Prefill(req("t2"), timeout=20)  # not blocked by t1
+                assert resp2.first_token_id == resp.first_token_id
+                assert resp2.transfer.state == common_pb2.TRANSFER_STATE_TRANSFERRING
+                both = (await worker_stats(address)).kv_blocks_used
+                second.assign([3, 4, 5])
+                assert (await second.wait()).state is TransferState.DONE
                 first.assign([0, 1, 2])
                 assert (await first.wait()).state is TransferState.DONE
-                resp2 = await retry
-                assert resp2.first_token_id == resp.first_token_id
-                assert (await second.wait()).state is TransferState.DONE
                 assert torch.equal(cache[[0, 1, 2]], cache[[3, 4, 5]]) and cache[0].any()
-                return held
+                return held, both
         finally:
             await rx.close()
 
     with LocalCluster("dummy:tiny", prefill=1, decode=0) as c:
         pre = next(w for w in c.workers if w.kind == "prefill")
-        held = run(main(pre.address))
+        held, both = run(main(pre.address))
         assert held >= 3  # leased while its transfer ran
+        assert both > held  # the second request holds blocks of its own (its tail)
         for stats in run(wait_all_free([pre.address], timeout_s=15)):
             assert (stats.kv_blocks_used, stats.num_running, stats.active_transfers) == (0, 0, 0)
 

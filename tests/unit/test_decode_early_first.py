@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from decode_worker.servicer import _early_first
+from decode_worker.remote import early_first
 from engine.request import SamplingParams
 from protos.pdserve.v1 import common_pb2, worker_pb2
 
@@ -18,7 +18,13 @@ def pending(token=7, text=" hi", logprob=None):
         resp.first_text = text
     if logprob is not None:
         resp.first_logprob = logprob
-    return SimpleNamespace(rid="r", resp=resp)
+    return SimpleNamespace(call=SimpleNamespace(rid="r", req=SimpleNamespace()), resp=resp)
+
+
+def _early_first(p, ids, sp, engine, generated=0):
+    """A prompt of ``ids`` after which ``generated`` tokens were already streamed."""
+    p.call.req.num_prompt_tokens = len(ids)
+    return early_first(p, len(ids) + generated, sp, engine)
 
 
 def test_a_token_that_cannot_end_the_request_goes_out_early():
@@ -45,3 +51,11 @@ def test_a_token_that_could_end_the_request_waits_for_the_engine():
     assert _early_first(pending(token=2), ids, SamplingParams(max_tokens=4, ignore_eos=True),
                         ENGINE) is not None
     assert _early_first(pending(), [1] * 63, SamplingParams(max_tokens=4), ENGINE) is None
+
+
+def test_a_resumed_request_counts_the_tokens_it_already_generated():
+    ids = [1] * 20
+    assert _early_first(pending(), ids, SamplingParams(max_tokens=4), ENGINE, generated=2) \
+        is not None
+    # one token left: it may end the request
+    assert _early_first(pending(), ids, SamplingParams(max_tokens=4), ENGINE, generated=3) is None

@@ -9,7 +9,7 @@ import grpc
 from gateway.router import Router
 from gateway.server import GatewayServicer
 from protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2_grpc
-from services.block_hash import BlockHasher
+from tests.unit.gateway_helpers import gateway_env
 
 PREFILL = "127.0.0.1:1"  # never dialled: the scripted decode worker ignores it
 
@@ -41,8 +41,8 @@ def test_first_token_releases_pending_prefill_tokens():
                         static_decode=(f"127.0.0.1:{dport}",))
         decode = ScriptedDecode(router)
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, decode_srv)
-        gw = GatewayServicer(router, None, model="m", vocab_size=1000, max_model_len=4096,
-                             hasher=BlockHasher("s", "m", 16), request_timeout_s=30)
+        router.model_max_len = 4096
+        gw = GatewayServicer(gateway_env(router), request_timeout_s=30)
         gw_srv = grpc.aio.server()
         gport = gw_srv.add_insecure_port("127.0.0.1:0")
         gateway_pb2_grpc.add_GatewayServicer_to_server(gw, gw_srv)

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from engine.request import PrefillProgress
-from prefill_worker.servicer import _ChunkFeed
+from prefill_worker.feed import ChunkFeed as _ChunkFeed
 
 
 def drain(stream) -> list[tuple[list[int], object]]:

@@ -138,7 +138,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "block_size", "num_running", "num_waiting", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "active_transfers", "transferred_bytes")
+    __slots__ = ("worker_id", "role", "model", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "block_size", "num_running", "num_waiting", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "active_transfers", "transferred_bytes", "capacity", "max_model_len", "kv_blocks_stranded")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,9 @@ class StatsResponse(_message.Message):
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERRED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_STRANDED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     model: str
@@ -165,7 +168,10 @@ class StatsResponse(_message.Message):
     prefix_cache_hit_tokens: int
     active_transfers: int
     transferred_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., active_transfers: _Optional[int] = ..., transferred_bytes: _Optional[int] = ...) -> None: ...
+    capacity: int
+    max_model_len: int
+    kv_blocks_stranded: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., active_transfers: _Optional[int] = ..., transferred_bytes: _Optional[int] = ..., capacity: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_blocks_stranded: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -27,7 +27,9 @@ if _version_not_supported:
 
 
 class PrefillWorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Abort ends every call of that request_id on the worker: a DecodeWorker.Generate stream
+    ends with finish_reason "abort", a Prefill call with CANCELLED; its KV blocks are freed.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -53,7 +55,9 @@ class PrefillWorkerStub:
 
 
 class PrefillWorkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Abort ends every call of that request_id on the worker: a DecodeWorker.Generate stream
+    ends with finish_reason "abort", a Prefill call with CANCELLED; its KV blocks are freed.
+    """
 
     def Prefill(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -100,7 +104,9 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class PrefillWorker:
-    """Missing associated documentation comment in .proto file."""
+    """Abort ends every call of that request_id on the worker: a DecodeWorker.Generate stream
+    ends with finish_reason "abort", a Prefill call with CANCELLED; its KV blocks are freed.
+    """
 
     @staticmethod
     def Prefill(request,

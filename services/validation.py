@@ -1,0 +1,151 @@
+"""Request validation shared by the gateway and both worker roles: one set of limits, one
+set of checks, messages that say what is wrong without echoing more than ``ECHO_BYTES`` of
+what the client sent.
+
+Every limit is a field of :class:`RequestLimits` (settings of every service; documented in
+protos/pdserve/v1/*.proto next to the fields they bound). A check raises
+:class:`InvalidRequest` (a ValueError, so the engine's own ValueErrors translate the same
+way); servicers turn it into INVALID_ARGUMENT with :attr:`InvalidRequest.message`.
+Nothing is allocated for a request before these checks pass.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+from engine.request import SamplingParams
+from protos.pdserve.v1 import common_pb2
+from services.protocol import sampling_from_proto
+
+ECHO_BYTES = 200  # at most this much of a client's value is quoted back in a message
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _lim(default: int, help: str) -> int:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on every repeated or string field a client sends (a normal client never
+    meets them)."""
+
+    max_request_id_bytes: int = _lim(256, "longest request_id (a label) accepted, in bytes")
+    max_model_name_bytes: int = _lim(256, "longest model name accepted, in bytes")
+    max_prompt_bytes: int = _lim(1 << 20, "longest prompt text (or all chat contents "
+                                          "together) accepted, in UTF-8 bytes")
+    max_messages: int = _lim(1024, "most chat messages per request")
+    max_stop_strings: int = _lim(16, "most stop strings per request")
+    max_stop_string_bytes: int = _lim(1024, "longest stop string, in UTF-8 bytes")
+    max_stop_token_ids: int = _lim(256, "most stop_token_ids per request")
+
+    def __post_init__(self) -> None:
+        self.check_limits()
+
+    def check_limits(self) -> None:
+        for f in fields(RequestLimits):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+
+    def limits(self) -> "RequestLimits":
+        """These limits alone (settings classes inherit the fields)."""
+        return RequestLimits(**{f.name: getattr(self, f.name) for f in fields(RequestLimits)})
+
+
+class InvalidRequest(ValueError):
+    """A request that cannot be served as sent; ``message`` is safe to return."""
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+def clip(value: str | bytes, limit: int = ECHO_BYTES) -> str:
+    """``value`` quoted for a message, cut to about ``limit`` bytes."""
+    raw = value.encode("utf-8", "replace") if isinstance(value, str) else value
+    text = raw[:limit].decode("utf-8", "ignore")
+    more = f"... ({len(raw)} bytes)" if len(raw) > limit else ""
+    return repr(text) + more
+
+
+def _nbytes(s: str) -> int:
+    return len(s.encode("utf-8", "surrogatepass"))
+
+
+def check_label(label: str, limits: RequestLimits) -> str:
+    """A client's request_id: a label echoed back, never an identity."""
+    if _nbytes(label) > limits.max_request_id_bytes:
+        raise InvalidRequest(f"request_id is longer than {limits.max_request_id_bytes} bytes")
+    return label
+
+
+def check_model(name: str, served: str, limits: RequestLimits) -> None:
+    if not name or name == served:
+        return
+    if _nbytes(name) > limits.max_model_name_bytes:
+        raise InvalidRequest(f"model name is longer than {limits.max_model_name_bytes} bytes")
+    raise InvalidRequest(f"unknown model {clip(name)}; this server serves {served!r}")
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "prompt") -> list[int]:
+    ids = list(ids)
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"{what} token id {bad} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+    return ids
+
+
+def check_context(num_prompt: int, num_output: int, max_model_len: int) -> None:
+    """A prompt (plus tokens already generated, for a resumed request) must leave room for at
+    least one new token."""
+    n = num_prompt + num_output
+    if n >= max_model_len:
+        raise InvalidRequest(f"prompt has {n} tokens; the context limit is {max_model_len} "
+                             f"(prompt + at least one new token)")
+
+
+def check_text(text: str, limits: RequestLimits, what: str = "prompt") -> None:
+    if _nbytes(text) > limits.max_prompt_bytes:
+        raise InvalidRequest(f"{what} is longer than {limits.max_prompt_bytes} bytes")
+
+
+def check_messages(messages, limits: RequestLimits) -> list[dict[str, str]]:
+    """Chat messages (proto or dicts with role/content) -> dicts, checked."""
+    if len(messages) > limits.max_messages:
+        raise InvalidRequest(f"at most {limits.max_messages} chat messages")
+    out, total = [], 0
+    for m in messages:
+        role, content = (m["role"], m.get("content") or "") if isinstance(m, dict) \
+            else (m.role, m.content)
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"unknown chat role {clip(role, 40)} (one of "
+                                 f"{', '.join(CHAT_ROLES)})")
+        total += _nbytes(content)
+        out.append({"role": role, "content": content})
+    if total > limits.max_prompt_bytes:
+        raise InvalidRequest(f"messages are longer than {limits.max_prompt_bytes} bytes")
+    return out
+
+
+def check_sampling_lists(pb: common_pb2.SamplingParams, limits: RequestLimits) -> None:
+    if len(pb.stop) > limits.max_stop_strings:
+        raise InvalidRequest(f"at most {limits.max_stop_strings} stop strings")
+    for s in pb.stop:
+        if _nbytes(s) > limits.max_stop_string_bytes:
+            raise InvalidRequest(f"a stop string is longer than "
+                                 f"{limits.max_stop_string_bytes} bytes")
+    if len(pb.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequest(f"at most {limits.max_stop_token_ids} stop_token_ids")
+
+
+def sampling(pb: common_pb2.SamplingParams, limits: RequestLimits,
+             default_max_tokens: int = 16) -> SamplingParams:
+    """Checked sampling parameters of a request (limits first: nothing big is copied)."""
+    check_sampling_lists(pb, limits)
+    try:
+        return sampling_from_proto(pb, default_max_tokens)
+    except InvalidRequest:
+        raise
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
