@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-import itertools
 import logging
+import math
 import time
 
 from services.prefix_index import IndexUnavailable, PrefixIndex
@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 TIE = 0.05  # scores closer than this (5% of a worker's capacity) are a tie
+RECENT_S = 10.0  # time constant of the prompt tokens a worker was recently given
 
 
 @dataclass
@@ -63,6 +64,14 @@ class Worker:
     static: bool = False  # configured by address (learns capacity and load by probing)
     # called with "lost" when it stops answering: the streams it serves end and resume
     watchers: set = field(default_factory=set)
+    recent_tokens: float = 0.0  # prompt tokens routed here, decaying with RECENT_S
+    recent_at: float = 0.0
+
+    def recent(self, now: float) -> float:
+        return self.recent_tokens * math.exp(-(now - self.recent_at) / RECENT_S)
+
+    def add_recent(self, tokens: int, now: float) -> None:
+        self.recent_tokens, self.recent_at = self.recent(now) + tokens, now
 
     @property
     def id(self) -> str:
@@ -121,7 +130,7 @@ class Router:
         self.local_prefill_queue_tokens = local_prefill_queue_tokens
         self.local_prefill_decode_tokens = local_prefill_decode_tokens
         self.workers: dict[str, Worker] = {}
-        self._rr = itertools.count()
+        self._turns: dict[tuple[str, ...], int] = {}
         self.registry_ok = registry is None
         self.index_ok = index is None
         self.stats = {"routed": 0, "prefix_routed": 0, "load_only": 0, "colocated": 0,
@@ -190,15 +199,25 @@ class Router:
         return [w for w in self.workers.values() if w.info.role in roles and w.routable]
 
     def _best(self, pool: list[Worker], score) -> tuple[Worker, dict[str, float]]:
-        """The best-scoring worker; near-ties (within TIE) go to the one with fewer pending
-        prefill tokens, then fewer requests in flight, then to each worker in turn."""
+        """The best-scoring worker; near-ties (within TIE) go to the one with the fewest
+        pending prefill tokens, then the fewest prompt tokens given recently (so equal load
+        spreads tokens, not only requests), then the fewest requests in flight, then to
+        each worker in turn."""
         scores = {w.id: score(w) for w in pool}
         top = max(scores.values())
+        now = time.monotonic()
+
+        def key(w: Worker) -> tuple:
+            return (w.pending_prefill_tokens, round(w.recent(now)), w.inflight)
         tied = [w for w in pool if scores[w.id] >= top - TIE]
-        least = min((w.pending_prefill_tokens, w.inflight) for w in tied)
-        tied = sorted((w for w in tied if (w.pending_prefill_tokens, w.inflight) == least),
-                      key=lambda w: w.id)
-        return tied[next(self._rr) % len(tied)], scores
+        least = min(key(w) for w in tied)
+        tied = sorted((w for w in tied if key(w) == least), key=lambda w: w.id)
+        group = tuple(w.id for w in tied)  # each group of tied workers takes its own turns
+        turn = self._turns.get(group, 0)
+        self._turns[group] = turn + 1
+        if len(self._turns) > 4096:  # groups come and go with the workers
+            self._turns.clear()
+        return tied[turn % len(tied)], scores
 
     async def route(self, prompt_len: int, hashes: list[bytes],
                     exclude: frozenset[str] = frozenset()) -> Route:
@@ -267,9 +286,12 @@ class Router:
             self.stats["prefix_routed"] += 1
 
     def begin(self, route: Route) -> None:
+        now = time.monotonic()
         route.decode.inflight += 1
+        route.decode.add_recent(route.prefill_tokens, now)
         if route.prefill is not None:
             route.prefill.inflight += 1
+            route.prefill.add_recent(route.prefill_tokens, now)
         _prefiller(route).pending_prefill_tokens += route.prefill_tokens
 
     def prefilled(self, route: Route) -> None:

@@ -5,6 +5,7 @@
     pdserve generate --address HOST:PORT "prompt"      pdserve chat --address HOST:PORT
     pdserve run --model SPEC "prompt"                   (offline, in-process engine)
     pdserve bench ...                                   (serving benchmark)
+    pdserve chaos [--scenario NAME] [--model SPEC]      (fault injection against a local cluster)
 """
 from __future__ import annotations
 
@@ -70,10 +71,10 @@ def _cmd_up(argv) -> int:
             return 0
         print(f"serving on {cluster.address}; try: pdserve generate --address {cluster.address} "
               "\"Hello\"   (Ctrl-C to stop)", flush=True)
-        while all(s.alive for s in cluster.workers + [cluster.gateway]):
+        while True:  # a service that dies is restarted; the others keep serving
             time.sleep(1)
-        print("a service exited; stopping", file=sys.stderr)
-        return 1
+            for event in cluster.supervise_once():
+                print(event, file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         return 0
     finally:
@@ -177,6 +178,9 @@ def main(argv=None) -> int:
     if cmd == "bench":
         from pdserve.bench import main as bench
         return bench(rest)
+    if cmd == "chaos":
+        from pdserve.chaos.cli import main as chaos
+        return chaos(rest)
     print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2
 

@@ -87,7 +87,7 @@ class RedisProcess:
             self.proc = None
 
 
-@dataclass
+@dataclass(eq=False)  # a process: equal only to itself (hashable)
 class Service:
     kind: str  # gateway | prefill | decode | colocated
     proc: subprocess.Popen
@@ -95,6 +95,8 @@ class Service:
     worker_id: str = ""
     metrics_port: int = 0  # Prometheus /metrics port (LocalCluster(metrics=True))
     log: list[str] = field(default_factory=list)
+    args: list[str] = field(default_factory=list)  # its command-line flags (for a restart)
+    restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts
 
     @property
     def alive(self) -> bool:
@@ -190,19 +192,22 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "pdserve.cli", kind, *args]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=self.env, cwd=REPO, start_new_session=True)
-        svc = Service(kind, proc)
+        svc = Service(kind, proc, args=list(args))
         ready = threading.Event()
         threading.Thread(target=_pump, args=(svc, ready, self.echo), daemon=True).start()
         svc._ready = ready  # type: ignore[attr-defined]
         return svc
 
-    def _wait_ready(self, svcs: list[Service]) -> None:
+    def _wait_ready(self, svcs: list[Service], stop_on_failure: bool = True) -> None:
         deadline = time.monotonic() + self.timeout
         for svc in svcs:
             while not svc._ready.wait(0.2):  # type: ignore[attr-defined]
                 if not svc.alive or time.monotonic() > deadline:
                     tail = "\n".join(svc.log[-30:])
-                    self.stop()
+                    if stop_on_failure:
+                        self.stop()
+                    elif svc.alive:
+                        os.killpg(svc.proc.pid, 9)
                     raise RuntimeError(f"{svc.kind} did not start:\n{tail}")
 
     def device_for(self, role: str, index: int) -> str | None:
@@ -290,6 +295,52 @@ class LocalCluster:
         if svc.alive:
             os.killpg(svc.proc.pid, 9)
             svc.proc.wait(10)
+
+    def pause(self, svc: Service) -> None:
+        """SIGSTOP a service (a hung process: its sockets stay open, nothing answers)."""
+        os.killpg(svc.proc.pid, 19)
+
+    def resume(self, svc: Service) -> None:
+        os.killpg(svc.proc.pid, 18)
+
+    # ----------------------------------------------------------- supervision
+    def restart(self, svc: Service) -> Service:
+        """Start a dead service again with the same flags (a worker gets a new port and
+        incarnation id; gateways learn of it from the registry). Returns the new Service."""
+        new = self._spawn(svc.kind, svc.args)
+        new.restarts = svc.restarts + [time.monotonic()]
+        if svc is self.gateway:
+            self.gateway = new
+        else:
+            self.workers[self.workers.index(svc)] = new
+        self._wait_ready([new], stop_on_failure=False)
+        return new
+
+    def supervise_once(self, max_restarts: int = 5, window_s: float = 60.0) -> list[str]:
+        """Restart every service (and the private Redis) that exited; a service that needed
+        more than ``max_restarts`` restarts within ``window_s`` is left down. Returns what
+        happened, one line per service acted on."""
+        events = []
+        if self.redis is not None and not self.redis.running:
+            self.redis.start()
+            events.append(f"redis on :{self.redis.port} exited; restarted")
+        for svc in ([self.gateway] if self.gateway else []) + list(self.workers):
+            if svc.alive or getattr(svc, "given_up", False):
+                continue
+            recent = [t for t in svc.restarts if t > time.monotonic() - window_s]
+            if len(recent) >= max_restarts:
+                svc.given_up = True  # type: ignore[attr-defined]
+                events.append(f"{svc.kind} {svc.address} keeps exiting "
+                              f"(rc {svc.proc.returncode}); left down")
+                continue
+            try:
+                new = self.restart(svc)
+                events.append(f"{svc.kind} {svc.address} exited (rc {svc.proc.returncode}); "
+                              f"restarted as {new.address}")
+            except RuntimeError as e:
+                svc.restarts.append(time.monotonic())
+                events.append(f"{svc.kind} {svc.address} exited; restart failed: {e}")
+        return events
 
     def stop(self) -> None:
         svcs = ([self.gateway] if self.gateway else []) + self.workers

@@ -65,6 +65,9 @@ def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tup
         ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+        ("grpc.http2.min_time_between_pings_ms", int(KEEPALIVE_S * 1000)),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(KEEPALIVE_S * 1000)),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_S * 500)),
         ("grpc.http2.max_ping_strikes", 0),
     ]

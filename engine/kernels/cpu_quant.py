@@ -62,9 +62,21 @@ def _build():
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
     with open(_SRC, "rb") as f:
-        src_tag = hashlib.sha1(f.read()).hexdigest()[:8]
-    name = f"pdserve_cpu_quant_{src_tag}_{_cpu_tag()}"
-    return load(name=name, sources=[_SRC], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        src = f.read()
+    name = f"pdserve_cpu_quant_{hashlib.sha1(src).hexdigest()[:8]}_{_cpu_tag()}"
+    # build from a copy at a path that depends only on the source's content: ninja rebuilds
+    # whenever the source's path changes, so two checkouts of the same code (or a moved
+    # one) sharing torch's extension cache would otherwise rebuild it in turn, each start
+    cache = os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
+    os.makedirs(cache, exist_ok=True)
+    stable = os.path.join(cache, name + ".cpp")
+    if not os.path.exists(stable):
+        tmp = f"{stable}.{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(src)
+        os.replace(tmp, stable)
+    return load(name=name + "_c", sources=[stable],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"], verbose=False)
 
 

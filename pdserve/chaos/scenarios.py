@@ -1,0 +1,249 @@
+"""The chaos scenarios. Each takes a model spec, starts its own cluster, injects its fault
+and returns a :class:`Result`: the checks it made (all must hold), figures, and what the
+clients saw. ``SCENARIOS`` maps names to functions (``pdserve chaos --scenario NAME``).
+
+Greedy outputs are compared with an undisturbed run of the same requests on the same
+cluster, before the fault.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict, dataclass, field
+import time
+
+from pdserve.chaos.proxy import ChaosProxy
+from pdserve.chaos.streams import greedy_requests, run_streams, settle, stats, until
+from pdserve.cluster import LocalCluster, free_port
+
+FAST = ("--health-interval-s", "0.5")  # gateway: notice a hung worker quickly
+
+
+@dataclass
+class Result:
+    scenario: str
+    checks: dict[str, bool] = field(default_factory=dict)
+    figures: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(self.checks.values())
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
+
+
+def _outcomes(streams) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in streams:
+        key = s.code if s.code != "OK" else f"OK/{s.finish_reason or 'no-finish'}"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def _same_tokens(streams, ref) -> int:
+    return sum(s.tokens == r.tokens for s, r in zip(streams, ref))
+
+
+async def _busiest_decode(cluster) -> object:
+    """The decode worker running the most requests now."""
+    best, n = None, -1
+    for w in cluster.workers:
+        if w.kind == "decode" and w.alive:
+            st = await stats(w.address, "decode")
+            if st.num_running > n:
+                best, n = w, st.num_running
+    return best
+
+
+def _finish(res: Result, streams, ref, settled: dict) -> Result:
+    res.figures["client_outcomes"] = _outcomes(streams)
+    res.figures["identical_to_undisturbed"] = f"{_same_tokens(streams, ref)}/{len(streams)}"
+    res.figures["workers_after"] = settled
+    res.checks["every stream completed"] = all(s.code == "OK" and s.finish_reason
+                                               for s in streams)
+    res.checks["greedy tokens unchanged"] = _same_tokens(streams, ref) == len(streams)
+    res.checks["no block stranded or in use"] = all(
+        v.get("stranded") == 0 and v.get("used") == 0 for v in settled.values())
+    return res
+
+
+# ---------------------------------------------------------------- decode faults
+async def _decode_fault(cluster, fault, res: Result, n: int = 8, max_tokens: int = 128,
+                        min_streamed: int = 16) -> Result:
+    """8 greedy streams; once each has ``min_streamed`` tokens (and 64 to go), ``fault``
+    hits the busiest decode worker."""
+    reqs = greedy_requests(n, max_tokens, tag=res.scenario + ": ")
+    ref = await run_streams(cluster.address, reqs)
+    victim = {}
+
+    async def inject(streams):
+        ok = await until(lambda: all(len(s.tokens) >= min_streamed for s in streams), 120)
+        res.figures["streamed_at_fault"] = sorted(len(s.tokens) for s in streams)
+        res.checks["fault hit streams mid-way"] = ok and all(
+            len(s.tokens) <= max_tokens - 64 for s in streams)
+        victim["w"] = await _busiest_decode(cluster)
+        victim["t"] = time.monotonic()
+        await fault(victim["w"])
+
+    streams = await run_streams(cluster.address, reqs, during=inject)
+    res.figures["max_gap_s"] = round(max(max(s.gaps, default=0) for s in streams), 3)
+    survivors = [w for w in cluster.workers if w.alive and w is not victim.get("w")]
+    return _finish(res, streams, ref, await settle(survivors))
+
+
+def kill_decode(model: str = "smollm2-135m") -> Result:
+    """kill -9 of a decode worker during 8 greedy streams (1P2D): every stream resumes on
+    the other decode worker with the same tokens."""
+    res = Result("kill-decode")
+    with LocalCluster(model, prefill=1, decode=2) as c:
+        async def fault(w):
+            c.kill(w)
+        return asyncio.run(_decode_fault(c, fault, res))
+
+
+def stop_decode(model: str = "smollm2-135m") -> Result:
+    """SIGSTOP of a decode worker during 8 greedy streams: the gateway's probes notice,
+    the streams move, the tokens stay the same; resumed later, the worker frees what the
+    cancelled streams held."""
+    res = Result("stop-decode")
+    with LocalCluster(model, prefill=1, decode=2, gateway_args=FAST) as c:
+        stopped = []
+
+        async def fault(w):
+            c.pause(w)
+            stopped.append(w)
+
+        try:
+            res = asyncio.run(_decode_fault(c, fault, res))
+        finally:
+            for w in stopped:
+                c.resume(w)
+        after = asyncio.run(settle(stopped))
+        res.figures["stopped_worker_after_resume"] = after
+        res.checks["stopped worker frees its blocks once resumed"] = all(
+            v.get("used") == 0 and v.get("stranded") == 0 for v in after.values())
+        return res
+
+
+def _behind_proxy(cluster, role: str) -> tuple[object, ChaosProxy]:
+    """Start a worker whose advertised address is a proxy in front of its port."""
+    port = free_port()
+    proxy = ChaosProxy(port)
+    pport = proxy.start()
+    w = cluster.start_worker(role, extra=("--port", str(port), "--advertise-port", str(pport)))
+    return w, proxy
+
+
+def partition_decode(model: str = "smollm2-135m") -> Result:
+    """Two decode workers behind proxies; the busiest one's proxy starts swallowing all
+    traffic (no resets): the gateway's keepalives and probes notice, the streams move, the
+    tokens stay the same; healed, the worker frees what the cut streams held."""
+    res = Result("partition-decode")
+    with LocalCluster(model, prefill=1, decode=0, gateway_args=FAST) as c:
+        proxies = dict(_behind_proxy(c, "decode") for _ in range(2))
+        c.wait_workers_registered()
+        cut = []
+
+        async def fault(w):
+            proxies[w].set_mode("blackhole")
+            cut.append(w)
+
+        try:
+            res = asyncio.run(_decode_fault(c, fault, res))
+        finally:
+            for p in proxies.values():
+                p.set_mode("pass")
+        after = asyncio.run(settle(cut))
+        res.figures["partitioned_worker_after_heal"] = after
+        res.checks["partitioned worker frees its blocks once healed"] = all(
+            v.get("used") == 0 and v.get("stranded") == 0 for v in after.values())
+        for p in proxies.values():
+            p.stop()
+        return res
+
+
+def shutdown_decode(model: str = "smollm2-135m") -> Result:
+    """SIGTERM of a decode worker with a 1 s grace period during long streams: at the end of
+    the grace the worker ends them with UNAVAILABLE and the gateway resumes them."""
+    res = Result("shutdown-decode")
+    with LocalCluster(model, prefill=1, decode=2,
+                      role_args={"decode": ("--grace-s", "1", "--drain-delay-s", "0")}) as c:
+        async def fault(w):
+            import os
+            os.killpg(w.proc.pid, 15)
+        return asyncio.run(_decode_fault(c, fault, res))
+
+
+# --------------------------------------------------------------- prefill faults
+def stop_prefill(model: str = "smollm2-135m") -> Result:
+    """SIGSTOP of the only prefill worker: a new request still completes within 10 s (the
+    decode worker prefills it locally), as do later ones; resumed, the worker is used again."""
+    res = Result("stop-prefill")
+    with LocalCluster(model, prefill=1, decode=1, gateway_args=FAST) as c:
+        pre = next(w for w in c.workers if w.kind == "prefill")
+        reqs = greedy_requests(2, 24, tag="stop-prefill: ")
+        ref = asyncio.run(run_streams(c.address, reqs))
+        c.pause(pre)
+        try:
+            t0 = time.monotonic()
+            first = asyncio.run(run_streams(c.address, reqs[:1], timeout=30))
+            res.figures["first_request_s"] = round(time.monotonic() - t0, 2)
+            later = asyncio.run(run_streams(c.address, reqs[1:], timeout=30))
+        finally:
+            c.resume(pre)
+        res.checks["a request during the stop completes within 10 s"] = \
+            first[0].code == "OK" and res.figures["first_request_s"] <= 10
+        streams = first + later
+        return _finish(res, streams, ref, asyncio.run(settle(c.workers)))
+
+
+# ------------------------------------------------------------------ the others
+def redis_restart(model: str = "smollm2-135m") -> Result:
+    """Redis killed while requests stream and started again empty: clients see nothing."""
+    res = Result("redis-restart")
+    with LocalCluster(model, prefill=1, decode=1) as c:
+        reqs = greedy_requests(6, 48, tag="redis: ")
+        ref = asyncio.run(run_streams(c.address, reqs))
+
+        async def fault(streams):
+            await until(lambda: all(len(s.tokens) >= 4 for s in streams), 60)
+            c.redis.kill()
+            await asyncio.sleep(1.0)
+            c.redis.start()
+
+        streams = asyncio.run(run_streams(c.address, reqs, during=fault))
+        t0 = time.monotonic()
+        c.wait_workers_registered(timeout_s=15)
+        res.figures["registry_recovered_s"] = round(time.monotonic() - t0, 2)
+        after = asyncio.run(run_streams(c.address, reqs[:2]))
+        res.checks["requests after the restart succeed"] = all(s.code == "OK" for s in after)
+        return _finish(res, streams, ref, asyncio.run(settle(c.workers)))
+
+
+def delay_decode(model: str = "smollm2-135m") -> Result:
+    """100 ms added each way in front of a decode worker: streams slow down, stay correct."""
+    res = Result("delay-decode")
+    with LocalCluster(model, prefill=1, decode=0) as c:
+        _, proxy = _behind_proxy(c, "decode")
+        c.wait_workers_registered()
+        reqs = greedy_requests(4, 32, tag="delay: ")
+        ref = asyncio.run(run_streams(c.address, reqs))
+        proxy.set_mode("delay", delay_ms=100)
+        streams = asyncio.run(run_streams(c.address, reqs))
+        proxy.set_mode("pass")
+        res.figures["slowest_s"] = round(max(s.done_s for s in streams), 2)
+        res = _finish(res, streams, ref, asyncio.run(settle(c.workers)))
+        proxy.stop()
+        return res
+
+
+SCENARIOS = {
+    "kill-decode": kill_decode,
+    "stop-decode": stop_decode,
+    "partition-decode": partition_decode,
+    "shutdown-decode": shutdown_decode,
+    "stop-prefill": stop_prefill,
+    "redis-restart": redis_restart,
+    "delay-decode": delay_decode,
+}
