@@ -83,6 +83,7 @@ class DecodeCall:
         self.env, self.request, self.context = env, request, context
         self.label = request.request_id
         self.rid = uuid.uuid4().hex  # the engine's id of this call
+        self.log_id = self.label[:64] or self.rid  # logs: the caller's id (every hop's)
         self.req: _Request | None = None
         self.span = telemetry.server_span("decode.generate", context, {
             "pdserve.request_id": self.label, "pdserve.internal_id": self.rid,
@@ -123,8 +124,10 @@ class DecodeCall:
 
     # ------------------------------------------------------------------- run
     async def run(self):
-        with request_context(self.rid, telemetry.trace_id(self.span, self.context)):
-            logger.debug("request %s: label %r", self.rid, self.label)
+        # logs carry the caller's id for the request (the gateway's, on every hop)
+        with request_context(self.log_id,
+                             telemetry.trace_id(self.span, self.context)):
+            logger.debug("request %s: internal id %s", self.log_id, self.rid)
             try:
                 self.req = self._validate()
                 async for resp in self._serve():
@@ -197,13 +200,13 @@ class DecodeCall:
                 return
             except PrefillFailed as e:
                 if e.transfer and i + 1 < len(receivers):
-                    logger.warning("request %s: %s; retrying the transfer over %s", self.rid,
-                                   e, receivers[i + 1][0])
+                    logger.warning("request %s: %s; retrying the transfer over %s",
+                                   self.log_id, e, receivers[i + 1][0])
                     self.span.add_event("kv backend fallback", {"reason": str(e)[:200]})
                     continue
                 if not self.env.allow_local_prefill:
                     await self._fail(grpc.StatusCode.UNAVAILABLE, str(e))
-                logger.warning("request %s: %s; prefilling locally", self.rid, e)
+                logger.warning("request %s: %s; prefilling locally", self.log_id, e)
                 self.span.add_event("local prefill fallback", {"reason": str(e)[:200]})
                 return
 

@@ -1,4 +1,6 @@
-"""Gateway process: settings -> router + servicer -> gRPC server (uvloop)."""
+"""Gateway process: settings -> router, prober and the request path's shared parts -> gRPC
+server (uvloop). Shutdown: NOT_SERVING, drain, and streams still open near the end of the
+grace period end with a final finish_reason."""
 from __future__ import annotations
 
 import asyncio
@@ -11,38 +13,72 @@ from services.tasks import cancel_and_wait
 logger = logging.getLogger(__name__)
 
 
-async def serve_gateway(settings: GatewaySettings) -> None:
-    from engine.loader import load_config, load_tokenizer, resolve_spec
-    from gateway.admission import Admission
-    from gateway.health import HealthProber
-    from gateway.pipeline import GatewayEnv
+def _router(settings: GatewaySettings, model_id: str, model_max_len: int):
     from gateway.router import Router
-    from gateway.server import GatewayServicer
-    from gateway.tokenize import PromptTokenizer
-    from protos.pdserve.v1 import gateway_pb2_grpc, worker_pb2_grpc
-    from services.auth import ApiKeyInterceptor, load_api_keys
-    from services.block_hash import BlockHasher
-    from services.grpc_server import GATEWAY_SERVICE, ChannelPool, GrpcServer
-    from services.metrics import GatewayMetrics, serve_metrics
     from services.prefix_index import PrefixIndex
     from services.registry import WorkerRegistry
-
-    _, _, model_id = resolve_spec(settings.model)
-    mc = load_config(settings.model)
-    tokenizer = load_tokenizer(settings.model)
     registry = index = None
     if settings.redis_url:
         kw = dict(namespace=settings.namespace, timeout_s=settings.redis_timeout_s)
         registry = WorkerRegistry(settings.redis_url, **kw)
         index = PrefixIndex(settings.redis_url, model_id, **kw)
-    router = Router(model=model_id, block_size=settings.block_size,
-                    prefix_weight=settings.prefix_weight, registry=registry, index=index,
-                    static_prefill=settings.prefill_addrs, static_decode=settings.decode_addrs,
-                    local_prefill_max_tokens=settings.local_prefill_max_tokens,
-                    local_prefill_queue_tokens=settings.local_prefill_queue_tokens,
-                    local_prefill_decode_tokens=settings.local_prefill_decode_tokens,
-                    static_capacity=settings.static_capacity,
-                    queue_factor=settings.queue_factor, model_max_len=mc.max_position)
+    return Router(model=model_id, block_size=settings.block_size,
+                  prefix_weight=settings.prefix_weight, registry=registry, index=index,
+                  static_prefill=settings.prefill_addrs, static_decode=settings.decode_addrs,
+                  local_prefill_max_tokens=settings.local_prefill_max_tokens,
+                  local_prefill_queue_tokens=settings.local_prefill_queue_tokens,
+                  local_prefill_decode_tokens=settings.local_prefill_decode_tokens,
+                  static_capacity=settings.static_capacity, queue_factor=settings.queue_factor,
+                  model_max_len=model_max_len)
+
+
+def _env(settings: GatewaySettings, router, tokenizer, model_id: str, vocab_size: int,
+         num_keys: int, metrics):
+    from gateway.admission import Admission
+    from gateway.pipeline import GatewayEnv
+    from gateway.tokenize import PromptTokenizer
+    from protos.pdserve.v1 import worker_pb2_grpc
+    from services.block_hash import BlockHasher
+    from services.grpc_server import ChannelPool
+    return GatewayEnv(
+        router=router,
+        tokenizer=PromptTokenizer(tokenizer, threads=settings.tokenizer_threads,
+                                  max_pending=settings.tokenizer_queue,
+                                  on_pending=metrics.tokenize_pending.set),
+        admission=Admission(num_keys=num_keys, max_concurrent=settings.key_max_concurrent,
+                            seat_share=settings.key_max_seat_share,
+                            tokens_per_s=settings.key_max_tokens_per_s),
+        hasher=BlockHasher(settings.hash_seed, model_id, settings.block_size),
+        metrics=metrics, limits=settings.limits(), model=model_id, vocab_size=vocab_size,
+        max_migrations=settings.max_migrations,
+        peers=ChannelPool(worker_pb2_grpc.DecodeWorkerStub))
+
+
+def _server(settings: GatewaySettings, keys, metrics):
+    from services.auth import ApiKeyInterceptor
+    from services.grpc_server import GATEWAY_SERVICE, GrpcServer
+    interceptors = []
+    if keys:
+        interceptors.append(ApiKeyInterceptor(
+            keys, on_reject=lambda method: metrics.requests.labels("UNAUTHENTICATED").inc()))
+        logger.info("client authentication on: %d API key(s)", len(keys))
+    return GrpcServer([GATEWAY_SERVICE], host=settings.host, port=settings.port,
+                      max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s,
+                      drain_delay_s=settings.drain_delay_s, interceptors=interceptors)
+
+
+async def serve_gateway(settings: GatewaySettings) -> None:
+    from engine.loader import load_config, load_tokenizer, resolve_spec
+    from gateway.health import HealthProber
+    from gateway.server import GatewayServicer
+    from protos.pdserve.v1 import gateway_pb2_grpc
+    from services.auth import load_api_keys
+    from services.memory import trim_periodically
+    from services.metrics import GatewayMetrics, serve_metrics
+
+    _, _, model_id = resolve_spec(settings.model)
+    mc = load_config(settings.model)
+    router = _router(settings, model_id, mc.max_position)
     await router.refresh()
     prober = HealthProber(router, interval_s=settings.health_interval_s,
                           timeout_s=settings.health_timeout_s, failures=settings.health_failures)
@@ -50,33 +86,16 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     metrics = GatewayMetrics()
     metrics.watch_router(router)
     keys = load_api_keys(settings.api_keys, settings.api_key_file)
-    env = GatewayEnv(
-        router=router,
-        tokenizer=PromptTokenizer(tokenizer, threads=settings.tokenizer_threads,
-                                  max_pending=settings.tokenizer_queue,
-                                  on_pending=metrics.tokenize_pending.set),
-        admission=Admission(num_keys=len(keys), max_concurrent=settings.key_max_concurrent,
-                            seat_share=settings.key_max_seat_share,
-                            tokens_per_s=settings.key_max_tokens_per_s),
-        hasher=BlockHasher(settings.hash_seed, model_id, settings.block_size),
-        metrics=metrics, limits=settings.limits(), model=model_id, vocab_size=mc.vocab_size,
-        max_migrations=settings.max_migrations,
-        peers=ChannelPool(worker_pb2_grpc.DecodeWorkerStub))
+    env = _env(settings, router, load_tokenizer(settings.model), model_id, mc.vocab_size,
+               len(keys), metrics)
     servicer = GatewayServicer(env, request_timeout_s=settings.request_timeout_s)
-    interceptors = []
-    if keys:
-        interceptors.append(ApiKeyInterceptor(
-            keys, on_reject=lambda method: metrics.requests.labels("UNAUTHENTICATED").inc()))
-        logger.info("client authentication on: %d API key(s)", len(keys))
-    srv = GrpcServer([GATEWAY_SERVICE], host=settings.host, port=settings.port,
-                     max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s,
-                     drain_delay_s=settings.drain_delay_s, interceptors=interceptors)
+    srv = _server(settings, keys, metrics)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, srv.server)
     srv.add_grace_end_hook(lambda: env.end_all("shutdown"))
     tasks = [asyncio.create_task(router.run_refresh(settings.refresh_s)),
-             asyncio.create_task(prober.run())]
-    if index is not None:
-        tasks.append(asyncio.create_task(index.run_reaper(settings.reaper_interval_s)))
+             asyncio.create_task(prober.run()), asyncio.create_task(trim_periodically())]
+    if router.index is not None:
+        tasks.append(asyncio.create_task(router.index.run_reaper(settings.reaper_interval_s)))
     port = await srv.start()
     srv.install_signal_handlers()
     mport = serve_metrics(metrics.registry, settings.metrics_port, settings.host)
@@ -88,7 +107,7 @@ async def serve_gateway(settings: GatewaySettings) -> None:
         await cancel_and_wait(tasks)
         await servicer.close()
         await prober.close()
-        for c in (registry, index):
+        for c in (router.registry, router.index):
             if c is not None:
                 await c.close()
 

@@ -103,6 +103,7 @@ class GatewayRequest:
     def __init__(self, env: GatewayEnv, creq: ClientRequest, span, grpc_context=None) -> None:
         self.env, self.creq, self.span, self.ctx = env, creq, span, grpc_context
         self.rid = uuid.uuid4().hex
+        span.set_attribute("pdserve.internal_id", self.rid)
         self.code, self.message = "OK", ""
         self.ids: list[int] = []
         self.streamed: list[int] = []  # every token sent to the client, over every attempt

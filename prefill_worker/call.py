@@ -83,6 +83,7 @@ class PrefillCall:
         self.env, self.request, self.context = env, request, context
         self.label = request.request_id
         self.rid = uuid.uuid4().hex
+        self.log_id = self.label[:64] or self.rid  # logs: the caller's id (every hop's)
         self.span = telemetry.server_span("prefill", context, {
             "pdserve.request_id": self.label, "pdserve.internal_id": self.rid,
             "pdserve.prompt_tokens": len(request.prompt_token_ids),
@@ -105,7 +106,9 @@ class PrefillCall:
     # ------------------------------------------------------------------- run
     async def run(self) -> worker_pb2.PrefillResponse:
         outcome = "error"
-        with request_context(self.rid, telemetry.trace_id(self.span, self.context)):
+        # logs carry the caller's id for the request (the gateway's, on every hop)
+        with request_context(self.log_id,
+                             telemetry.trace_id(self.span, self.context)):
             try:
                 self.req = self._validate()
                 resp = await self._serve()
@@ -253,7 +256,7 @@ class PrefillCall:
         if first.logprobs:
             resp.first_logprob = first.logprobs[0]
         logger.info("prefill %s: %d tokens (%d cached), transfer %s (%d parts, %.2f ms after "
-                    "the prompt)", self.rid, len(self.req.ids), first.num_cached_tokens,
+                    "the prompt)", self.log_id, len(self.req.ids), first.num_cached_tokens,
                     common_pb2.TransferState.Name(result.state), self.feed.parts,
                     result.duration_ms)
         return resp

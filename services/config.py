@@ -124,7 +124,9 @@ class GatewaySettings(RequestLimits):
     api_key_file: str = _opt("", "file with one accepted client API key per line")
     grace_s: float = _opt(10.0, "shutdown: time in-flight requests get to finish")
     drain_delay_s: float = _opt(0.5, "shutdown: NOT_SERVING this long before refusing RPCs")
-    max_message_bytes: int = _opt(64 * 1024 * 1024, "gRPC max message size")
+    max_message_bytes: int = _opt(4 * 1024 * 1024, "largest gRPC message a client may send "
+                                                    "(bigger ones: RESOURCE_EXHAUSTED before "
+                                                    "they are parsed); above max_prompt_bytes")
     metrics_port: int = _opt(0, "Prometheus /metrics port (0: off)")
     log_level: str = _opt("INFO", "log level")
     log_format: str = _opt("json", "json or text")

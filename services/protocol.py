@@ -4,21 +4,10 @@ from __future__ import annotations
 from engine.request import RequestOutput, SamplingParams
 from protos.pdserve.v1 import common_pb2
 
-MAX_STOP_STRINGS = 16
-MAX_REQUEST_ID_BYTES = 256  # a request id names the request in every service, transfer and log
-
-
-def check_request_id(rid: str) -> None:
-    """Raises ValueError for a request id that is too long to carry around."""
-    if len(rid.encode()) > MAX_REQUEST_ID_BYTES:
-        raise ValueError(f"request_id is longer than {MAX_REQUEST_ID_BYTES} bytes")
-
-
 def sampling_from_proto(pb: common_pb2.SamplingParams, default_max_tokens: int = 16
                         ) -> SamplingParams:
-    """Raises ValueError with a readable message for bad values."""
-    if len(pb.stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+    """Raises ValueError with a readable message for bad values (the size limits of the
+    repeated fields are checked before, by services.validation.sampling)."""
     return SamplingParams(
         max_tokens=pb.max_tokens if pb.HasField("max_tokens") else default_max_tokens,
         temperature=pb.temperature if pb.HasField("temperature") else 1.0,

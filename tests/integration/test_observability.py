@@ -47,16 +47,19 @@ def test_one_trace_per_request_across_three_services(traced):
     assert all(o.completion_tokens == 6 for o in outs)
 
     def complete(spans):
-        done = {s.attributes.get("pdserve.request_id") for s in spans if s.name == "prefill"}
-        gw = {s.attributes.get("pdserve.request_id") for s in spans if s.name == "gateway.Generate"}
-        # the decode worker's spans end after its stream does: wait for them too
-        dec = {s.attributes.get("pdserve.request_id") for s in spans if s.name == "decode.generate"}
-        # and for the KV transfer's: it may end after the prefill answered (the first token
-        # goes out before the KV lands), so it can come in a later export batch
-        traces = {s.trace_id for s in spans if s.name == "gateway.Generate"
-                  and s.attributes.get("pdserve.request_id") in rids}
-        kv = {s.trace_id for s in spans if s.name == "kv.transfer"}
-        return set(rids) <= done and set(rids) <= gw and set(rids) <= dec and traces <= kv
+        # the client's request_id labels the gateway's span; the workers' spans carry the
+        # gateway's own id for the request, and the same trace
+        gw = {s.attributes.get("pdserve.request_id"): s.trace_id for s in spans
+              if s.name == "gateway.Generate"}
+        if not set(rids) <= set(gw):
+            return False
+        traces = {gw[r] for r in rids}
+        # the decode worker's spans end after its stream does, and the KV transfer's may
+        # end after the prefill answered: wait for all of them
+        for name in ("prefill", "decode.generate", "kv.transfer"):
+            if not traces <= {s.trace_id for s in spans if s.name == name}:
+                return False
+        return True
     spans = rx.wait_for(complete, timeout_s=15)
     assert complete(spans), sorted({(s.service, s.name) for s in spans})
 
@@ -73,9 +76,10 @@ def test_one_trace_per_request_across_three_services(traced):
         assert "pdserve.cached_tokens_predicted" in g.attributes
         tr = [s for s in spans if s.trace_id == g.trace_id]
         trace_ids.add(g.trace_id)
-        # every span carrying this request id is in this one trace
+        # every span carrying this request's ids is in this one trace
+        ids = {rid, g.attributes["pdserve.internal_id"]}
         assert all(s.trace_id == g.trace_id for s in spans
-                   if s.attributes.get("pdserve.request_id") == rid)
+                   if s.attributes.get("pdserve.request_id") in ids)
         assert {s.service for s in tr} == {"pdserve-gateway", "pdserve-decode", "pdserve-prefill"}
         one = {}
         for s in tr:
@@ -102,12 +106,13 @@ def test_one_trace_per_request_across_three_services(traced):
         assert one["queue"].end_ns <= one["prefill.compute"].start_ns + 1
     assert len(trace_ids) == len(rids)
 
-    # structured logs carry the request id and the trace id (prefill logs each request at INFO)
+    # structured logs carry the gateway's id of the request on every hop, and the trace id
+    # (prefill logs each request at INFO)
     prefill_log = "\n".join(_by_kind(cluster, "prefill").log)
     for rid in rids:
         g = next(s for s in spans if s.name == "gateway.Generate"
                  and s.attributes.get("pdserve.request_id") == rid)
-        assert f"rid={rid} trace={g.trace_id}" in prefill_log
+        assert f"rid={g.attributes['pdserve.internal_id']} trace={g.trace_id}" in prefill_log
 
 
 def test_client_traceparent_is_the_parent(traced):
