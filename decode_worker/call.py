@@ -94,6 +94,9 @@ class DecodeCall:
         self.stop = asyncio.Event()
         self.stop_reason = ""  # "abort" | "shutdown"
         self.early: RequestOutput | None = None  # the first token, streamed before its KV
+        self.pending: RemotePrefill | None = None  # the remote prefill in flight
+        self._cleaned = False
+        context.add_done_callback(self._rpc_done)
 
     # --------------------------------------------------------------- control
     async def abort(self) -> None:
@@ -144,10 +147,31 @@ class DecodeCall:
                 yield self._final(RequestOutput(self.rid, [], finished=True,
                                                 finish_reason=FinishReason.ABORT))
             finally:
+                await asyncio.shield(self._cleanup())
                 self.env.metrics.requests.labels(self.kind, self.outcome).inc()
                 self.env.metrics.tokens.inc(self.completion)
                 telemetry.end_with_status(self.span, "OK" if self.outcome != "error"
                                           else "CANCELLED")
+
+    def _rpc_done(self, _context) -> None:
+        """The RPC ended: whatever path the handler took (or did not take, if its generator
+        was abandoned), nothing of the call may stay in the engine."""
+        if not self._cleaned:
+            asyncio.ensure_future(self._cleanup())
+
+    async def _cleanup(self) -> None:
+        """Idempotent: calls off a transfer in flight, ends the engine's request (a request
+        that finished is gone already: then this is a no-op)."""
+        if self._cleaned:
+            return
+        self._cleaned = True
+        if self.pending is not None:
+            self.pending.receiver.cancel(self.pending.tid)
+        if self.outcome != "ok":
+            try:
+                await self.env.aengine.abort(self.rid)
+            except Exception:  # noqa: BLE001 - engine dead: nothing left to free
+                pass
 
     async def _fail(self, code: grpc.StatusCode, message: str) -> None:
         telemetry.end_with_status(self.span, code.name, message)
@@ -191,8 +215,8 @@ class DecodeCall:
         receivers = self.env.receivers
         for i, (backend, receiver) in enumerate(receivers):
             try:
-                pending = await unless_stopped(
-                    RemotePrefill(self, backend, receiver, self.early).start(), self.stop)
+                self.pending = RemotePrefill(self, backend, receiver, self.early)
+                pending = await unless_stopped(self.pending.start(), self.stop)
                 async for resp in self._stream_early(pending):
                     yield resp
                 holder.append(await unless_stopped(pending.landed(), self.stop))

@@ -113,8 +113,8 @@ class GatewayRequest:
         self._cut_reason = ""
 
     def cut(self, reason: str) -> None:
-        """End the attempt in flight: its worker was lost ("lost") or the gateway is
-        shutting down ("shutdown")."""
+        """End the attempt in flight: its worker was lost ("lost"), the gateway is shutting
+        down ("shutdown") or the client left."""
         self._cut_reason = self._cut_reason or reason
         if self._call is not None:
             self._call.cancel()

@@ -30,8 +30,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             prompt_token_ids=request.prompt_token_ids, messages=request.messages,
             model=request.model, sampling=request.sampling,
             api_key=key_id(presented_key(context.invocation_metadata())), timeout_s=timeout)
+        req = GatewayRequest(self.env, creq, span, context)
+        # the RPC ended (the client left): the decode call in flight goes too, even if this
+        # generator is never resumed
+        context.add_done_callback(lambda _ctx: req.cut("client gone"))
         try:
-            async for resp in GatewayRequest(self.env, creq, span, context).run():
+            async for resp in req.run():
                 yield resp
         except RequestError as e:
             await context.abort(e.code, e.message)
