@@ -3,7 +3,7 @@ workers, real processes, real Redis) against the in-process engine on the same p
 
     python3 -m bench.serving_cpu --set cpu-mybox
     python3 -m bench.serving_cpu --threads 1 --set cpu-mybox       (equal thread counts)
-    python3 -m bench.serving_cpu --model dummy:tiny --streams 2 --rounds 1 --max-tokens 4 \
+    python3 -m bench.serving_cpu --model dummy:tiny --streams 2 --rounds 1 --max-tokens 4 \\
         --out /tmp/serving.json                                     (quick)
 
 Each of --streams closed-loop streams sends --rounds requests back to back (greedy, EOS

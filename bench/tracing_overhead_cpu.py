@@ -4,7 +4,7 @@ a collector in this process (pdserve.otlp_receiver), sampler always_on.
 
     python3 -m bench.tracing_overhead_cpu --model smollm2-135m --set cpu-mybox
     python3 -m bench.tracing_overhead_cpu --set cpu-mybox      (dummy:tiny: the worst case)
-    python3 -m bench.tracing_overhead_cpu --pairs 1 --streams 2 --rounds 1 --max-tokens 4 \
+    python3 -m bench.tracing_overhead_cpu --pairs 1 --streams 2 --rounds 1 --max-tokens 4 \\
         --out /tmp/tracing.json                                (quick)
 
 Both clusters run at once; trials alternate off, on, off, on, ... so slow drifts of a shared,

@@ -9,7 +9,7 @@ transfer starts with the request (its handshake and finished chunks overlap the 
 what it adds is its end minus the compute's end (``end_ms_p50``).
 
     python3 -m bench.ttft_breakdown --model dummy:tiny --set cpu-mybox             (CPU)
-    python3 -m bench.ttft_breakdown --devices gpu --kv-backend nccl,cuda_ipc \
+    python3 -m bench.ttft_breakdown --devices gpu --kv-backend nccl,cuda_ipc \\
         --set h200-mycommit                                                        (2 GPUs)
 """
 from __future__ import annotations
