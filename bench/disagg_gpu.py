@@ -88,7 +88,7 @@ from bench.disagg_workload import exact_items, rate_items, rate_seed, ttft_items
 from pdserve.benchlib import harness, metrics
 from pdserve.benchlib.metrics import RequestResult
 from pdserve.benchlib.runner import LoadSpec, run_load
-from pdserve.benchlib.workload import Item
+from pdserve.benchlib.workload import Item, parse_range
 from pdserve.cluster import LocalCluster
 
 GiB = 1 << 30
@@ -193,8 +193,8 @@ def resolve(a) -> argparse.Namespace:
         if getattr(a, k) is None:
             setattr(a, k, v)
     a.rate_list = [float(x) for x in a.rates.split(",") if x.strip()]
-    a.short = _range(a.short_len)
-    a.out_range = _range(a.output_len)
+    a.short = parse_range(a.short_len)
+    a.out_range = parse_range(a.output_len)
     a.deps = [d.strip() for d in a.deployments.split(",") if d.strip()]
     for d in a.deps:
         if d not in DEPLOYMENTS:
@@ -210,11 +210,6 @@ def resolve(a) -> argparse.Namespace:
         a.gemv = "unset"  # a GPU-only setting
     a.ran_rates = None  # the rates the first deployment ran (later ones run the same)
     return a
-
-
-def _range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
 
 
 def _model_vocab(model: str) -> int:

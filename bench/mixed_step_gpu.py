@@ -35,6 +35,7 @@ from engine.request import SamplingParams
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SeqStatus
 from pdserve.benchlib import harness
+from pdserve.benchlib.workload import parse_range
 
 FIGURES = [
     harness.Figure(f"{d} decode rows + {p}-token chunk, {name}", "ms",
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     ds = [int(x) for x in a.decode_rows.split(",")]
     ps = [int(x) for x in a.chunks.split(",")]
-    lo, hi = (int(x) for x in a.ctx.split(":"))
+    lo, hi = parse_range(a.ctx)
     llm = LLM("dummy:llama-3-8b", dtype="bfloat16", device="cuda", max_num_seqs=max(ds) + 1,
               max_num_batched_tokens=max(ps) + max(ds), max_model_len=8192,
               kv_cache_memory_bytes=int(a.kv_gib * 2**30), enable_prefix_caching=False)

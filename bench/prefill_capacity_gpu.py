@@ -25,6 +25,7 @@ import torch
 from engine.llm import LLM
 from engine.request import SamplingParams
 from pdserve.benchlib import harness
+from pdserve.benchlib.workload import parse_range
 
 FIGURES = [
     harness.Figure("prompt tokens/s of one prefill engine on the disagg mix (median)", "tok/s",
@@ -35,7 +36,7 @@ FIGURES = [
 
 
 def prompts(rng: random.Random, n: int, a, vocab: int) -> list[list[int]]:
-    lo, hi = (int(x) for x in a.short.split(":"))
+    lo, hi = parse_range(a.short)
     out = []
     for _ in range(n):
         length = a.long_len if rng.random() < a.long_frac else rng.randint(lo, hi)

@@ -8,9 +8,9 @@ during serving").
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import time
 
 
@@ -32,10 +32,10 @@ def compiled(root: str) -> list[tuple[float, str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) != 1 or argv[0].startswith("-"):
-        raise SystemExit("usage: python3 -m bench.triton_cache_list TRITON_CACHE_DIR")
-    for t, name in compiled(argv[0]):
+    p = argparse.ArgumentParser(prog="python3 -m bench.triton_cache_list",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("cache_dir", help="a TRITON_CACHE_DIR")
+    for t, name in compiled(p.parse_args(argv).cache_dir):
         print(time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}", name)
 
 
