@@ -311,8 +311,8 @@ def test_limits_rescore_requests_against_another_slo():
     committed GPU run), and a tighter TPOT SLO drops exactly the slow decoders."""
     from bench.disagg_report import limits, rescore
 
-    doc = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" /
-                      "disagg_gpu_h200_colocated_s10.json").read_text())
+    doc = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" / "disagg_gpu" /
+                      "h200-s11" / "colocated.json").read_text())
     for row in doc["deployments"]["colocated"]["mixed"]:
         s = row["summary"]
         assert rescore(row, 1000, 50) == (s["num_good"], s["num_requests"])
