@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -210,8 +211,9 @@ def render(sets: list[ResultSet]) -> tuple[str, list[str]]:
         if s.about:
             lines += [s.about, ""]
         for e in s.entries:
-            rel = e.path.relative_to(REPO).as_posix()
-            lines.append(f"- [`{e.path.name}`]({e.path.relative_to(OUT.parent).as_posix()})"
+            rel = Path(os.path.relpath(e.path, REPO)).as_posix()
+            link = Path(os.path.relpath(e.path, OUT.parent)).as_posix()
+            lines.append(f"- [`{e.path.name}`]({link})"
                          + (f": {e.note}" if e.note else ""))
             source = f" ({e.command_source})" if e.command_source else ""
             lines.append(f"  - command: `{e.command}`{source}" if e.command else
