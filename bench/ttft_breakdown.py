@@ -33,7 +33,7 @@ FIGURES = [
                    ("spans", {"span": span}, "end_ms_p50"), format=".1f")
     for what, span in (("prefill compute", "pdserve-prefill/prefill.compute"),
                        ("KV transfer", "pdserve-prefill/kv.transfer"),
-                       ("first token out of the decode worker", "pdserve-decode/decode"))]
+                       ("the decode worker's prefill call", "pdserve-decode/prefill.remote"))]
 
 
 def parse_args(argv=None):
