@@ -1,6 +1,6 @@
 """What every benchmark result records, and where results go.
 
-Every driver under ``bench/`` and ``pdserve bench`` start their JSON with :func:`header`:
+Every driver under ``bench/`` and ``pdserve bench`` starts its JSON with :func:`header`:
 
 - ``benchmark``: the driver's name (``gpu_engine``, ``kv_transfer_gpu``, ...);
 - ``command``: the command line that produced the file, as it can be typed again from the
