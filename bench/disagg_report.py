@@ -14,7 +14,6 @@ import math
 import sys
 
 from pdserve.benchlib import harness
-from pdserve.benchlib.harness import dumps
 from pdserve.benchlib.metrics import RequestResult, meets_slo
 
 TARGETS = {"ttft_added_pct_max": 5.0, "itl_p99_ratio_min": 3.0, "goodput_ratio_min": 1.3}
