@@ -7,28 +7,29 @@ head_dim 128, bf16), per layer: which way a prefill chunk's attention should run
 * a chunk of n tokens after a cached prefix of p tokens (chunked prefill's later chunks):
   the Triton paged kernel against SDPA with a lower-right causal mask over gathered K/V.
 
-(Rows named ``long_prefill`` in the committed results come from commit 497cd89, an
-experiment since reverted: one square causal SDPA call over prefix + chunk padded to a
-bucket length, the prefix's K/V copied out of the paged cache.)
-
 Each variant: median GPU time of --reps calls (CUDA events), TFLOP/s of the causal work,
 max |difference| to the expanded-SDPA result, or the error it raised.
 
-    PYTHONPATH=. python3 bench/attention_prefill_gpu.py --out bench/results/attention_prefill_gpu_h200.json
+    python3 -m bench.attention_prefill_gpu --set h200-mycommit          (one GPU, ~1 min)
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from engine.kernels.prefill_attention import paged_prefill_attention
+from pdserve.benchlib import harness
 
 HQ, HK, D, BS = 32, 8, 128, 16
+FIGURES = [
+    harness.Figure(f"{n} queries after {prefix}, {variant}", "ms",
+                   ("results", f"n{n}_prefix{prefix}", variant, "ms"), format=".3f")
+    for n, prefix, variant in ((4096, 0, "sdpa_enable_gqa"), (4096, 0, "triton_paged"),
+                               (2048, 2048, "triton_paged"), (2048, 2048, "sdpa_enable_gqa"))]
 
 
 def timed(fn, reps):
@@ -72,11 +73,16 @@ def paged(q, k, v, prefix):
                                            max_query_len=q.shape[0])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python3 -m bench.attention_prefill_gpu",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--out", default="")
-    a = ap.parse_args()
+    harness.add_output_args(ap, "attention_prefill_gpu")
+    a = ap.parse_args(argv)
+    rec = harness.Recorder.start("attention_prefill_gpu", a, argv=argv, about=__doc__,
+                                 figures=FIGURES)
+    rec["device"] = torch.cuda.get_device_name(0)
     torch.manual_seed(0)
     dev = "cuda"
     scale = D ** -0.5
@@ -127,12 +133,8 @@ def main() -> None:
             print(f"n={n} prefix={prefix} {name:26s} {ms:8.4f} ms {flop / ms / 1e9:7.1f} TFLOP/s "
                   f"diff {diff:.3g}", flush=True)
         res[f"n{n}_prefix{prefix}"] = row
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"command": "python3 bench/attention_prefill_gpu.py", "device":
-                       torch.cuda.get_device_name(0), "torch": torch.__version__,
-                       "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": res}, f,
-                      indent=1)
+    rec["results"] = res
+    print(f"wrote {rec.save()}")
 
 
 if __name__ == "__main__":

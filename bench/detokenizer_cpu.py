@@ -1,6 +1,6 @@
 """Host cost of streaming detokenization per generated token, by output length (CPU).
 
-    python bench/detokenizer_cpu.py --out bench/results/detokenizer_cpu.json
+    python3 -m bench.detokenizer_cpu --set cpu-mybox
 
 Streams 4,000 tokens of real text (README.md through the SmolLM2 tokenizer) through
 engine.detokenizer.IncrementalDetokenizer, with and without a stop string, and through the
@@ -12,15 +12,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import load_tokenizer
+from pdserve.benchlib import harness
 
-from engine.detokenizer import IncrementalDetokenizer  # noqa: E402
-from engine.loader import load_tokenizer  # noqa: E402
+FIGURES = [
+    harness.Figure("incremental, tokens 3500-4000", "us/token",
+                   ("us_per_token_by_stretch", "incremental", -1)),
+    harness.Figure("incremental with a stop string, tokens 3500-4000", "us/token",
+                   ("us_per_token_by_stretch", "incremental_with_stop", -1)),
+    harness.Figure("whole-output decode (the method before), tokens 3500-4000", "us/token",
+                   ("us_per_token_by_stretch", "whole_output_decode", -1)),
+]
 
 
 class WholeOutputDecode:
@@ -51,24 +57,25 @@ def per_stretch(d, ids, stretch=500):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", required=True)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python3 -m bench.detokenizer_cpu",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4000)
+    harness.add_output_args(ap, "detokenizer_cpu")
     args = ap.parse_args(argv)
+    rec = harness.Recorder.start("detokenizer_cpu", args, argv=argv, about=__doc__,
+                                 figures=FIGURES)
     tok = load_tokenizer("smollm2-135m")
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    text = open(os.path.join(here, "README.md")).read() * 4
+    text = (harness.REPO / "README.md").read_text() * 4
     ids = tok.encode(text, add_special_tokens=False)[:args.tokens]
-    res = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(),
-           "machine": platform.machine(), "tokens": len(ids), "stretch_tokens": 500,
-           "us_per_token_by_stretch": {
-               "incremental": per_stretch(IncrementalDetokenizer(tok), ids),
-               "incremental_with_stop": per_stretch(IncrementalDetokenizer(tok, ("\n\n$$$",)),
-                                                    ids),
-               "whole_output_decode": per_stretch(WholeOutputDecode(tok), ids)}}
-    print(json.dumps(res["us_per_token_by_stretch"], indent=1))
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    rec["tokens"] = len(ids)
+    rec["stretch_tokens"] = 500
+    rec["us_per_token_by_stretch"] = {
+        "incremental": per_stretch(IncrementalDetokenizer(tok), ids),
+        "incremental_with_stop": per_stretch(IncrementalDetokenizer(tok, ("\n\n$$$",)), ids),
+        "whole_output_decode": per_stretch(WholeOutputDecode(tok), ids)}
+    print(json.dumps(rec["us_per_token_by_stretch"], indent=1))
+    print(f"wrote {rec.save()}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
-"""1P1D against two colocated workers on a two-GPU machine (issue 5), through the whole
+"""1P1D against two colocated workers on a two-GPU machine, through the whole
 product: a real redis-server, a real gateway, real worker processes (pdserve.cluster.LocalCluster).
 
-    PYTHONPATH=. python3 bench/disagg_gpu.py --out bench/results/disagg_gpu_h200.json
+    python3 -m bench.disagg_gpu --set h200-mycommit
         (2 x H200: about 7.5 min; --time-budget 540 s drops the top rates if start-up is slow)
-    python bench/disagg_gpu.py --quick --devices cpu --model dummy:tiny --dtype float32 \\
+    python3 -m bench.disagg_gpu --quick --devices cpu --model dummy:tiny --dtype float32 \\
         --kv-backend tcp --out /tmp/disagg_cpu.json              (CPU smoke run, ~40 s)
-    python bench/disagg_gpu.py --print-commands ...              (the worker command lines)
+    python3 -m bench.disagg_gpu --print-commands ...             (the worker command lines)
 
 Deployments, one after the other (never at the same time), same workload for both:
 
@@ -36,18 +36,15 @@ Conditional disaggregation (``1p1d`` only, off by default): ``--gateway-args
 '--local-prefill-max-tokens 512 --local-prefill-queue-tokens 8192'`` has the gateway send a
 short prompt to the decode worker alone while the prefill worker has that many prompt tokens
 queued, and ``--decode-worker-args '--max-num-batched-tokens 512'`` bounds the stall such a
-local prefill adds to the decode worker's running requests. Measured on 2 x H200 (session 6,
-``bench/results/disagg_gpu_h200_conditional.json``) it made 1P1D WORSE at every rate from 12
-req/s on: prefill steps on the decode worker cost its running requests far more than their
-share (TPOT p50 22 vs 13 ms at 24 req/s with 170 local prefills), p99 ITL rose to 37-114 ms,
-and the SLO limit fell to 20 req/s. So plain 1P1D is the default; each rate's routing
-decisions by mode (``local_prefill`` among them) are recorded from the gateway's /metrics.
+local prefill adds to the decode worker's running requests. docs/performance.md has what it
+did on two H200s; plain 1P1D is the default. Each rate's routing decisions by mode
+(``local_prefill`` among them) are recorded from the gateway's /metrics.
 
 Rates: ``4,8,12,16,20,24,28,32`` req/s by default (a grid fine enough to place each
-deployment's highest rate with 90% of requests within the SLO). Prefill of this mix costs ~1,260 tokens per request
-(~35-40 ms of one H200): 1P1D's single prefill GPU nears saturation around 25-30 req/s, two
-colocated GPUs share prefill and decode; the low rates show the ITL cost of prefill
-interference, the top rate where 1P1D's prefill side runs out.
+deployment's highest rate with 90% of requests within the SLO). Prefill of this mix costs
+~1,260 tokens per request (~35-40 ms of one H200): 1P1D's single prefill GPU nears
+saturation around 25-30 req/s, two colocated GPUs share prefill and decode; the low rates
+show the ITL cost of prefill interference, the top rate where 1P1D's prefill side runs out.
 
 Per deployment, after start-up and a warm-up (bursts of long and short prompts, so every
 worker has compiled its kernels and seen mixed steps; not measured):
@@ -86,18 +83,13 @@ import signal
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-
-from pdserve.benchlib import metrics  # noqa: E402
-from pdserve.benchlib.metrics import RequestResult  # noqa: E402
-from pdserve.benchlib.runner import LoadSpec, run_load  # noqa: E402
-from pdserve.benchlib.workload import Item  # noqa: E402
-from pdserve.cluster import LocalCluster  # noqa: E402
-from disagg_report import compare, dumps, environment, print_summary, settings  # noqa: E402
-from disagg_workload import (exact_items, rate_items, rate_seed, ttft_items,  # noqa: E402
-                             warmup_items)
+from bench.disagg_report import FIGURES, compare, print_summary, settings
+from bench.disagg_workload import exact_items, rate_items, rate_seed, ttft_items, warmup_items
+from pdserve.benchlib import harness, metrics
+from pdserve.benchlib.metrics import RequestResult
+from pdserve.benchlib.runner import LoadSpec, run_load
+from pdserve.benchlib.workload import Item, parse_range
+from pdserve.cluster import LocalCluster
 
 GiB = 1 << 30
 T0 = time.monotonic()
@@ -124,7 +116,7 @@ def log(msg: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", default=os.path.join(REPO, "bench/results/disagg_gpu.json"))
+    harness.add_output_args(p, "disagg_gpu")
     p.add_argument("--model", default="dummy:llama-3-8b")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--kv-backend", default="nccl", help="1P1D KV transfer backend")
@@ -201,8 +193,8 @@ def resolve(a) -> argparse.Namespace:
         if getattr(a, k) is None:
             setattr(a, k, v)
     a.rate_list = [float(x) for x in a.rates.split(",") if x.strip()]
-    a.short = _range(a.short_len)
-    a.out_range = _range(a.output_len)
+    a.short = parse_range(a.short_len)
+    a.out_range = parse_range(a.output_len)
     a.deps = [d.strip() for d in a.deployments.split(",") if d.strip()]
     for d in a.deps:
         if d not in DEPLOYMENTS:
@@ -218,11 +210,6 @@ def resolve(a) -> argparse.Namespace:
         a.gemv = "unset"  # a GPU-only setting
     a.ran_rates = None  # the rates the first deployment ran (later ones run the same)
     return a
-
-
-def _range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
 
 
 def _model_vocab(model: str) -> int:
@@ -482,7 +469,7 @@ def run_deployment(a, name: str, doc: dict, save, deadline: float | None = None)
             s["slo_attainment"] = round(s["num_good"] / s["num_requests"], 4) \
                 if s["num_requests"] else None
             # what the random draw of long prompts really asked of the prefill side: at one
-            # rate label two samples can differ by 15% (bench/disagg_notes.md, session 7)
+            # rate label two samples can differ by 15% (docs/performance.md)
             s["offered_prompt_tokens_per_s"] = round(s["prompt_tokens"] / a.duration) \
                 if not a.num_requests and a.duration else None
             s["by_prompt"] = {
@@ -544,21 +531,20 @@ def main(argv=None) -> int:
     if a.print_commands:
         print_commands(a)
         return 0
-    doc = {"command": "python3 bench/disagg_gpu.py " + " ".join(shlex.quote(x) for x in argv),
-           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "note": a.note,
-           "settings": settings(a), "worker_args": worker_args(a),
-           "deployment_args": {n: dict(zip(("gateway", "roles"), deployment_args(a, n)))
-                               for n in a.deps},
-           "environment": environment(a), "deployments": {}, "complete": False}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    out = harness.output_path(a, "disagg_gpu")
+    a.out = str(out)
+    doc = harness.header("disagg_gpu", settings(a), argv=argv, about=__doc__, figures=FIGURES,
+                         cuda=a.devices == "gpu")
+    doc.update({"started": doc["date"], "note": a.note, "settings": settings(a),
+                "worker_args": worker_args(a),
+                "deployment_args": {n: dict(zip(("gateway", "roles"), deployment_args(a, n)))
+                                    for n in a.deps},
+                "deployments": {}, "complete": False})
 
     def save():
         doc["comparison"] = compare(doc, MIXED_TOKENS)
         doc["elapsed_s"] = round(time.monotonic() - T0, 1)
-        tmp = a.out + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(dumps(doc))
-        os.replace(tmp, a.out)
+        harness.write_json(out, doc)
 
     log(f"disagg_gpu: {doc['command']}")
     log(f"settings: {json.dumps(doc['settings'])}")
@@ -585,7 +571,7 @@ def main(argv=None) -> int:
             doc["deployments"].setdefault(name, {})["failure"] = f"{type(e).__name__}: {e}"[:4000]
             failed.append(name)
             save()
-    doc["environment"]["loadavg_end"] = list(os.getloadavg())
+    doc["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     doc["complete"] = not failed
     save()
     print_summary(doc)

@@ -1,20 +1,44 @@
 """The comparison and report half of bench/disagg_gpu.py: targets, token agreement between
-deployments, the run's environment, the JSON and the printed summary."""
+deployments, the printed summary; and, as a command, the summary of a saved run, several runs
+merged into one report, or each deployment's SLO limit over several runs:
+
+    python3 -m bench.disagg_report bench/results/disagg_gpu/SET/FILE.json
+    python3 -m bench.disagg_report --merge RUN_1P1D.json RUN_COLOCATED.json --out MERGED.json
+    python3 -m bench.disagg_report --limits RUN... [--slo-ttft-ms 1000 --slo-tpot-ms 30] \\
+        --out LIMITS.json
+"""
 from __future__ import annotations
 
 import json
 import math
-import os
-import platform
-import re
-import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from pdserve.benchlib import harness
+from pdserve.benchlib.metrics import RequestResult, meets_slo
+
 TARGETS = {"ttft_added_pct_max": 5.0, "itl_p99_ratio_min": 3.0, "goodput_ratio_min": 1.3}
 # goodput as disaggregation papers define it (DistServe): the highest request rate a
 # deployment serves with at least this share of its requests within the SLO
 SLO_ATTAINMENT = 0.9
+
+# the headline figures of a run (or merged runs) of both deployments, and of --limits
+FIGURES = [
+    harness.Figure("4096-token TTFT added by 1P1D", "%",
+                   ("comparison", "ttft", "ttft_added_pct"), format="+.2f"),
+    harness.Figure("greedy prompts identical, one at a time", "",
+                   ("comparison", "exact_sequential", "identical")),
+    harness.Figure("highest rate with 90% in the SLO, 1P1D", "req/s",
+                   ("comparison", "max_rate_at_slo", "1p1d")),
+    harness.Figure("highest rate with 90% in the SLO, colocated", "req/s",
+                   ("comparison", "max_rate_at_slo", "colocated")),
+]
+LIMITS_FIGURES = [
+    harness.Figure("SLO limit (90% of requests), 1P1D", "req/s",
+                   ("deployments", "1p1d", "rate")),
+    harness.Figure("SLO limit (90% of requests), colocated", "req/s",
+                   ("deployments", "colocated", "rate")),
+    harness.Figure("limit ratio 1P1D / colocated", "", ("ratio", "rate"), format=".2f"),
+]
 
 
 def max_rate_at_slo(mixed: list[dict], attainment: float = SLO_ATTAINMENT) -> float | None:
@@ -154,52 +178,6 @@ def compare(doc: dict, mixed_tokens: dict) -> dict | None:
 
 
 # ------------------------------------------------------------------------------ report
-def environment(a) -> dict:
-    env = {"python": sys.version.split()[0], "platform": platform.platform(),
-           "cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg())}
-    for mod in ("torch", "triton", "grpcio", "nixl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu13"):
-        try:
-            from importlib.metadata import version
-            env[mod] = version(mod)
-        except Exception:  # noqa: BLE001 - not installed
-            pass
-    env["git"] = _run(["git", "rev-parse", "HEAD"])
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
-    env["git_dirty"] = None if dirty is None else bool(dirty)
-    env["nvidia_smi"] = _run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version",
-                              "--format=csv,noheader"])
-    if a.devices == "gpu":  # in a child: this process never opens a CUDA context
-        info = _run([sys.executable, "-c", "import json, torch; print(json.dumps({"
-                     "'torch': torch.__version__, 'cuda': torch.version.cuda, 'devices': "
-                     "[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]"
-                     ", 'nccl': '.'.join(map(str, torch.cuda.nccl.version())) "
-                     "if torch.cuda.is_available() else None}))"], timeout=120)
-        try:
-            env["torch_cuda"] = json.loads(info) if info else None
-        except ValueError:
-            env["torch_cuda"] = info
-    return env
-
-
-_SCALAR = r'(?:-?[0-9.]+(?:[eE][-+]?[0-9]+)?|true|false|null|"[^"\\,\[\]{}]*")'
-_SCALAR_LIST = re.compile(r"\[\s*(" + _SCALAR + r"(?:\s*,\s*" + _SCALAR + r")*)\s*\]")
-
-
-def dumps(doc: dict) -> str:
-    """Indented JSON with lists of scalars (token ids, samples, request rows) on one line."""
-    text = json.dumps(doc, indent=1)
-    return _SCALAR_LIST.sub(lambda m: "[" + ", ".join(
-        x.strip() for x in re.split(r",\s*\n\s*", m.group(1))) + "]", text) + "\n"
-
-
-def _run(cmd, timeout=20):
-    try:
-        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return r.stdout.strip() if r.returncode == 0 else None
-
-
 def settings(a) -> dict:
     return {k: getattr(a, k) for k in (
         "model", "dtype", "kv_backend", "colocated_kv_backend", "devices", "quick", "seed",
@@ -289,7 +267,6 @@ def merge(paths: list[str]) -> dict:
                            "kv_backend": d["settings"].get("kv_backend"),
                            "deployments": list(d["deployments"]), "started": d.get("started")}
                           for p, d in zip(paths, docs)]
-    out["command"] = "python3 bench/disagg_report.py --merge " + " ".join(paths)
     out["comparison"] = compare(out, {})
     return out
 
@@ -299,10 +276,6 @@ def rescore(row: dict, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> 
     """(requests within another SLO, requests) of one rate of a run, from its per-request
     records (bench/disagg_gpu.py's REQUEST_FIELDS), by the rule of
     ``pdserve.benchlib.metrics.meets_slo``."""
-    if REPO not in sys.path:
-        sys.path.insert(0, REPO)
-    from pdserve.benchlib.metrics import RequestResult, meets_slo
-
     if "requests" not in row:
         raise ValueError(f"rate {row.get('rate')}: no per-request records to re-score")
     f = {k: i for i, k in enumerate(row["request_fields"])}
@@ -375,7 +348,10 @@ def limits(docs: list[dict], attainment: float = SLO_ATTAINMENT,
 def main(argv=None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(description="Print (or merge) bench/disagg_gpu.py reports")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python3 -m bench.disagg_report",
+                                description="Print, merge or find the SLO limits of "
+                                            "bench/disagg_gpu.py reports")
     p.add_argument("reports", nargs="+")
     p.add_argument("--merge", action="store_true",
                    help="combine the deployments of several runs of the same workload")
@@ -387,31 +363,32 @@ def main(argv=None) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    prog = "python3 -m bench.disagg_report"
     if a.limits:
         slo = None
         if a.slo_ttft_ms is not None or a.slo_tpot_ms is not None:
             slo = (a.slo_ttft_ms, a.slo_tpot_ms)
-        doc = limits([json.load(open(r)) for r in a.reports], slo=slo)
-        doc["command"] = "python3 bench/disagg_report.py --limits " + " ".join(
-            ([f"--slo-ttft-ms {a.slo_ttft_ms:g}"] if a.slo_ttft_ms is not None else []) +
-            ([f"--slo-tpot-ms {a.slo_tpot_ms:g}"] if a.slo_tpot_ms is not None else []) +
-            a.reports)
+        doc = harness.header("disagg_gpu", vars(a), argv=argv, prog=prog,
+                             about="SLO limits over saved bench/disagg_gpu.py runs",
+                             figures=LIMITS_FIGURES)
+        doc.update(limits([json.load(open(r)) for r in a.reports], slo=slo))
+        doc["inputs"] = a.reports
         for name, dep in doc["deployments"].items():
             print(f"{name:10s} limit {dep['rate']} req/s, {dep['prompt_tokens_per_s']} prompt "
                   f"tok/s; samples: " + ", ".join(
                       f"{r['rate']:g}:{r['slo_attainment']:.1%}"
                       f"({r['offered_prompt_tokens_per_s']})" for r in dep["samples"]))
         print("1P1D / colocated:", doc.get("ratio"))
-        if a.out:
-            with open(a.out, "w") as f:
-                json.dump(doc, f, indent=1)
-            print(f"wrote {a.out}")
-        return
-    doc = merge(a.reports) if a.merge else json.load(open(a.reports[0]))
-    print_summary(doc)
+    elif a.merge:
+        doc = merge(a.reports)
+        doc.update(harness.header("disagg_gpu", vars(a), argv=argv, prog=prog,
+                                  about="bench/disagg_gpu.py runs merged", figures=FIGURES))
+        print_summary(doc)
+    else:
+        doc = json.load(open(a.reports[0]))
+        print_summary(doc)
     if a.out:
-        with open(a.out, "w") as f:
-            f.write(dumps(doc))
+        harness.write_json(a.out, doc)
         print(f"wrote {a.out}")
 
 

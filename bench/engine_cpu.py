@@ -1,6 +1,7 @@
 """CPU engine benchmark: pdserve's engine against transformers generate(), side by side.
 
-    python bench/engine_cpu.py --out bench/results/engine_cpu.json
+    python3 -m bench.engine_cpu --set cpu-mybox               (~10 min on 2 cores)
+    python3 -m bench.engine_cpu --new-tokens 8 --requests 4 --out /tmp/e.json   (quick)
 
 SmolLM2-135M-Instruct (the embedded GGUF, dequantized to fp32; transformers gets the same
 weights), fp32, CPU. Each measurement runs in its own subprocess (so peak RSS is its own):
@@ -14,16 +15,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from pdserve.benchlib import harness
 
-NEW = 128
+FIGURES = [
+    harness.Figure("batch-1 decode, pdserve", "tok/s", ("summary", "b1_decode_tok_s", "pdserve")),
+    harness.Figure("batch-1 decode, transformers", "tok/s",
+                   ("summary", "b1_decode_tok_s", "transformers")),
+    harness.Figure("64 requests, pdserve", "out tok/s",
+                   ("summary", "batch64_output_tok_s", "pdserve")),
+    harness.Figure("64 requests, transformers (padded batches of 8)", "out tok/s",
+                   ("summary", "batch64_output_tok_s", "transformers_padded_b8")),
+]
 
 
 def _prompts(n=64, seed=0):
@@ -45,11 +52,11 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def part_ours(kind: str) -> dict:
+def part_ours(kind: str, new: int, requests: int) -> dict:
     from engine import LLM, SamplingParams
     llm = LLM("smollm2-135m", max_num_seqs=64, max_num_batched_tokens=4096)
     load_rss = _rss_mb()
-    sp = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     if kind == "b1":
         p = _b1_prompt()
         llm.generate([p], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
@@ -58,7 +65,7 @@ def part_ours(kind: str) -> dict:
         dt = time.perf_counter() - t
         n = len(out[0].token_ids)
     else:
-        prompts = _prompts()
+        prompts = _prompts(requests)
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         t = time.perf_counter()
         outs = llm.generate(prompts, sp)
@@ -68,7 +75,7 @@ def part_ours(kind: str) -> dict:
             "peak_rss_mb": _rss_mb(), "preemptions": llm.engine.num_preemptions}
 
 
-def part_hf(kind: str) -> dict:
+def part_hf(kind: str, new: int, requests: int) -> dict:
     import torch
     from engine.loader import load_model
     from tests.reference import hf_model_from_loaded
@@ -89,64 +96,73 @@ def part_hf(kind: str) -> dict:
         p = _b1_prompt()
         gen([p], 8)
         t = time.perf_counter()
-        n = gen([p], NEW)
+        n = gen([p], new)
         dt = time.perf_counter() - t
     else:
-        prompts = _prompts()
+        prompts = _prompts(requests)
         gen(prompts[:2], 4)
         t = time.perf_counter()
-        n = sum(gen(prompts[i:i + 8], NEW) for i in range(0, len(prompts), 8))
+        n = sum(gen(prompts[i:i + 8], new) for i in range(0, len(prompts), 8))
         dt = time.perf_counter() - t
     return {"tokens": n, "seconds": dt, "tok_s": n / dt, "rss_after_load_mb": load_rss,
             "peak_rss_mb": _rss_mb()}
 
 
-def run_part(name: str, threads: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=str(threads))
-    r = subprocess.run([sys.executable, __file__, "--part", name, "--threads", str(threads)],
-                       capture_output=True, text=True, env=env, cwd=REPO, timeout=3600)
+def run_part(name: str, a: argparse.Namespace) -> dict:
+    """One measurement in a fresh process (its own peak RSS), this module run with -m."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+    cmd = [sys.executable, "-m", "bench.engine_cpu", "--part", name, "--threads",
+           str(a.threads), "--new-tokens", str(a.new_tokens), "--requests", str(a.requests)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=harness.REPO,
+                       timeout=3600)
     if r.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(REPO, "bench/results/engine_cpu.json"))
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python3 -m bench.engine_cpu",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
+    ap.add_argument("--requests", type=int, default=64, help="requests of the batch part")
     ap.add_argument("--part", help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    harness.add_output_args(ap, "engine_cpu")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
     import torch
     torch.set_num_threads(a.threads)
     if a.part:
         side, kind = a.part.split("-")
-        res = part_ours(kind) if side == "ours" else part_hf(kind)
+        res = (part_ours if side == "ours" else part_hf)(kind, a.new_tokens, a.requests)
         print(json.dumps(res))
         return
+    rec = harness.Recorder.start("engine_cpu", a, argv=argv, about=__doc__, figures=FIGURES)
+    rec["model"] = "smollm2-135m (GGUF Q4_1/Q8_0 dequantized to fp32)"
+    rec["dtype"] = "float32"
     results = {}
     for name in ("hf-b1", "ours-b1", "hf-batch", "ours-batch"):
-        results[name] = run_part(name, a.threads)
+        results[name] = run_part(name, a)
         print(name, json.dumps(results[name]), flush=True)
-    summary = {
+    rec["summary"] = {
         "b1_decode_tok_s": {"pdserve": results["ours-b1"]["tok_s"],
                             "transformers": results["hf-b1"]["tok_s"],
                             "ratio": results["ours-b1"]["tok_s"] / results["hf-b1"]["tok_s"],
                             "target_ratio": 1.5},
-        "batch64_output_tok_s": {"pdserve": results["ours-batch"]["tok_s"],
-                                 "transformers_padded_b8": results["hf-batch"]["tok_s"],
-                                 "ratio": results["ours-batch"]["tok_s"] / results["hf-batch"]["tok_s"],
-                                 "target_ratio": 2.0},
+        "batch64_output_tok_s": {
+            "pdserve": results["ours-batch"]["tok_s"],
+            "transformers_padded_b8": results["hf-batch"]["tok_s"],
+            "ratio": results["ours-batch"]["tok_s"] / results["hf-batch"]["tok_s"],
+            "target_ratio": 2.0},
         "peak_rss_mb": {k: v["peak_rss_mb"] for k, v in results.items()},
     }
-    doc = {"command": "python bench/engine_cpu.py " + " ".join(sys.argv[1:]),
-           "machine": {"cpus": os.cpu_count(), "threads": a.threads, "platform": platform.platform(),
-                       "torch": torch.__version__, "load_avg_start": os.getloadavg()},
-           "model": "smollm2-135m (GGUF Q4_1/Q8_0 dequantized to fp32)", "dtype": "float32",
-           "summary": summary, "runs": results}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(json.dumps(summary, indent=2))
+    rec["runs"] = results
+    print(json.dumps(rec["summary"], indent=2))
+    print(f"wrote {rec.save()}")
 
 
 if __name__ == "__main__":

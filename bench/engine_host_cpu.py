@@ -1,22 +1,33 @@
 """Host time per decode step (everything but the model runner's launch), by batch (CPU).
 
-    python bench/engine_host_cpu.py --out bench/results/engine_host_cpu.json
-    python bench/engine_host_cpu.py --repo /path/to/an/older/checkout --out ...   (compare)
+    python3 -m bench.engine_host_cpu --set cpu-mybox
+    python3 -m bench.engine_host_cpu --repo /path/to/an/older/checkout --out ...   (compare)
+    python3 -m bench.engine_host_cpu --cases 8:16:4 --out /tmp/host.json            (quick)
 
 dummy:tiny (its model is small, so the host share shows), greedy, ignore_eos: B requests of P
 random prompt tokens are prefilled, then ``--steps`` decode steps are timed; the runner's
 ``launch`` (``execute`` in older checkouts) is timed separately and subtracted. The host part
 (schedule, input lists, scheduler update, detokenize, stop checks, prefix-cache bookkeeping)
-is what a GPU step pays on top of its graph replay unless async_decode hides it.
+is what a GPU step pays on top of its graph replay unless async_decode hides it. Each case
+runs in a child process that imports the engine of ``--repo`` (this checkout by default).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
+import subprocess
 import sys
 import time
+
+# (name, unit, path) of harness.Figure: the harness is imported in the parent only, a child
+# imports nothing but the engine of --repo (an older checkout may have no harness)
+FIGURES_SPEC = [
+    ("host time per step, 512 requests x 200-token prompts", "ms",
+     ("cases", {"batch": 512}, "host_ms_per_step")),
+    ("host time per step, 256 requests x 1000-token prompts", "ms",
+     ("cases", {"batch": 256}, "host_ms_per_step")),
+]
 
 
 def measure(batch: int, prompt: int, steps: int) -> dict:
@@ -36,9 +47,9 @@ def measure(batch: int, prompt: int, steps: int) -> dict:
     name = "launch" if hasattr(eng.runner, "launch") else "execute"
     orig, spent = getattr(eng.runner, name), [0.0]
 
-    def timed(s):
+    def timed(s, *args, **kw):
         t = time.perf_counter()
-        r = orig(s)
+        r = orig(s, *args, **kw)
         spent[0] += time.perf_counter() - t
         return r
     setattr(eng.runner, name, timed)
@@ -51,26 +62,50 @@ def measure(batch: int, prompt: int, steps: int) -> dict:
             "runner_ms_per_step": round(spent[0] / steps * 1e3, 2)}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--repo", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+def parse_args(argv=None) -> argparse.Namespace:
+    from pdserve.benchlib import harness
+    ap = argparse.ArgumentParser(prog="python3 -m bench.engine_host_cpu",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--repo", default=str(harness.REPO),
+                    help="checkout whose engine is measured (an older one to compare)")
     ap.add_argument("--cases", default="512:200:180,256:1000:60",
                     help="batch:prompt:steps,...")
-    args = ap.parse_args(argv)
-    sys.path.insert(0, os.path.abspath(args.repo))
-    import subprocess
-    rev = subprocess.run(["git", "-C", args.repo, "rev-parse", "--short", "HEAD"],
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # a child: one case, JSON on stdout
+    harness.add_output_args(ap, "engine_host_cpu")
+    return ap.parse_args(argv)
+
+
+def run_case(repo: str, case: str) -> dict:
+    """``case`` measured by a child whose import path starts at ``repo`` (its engine)."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(repo))
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", case],
+                       capture_output=True, text=True, env=env, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"case {case} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    if argv is None and "--case" in sys.argv:  # a child: only the engine of --repo
+        b, p, s = map(int, sys.argv[sys.argv.index("--case") + 1].split(":"))
+        print(json.dumps(measure(b, p, s)))
+        return
+    from pdserve.benchlib import harness
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    figures = [harness.Figure(n, u, path) for n, u, path in FIGURES_SPEC]
+    rec = harness.Recorder.start("engine_host_cpu", args, argv=argv, about=__doc__,
+                                 figures=figures)
+    rev = subprocess.run(["git", "-C", args.repo, "rev-parse", "HEAD"],
                          capture_output=True, text=True).stdout.strip()
-    res = {"command": "python " + " ".join(sys.argv), "python": platform.python_version(),
-           "cpus": os.cpu_count(), "repo_commit": rev, "cases": []}
+    rec["measured_repo_commit"] = rev or None  # the engine measured (--repo)
+    rec["cases"] = []
     for case in args.cases.split(","):
-        b, p, s = map(int, case.split(":"))
-        r = measure(b, p, s)
+        r = run_case(args.repo, case)
         print(r, flush=True)
-        res["cases"].append(r)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+        rec["cases"].append(r)
+        rec.save()
+    print(f"wrote {rec.save()}")
 
 
 if __name__ == "__main__":

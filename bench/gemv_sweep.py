@@ -1,7 +1,7 @@
 """Sweep the one-token GEMV (engine/kernels/matvec.py) over tile / warp / split-K / stage
 configs on Llama-3-8B's four projection shapes, against cuBLAS and a pure read-bandwidth probe.
 
-    PYTHONPATH=. python3 bench/gemv_sweep.py --out bench/results/gemv_sweep_h200.json
+    python3 -m bench.gemv_sweep --set h200-mycommit                 (one GPU, ~3 min)
 
 Each candidate runs as the decode graph runs it: 32 calls on 32 distinct weight matrices (one
 per layer, so every byte comes from HBM, not L2), captured in one CUDA graph; the candidates
@@ -11,9 +11,6 @@ Every Triton config is checked against F.linear first (bf16 tolerance).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -21,16 +18,20 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from engine.kernels.elementwise import fused_add_rmsnorm, silu_and_mul  # noqa: E402
-from engine.kernels.gemv_tune import GraphTimer, time_round_robin  # noqa: E402
-from engine.kernels.matvec import gemv  # noqa: E402
+from engine.kernels.elementwise import fused_add_rmsnorm, silu_and_mul
+from engine.kernels.gemv_tune import GraphTimer, time_round_robin
+from engine.kernels.matvec import gemv
+from pdserve.benchlib import harness
 
 LAYERS = 32
 # role: (N, K, prologue) for Llama-3-8B (qkv fused, gate_up fused)
 SHAPES = {"qkv": (6144, 4096, "add_rmsnorm"), "o": (4096, 4096, "none"),
           "gate_up": (28672, 4096, "add_rmsnorm"), "down": (4096, 14336, "silu_mul")}
+FIGURES = [
+    harness.Figure("sum over the four roles of the faster of Triton and cuBLAS, per step",
+                   "ms", ("sum_best_ms_per_step",), format=".3f"),
+    harness.Figure("plain read of a 2 GiB buffer", "GB/s", ("probe", "sum_gbps")),
+]
 GRID = [(bn, bk, nw, sk)
         for bn, bk, nw in [(2, 2048, 4), (4, 512, 4), (4, 1024, 4), (4, 2048, 8), (8, 256, 4),
                            (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (16, 256, 4),
@@ -133,18 +134,20 @@ def read_probe(gib: float = 2.0, reps: int = 10):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", required=True)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python3 -m bench.gemv_sweep",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--roles", default=",".join(SHAPES))
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--no-stages", action="store_true", help="skip the num_stages pass")
+    harness.add_output_args(ap, "gemv_sweep")
     args = ap.parse_args(argv)
     t0 = time.time()
-    out = {"command": " ".join(["python3"] + sys.argv), "device": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "python": platform.python_version(),
-           "probe": read_probe(), "roles": {}}
-    import triton
-    out["triton"] = triton.__version__
+    rec = harness.Recorder.start("gemv_sweep", args, argv=argv, about=__doc__, figures=FIGURES)
+    out = rec.doc
+    out["device"] = torch.cuda.get_device_name()
+    out["probe"] = read_probe()
+    out["roles"] = {}
     for role in args.roles.split(","):
         n, k, pro = SHAPES[role]
         out["roles"][role] = r = run_role(role, n, k, pro, args.rounds, not args.no_stages)
@@ -154,14 +157,13 @@ def main(argv=None):
         print(f"{role}: best {best[0]} {best[1]['ms']} ms {best[1]['gbps']} GB/s; cublas "
               f"{r['table']['cublas']['gbps']} GB/s, cublas+prologue "
               f"{r['table']['cublas+prologue']['ms']} ms", flush=True)
+        rec.save()
     total_best = sum(min(r["table"][r["best_triton"]]["ms"], r["table"]["cublas+prologue"]["ms"])
                      for r in out["roles"].values())
     out["sum_best_ms_per_step"] = round(total_best, 4)
     out["seconds"] = round(time.time() - t0, 1)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(json.dumps(out["probe"]), "sum of best per step", total_best, "ms")
+    print(f"wrote {rec.save()}")
+    print(out["probe"], "sum of best per step", total_best, "ms")
 
 
 if __name__ == "__main__":

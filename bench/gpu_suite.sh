@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# The GPU runs of issues 4 and 5, in steps that fit the device tool's 10-minute calls.
+# The GPU runs, in steps that fit one 10-minute device call each.
 # On the GPU machine, from the repository root (carry .whl, see scripts/device_env.sh):
 #
 #   source scripts/device_env.sh && bash bench/gpu_suite.sh STEP... 2>&1 | tee $OUT/suite.log
 #
+# Each result JSON carries its command, commit, configuration and machine (the harness,
+# pdserve/benchlib/harness.py). To commit a run: copy its files to
+# bench/results/<driver>/<set>/, delete the set it supersedes, then
+# `python3 -m bench.results_md` (bench/RESULTS.md; a unit test fails while it is stale).
+#
 # Steps (results go to $OUT, named after the step; minutes are estimates on 2 x H200):
 #   tests        pytest -m gpu tests/gpu (kernels, engine incl. async_decode, kvtransfer)  ~4
 #   engine-tests pytest -m gpu tests/gpu/test_kernels_gpu.py tests/gpu/test_engine_gpu.py  ~2
+#   kernels      bench/kernels_gpu.py: every Triton kernel against its reference (1 GPU)   ~1
 #   attn         bench/attention_prefill_gpu.py: prefill attention kernels per chunk shape  ~1
 #   mixed        bench/mixed_step_gpu.py: a step of decode rows plus a prefill chunk, decode
 #                rows through the decode kernel or with the chunk in one launch (1 GPU)    ~2
@@ -16,7 +22,8 @@
 #   engine-a     bench/gpu_engine.py section a, 7 variants of split-K / PDL / async decode ~4
 #   engine-best  bench/gpu_engine.py sections d,a,c,b with engine-a's fastest variant       ~3
 #   engine-full  bench/gpu_engine.py sections d,a,c,b with FLAGS=... (and env)             ~3
-#   transfer     bench/kv_transfer_gpu.py (2 GPUs)                                          ~2
+#   kvcopy       bench/kv_copy_gpu.py: copy engines vs copy kernel for scattered blocks    ~1
+#   transfer     bench/kv_transfer_gpu.py (2 GPUs)                                          ~3
 #   xfer-sweep   bench/kv_transfer_gpu.py per backend setting (env): cuda_ipc copy lanes,
 #                NCCL channel / chunk settings, NIXL descriptor size (2 GPUs)               ~4
 #   xfer-tests   pytest -m gpu tests/gpu/test_kvtransfer_gpu.py (2 GPUs)                    ~2
@@ -46,15 +53,17 @@ for step in "$@"; do
     tests) run python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider ;;
     engine-tests) run python3 -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py \
         tests/gpu/test_engine_gpu.py -p no:cacheprovider ;;
-    attn) run python3 bench/attention_prefill_gpu.py --out "$OUT/attention_prefill_gpu_h200.json" ;;
-    mixed) run python3 bench/mixed_step_gpu.py ${MIXED_ARGS:-} \
+    kernels) run python3 -m bench.kernels_gpu --out "$OUT/kernels_gpu_h200.json" ;;
+    kvcopy) run python3 -m bench.kv_copy_gpu --out "$OUT/kv_copy_gpu_h200.json" ;;
+    attn) run python3 -m bench.attention_prefill_gpu --out "$OUT/attention_prefill_gpu_h200.json" ;;
+    mixed) run python3 -m bench.mixed_step_gpu ${MIXED_ARGS:-} \
         --out "$OUT/mixed_step_gpu_h200${MIXED_NAME:-}.json" ;;
-    capacity) run python3 bench/prefill_capacity_gpu.py ${CAPACITY_ARGS:-} \
+    capacity) run python3 -m bench.prefill_capacity_gpu ${CAPACITY_ARGS:-} \
         --out "$OUT/prefill_capacity_gpu_h200.json" ;;
-    sweep) run python3 bench/gemv_sweep.py --out "$OUT/gemv_sweep_h200.json" ;;
+    sweep) run python3 -m bench.gemv_sweep --out "$OUT/gemv_sweep_h200.json" ;;
     engine-a)  # section a only, few graph buckets; one process per variant
       for v in base splitk pdl async splitk_pdl pdl_async splitk_pdl_async; do
-        env $(variant_env $v) python3 bench/gpu_engine.py --sections a --max-num-seqs 8 \
+        env $(variant_env $v) python3 -m bench.gpu_engine --sections a --max-num-seqs 8 \
           $(variant_flags $v) --out "$OUT/gpu_engine_a_$v.json" \
           || echo "=== FAILED: engine-a $v" >&2
       done ;;
@@ -67,9 +76,9 @@ print(os.path.basename(best[1])[len("gpu_engine_a_"):-len(".json")] if best[0] e
 PY
 )
       echo "=== engine-best: variant $v" >&2
-      env $(variant_env $v) python3 bench/gpu_engine.py --sections d,a,c,b $(variant_flags $v) \
+      env $(variant_env $v) python3 -m bench.gpu_engine --sections d,a,c,b $(variant_flags $v) \
         --out "$OUT/gpu_engine_h200.json" || echo "=== FAILED: engine-best $v" >&2 ;;
-    engine-full) run python3 bench/gpu_engine.py --sections d,a,c,b ${FLAGS:-} \
+    engine-full) run python3 -m bench.gpu_engine --sections d,a,c,b ${FLAGS:-} \
         --out "$OUT/gpu_engine_h200.json" ;;
     xfer-tests) run python3 -m pytest -q -m gpu tests/gpu/test_kvtransfer_gpu.py \
         -p no:cacheprovider ;;
@@ -83,7 +92,7 @@ PY
           "nixl_d32m|nixl|PDSERVE_NIXL_MAX_DESCRIPTOR_BYTES=33554432"}; do
         IFS='|' read -r name backend envs <<<"$spec"
         echo "=== xfer-sweep $name: $backend ${envs//,/ }" >&2
-        env ${envs//,/ } PDSERVE_KV_TIMELINE=1 timeout 120 python3 bench/kv_transfer_gpu.py \
+        env ${envs//,/ } PDSERVE_KV_TIMELINE=1 timeout 120 python3 -m bench.kv_transfer_gpu \
           --backends "$backend" --modes send,ahead --runs ${XFER_RUNS:-10} \
           --out "$OUT/kv_transfer_gpu_h200_$name.json" 2>"$OUT/kv_timeline_$name.log" \
           || echo "=== FAILED: xfer-sweep $name" >&2
@@ -91,23 +100,23 @@ PY
       # the device tool returns at most 8 files: one archive for the whole sweep
       (cd "$OUT" && tar -czf xfer_sweep.tgz kv_transfer_gpu_h200_*.json kv_timeline_*.log \
         && rm -f kv_transfer_gpu_h200_*.json kv_timeline_*.log) ;;
-    transfer) PDSERVE_KV_TIMELINE=1 run python3 bench/kv_transfer_gpu.py \
+    transfer) PDSERVE_KV_TIMELINE=1 run python3 -m bench.kv_transfer_gpu \
         --out "$OUT/kv_transfer_gpu_h200.json" ;;
-    disagg) run python3 bench/disagg_gpu.py --kv-backend nccl,cuda_ipc \
+    disagg) run python3 -m bench.disagg_gpu --kv-backend nccl,cuda_ipc \
         --colocated-kv-backend nccl --time-budget 540 --out "$OUT/disagg_gpu_h200_nccl.json" ;;
-    ttft) run python3 bench/ttft_breakdown.py --devices gpu --kv-backend nccl,cuda_ipc \
+    ttft) run python3 -m bench.ttft_breakdown --devices gpu --kv-backend nccl,cuda_ipc \
         --out "$OUT/ttft_breakdown_h200.json" ;;
-    ipc16) run python3 bench/disagg_gpu.py --deployments 1p1d --rates 16 \
+    ipc16) run python3 -m bench.disagg_gpu --deployments 1p1d --rates 16 \
         --kv-backend cuda_ipc,nccl --out "$OUT/disagg_gpu_h200_cuda_ipc_16.json" ;;
-    ttftgpu) run python3 bench/ttft_gpu.py --rounds 2 --configs \
+    ttftgpu) run python3 -m bench.ttft_gpu --rounds 2 --configs \
         ${TTFT_CONFIGS:-coloc@0,1p1d@0:nccl,1p1d@0:cuda_ipc,coloc@1,1p1d@1:nccl} \
         --out "$OUT/ttft_gpu_h200.json" ;;
-    goodput) run python3 bench/disagg_gpu.py --kv-backend nccl,cuda_ipc \
+    goodput) run python3 -m bench.disagg_gpu --kv-backend nccl,cuda_ipc \
         --colocated-kv-backend nccl --rates 20,22,24,26,28 --exact-prompts 4 --time-budget 560 \
         --out "$OUT/disagg_gpu_h200_goodput_grid.json" ;;
     p1d)  # one deployment (DEPLOY: 1p1d) near its SLO limit; PREFILL_ARGS: the 1P1D prefill
           # worker's extra flags, WORKER_ARGS: every worker's
-      run python3 bench/disagg_gpu.py --deployments ${DEPLOY:-1p1d} --kv-backend nccl,cuda_ipc \
+      run python3 -m bench.disagg_gpu --deployments ${DEPLOY:-1p1d} --kv-backend nccl,cuda_ipc \
         --colocated-kv-backend nccl --rates ${P1D_RATES:-24,26,28,30} --exact-prompts 4 \
         --ttft-repeats 4 ${PREFILL_ARGS:+--prefill-worker-args "$PREFILL_ARGS"} \
         ${WORKER_ARGS:+--worker-args "$WORKER_ARGS"} ${GATEWAY_ARGS:+--gateway-args "$GATEWAY_ARGS"} \

@@ -1,6 +1,6 @@
 """Kernel correctness and speed at Llama-3-8B shapes (bf16, block 16) on one GPU.
 
-    python bench/kernels_gpu.py --out bench/results/kernels_h200.json
+    python3 -m bench.kernels_gpu --set h200-mycommit                (one GPU, ~1 min)
 
 For each case: max abs error vs the torch reference, median time (triton.testing.do_bench),
 and achieved GB/s (memory-bound kernels) or TFLOP/s (prefill). A failing case records its
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 import traceback
@@ -19,7 +17,8 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+from pdserve.benchlib import harness
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, BF16 = 32, 8, 128, 16, torch.bfloat16
 SCALE = HEAD_DIM ** -0.5
 
@@ -167,19 +166,30 @@ def graph_time(fn, do_bench):
         return None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    report = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "python": platform.python_version(),
-              "torch": torch.__version__, "results": []}
+FIGURES = [
+    harness.Figure(f"{case}: {what}", unit, ("results", {"case": case}, key), format=fmt)
+    for case, what, unit, key, fmt in (
+        ("decode b1 ctx4096", "max abs error", "", "max_abs_err", ".2g"),
+        ("decode b64 ctx512", "bandwidth", "GB/s", "GB/s", ".0f"),
+        ("prefill 4096 no prefix", "max abs error", "", "max_abs_err", ".2g"),
+        ("prefill 4096 no prefix", "rate", "TFLOP/s", "TFLOP/s", ".0f"),
+        ("gemv gate_up 28672x4096 add_rmsnorm", "bandwidth", "GB/s", "GB/s", ".0f"))]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python3 -m bench.kernels_gpu",
+                                 description=__doc__.splitlines()[0])
+    harness.add_output_args(ap, "kernels_gpu")
+    args = ap.parse_args(argv)
+    rec = harness.Recorder.start("kernels_gpu", args, argv=argv, about=__doc__, figures=FIGURES)
+    report = rec.doc
+    report["results"] = []
     try:
-        import triton
         from triton.testing import do_bench
 
         from engine import kernels as K
         from engine.kernels import reference as R
-        report["triton"] = triton.__version__
         report["device"] = torch.cuda.get_device_name()
         for name, make, params in CASES:
             row = {"case": name}
@@ -206,8 +216,7 @@ def main() -> None:
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
     finally:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        print(f"wrote {rec.save()}")
 
 
 if __name__ == "__main__":

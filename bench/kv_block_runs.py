@@ -17,7 +17,8 @@ decodes at ``--tpot-ms`` a token, and frees them when it finishes. Both caches a
 enough to be used through several times. Per transfer it records the segment count; the
 summary covers the transfers after ``--settle`` seconds (both caches wrapped by then).
 
-    python bench/kv_block_runs.py --out bench/results/kv_block_runs.json
+    python3 -m bench.kv_block_runs --set cpu-mycommit
+    PDSERVE_KV_BLOCK_RUNS=0 python3 -m bench.kv_block_runs --out ...   (strict eviction order)
 """
 
 from __future__ import annotations
@@ -25,23 +26,26 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.block_manager import BlockManager
+from engine.request import SamplingParams
+from engine.sequence import Sequence
+from kvtransfer.control import segments
+from pdserve.benchlib import harness
 
-from engine.block_manager import BlockManager  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
-from kvtransfer.control import segments  # noqa: E402
+FIGURES = [
+    harness.Figure("pieces per 4096-token transfer (mean)", "",
+                   ("summary", "long_prompts", "segments_mean")),
+    harness.Figure("blocks per piece, all transfers", "", ("summary", "all", "blocks_per_segment")),
+]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python3 -m bench.kv_block_runs",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--rate", type=float, default=26.0, help="requests/s")
     p.add_argument("--duration", type=float, default=120.0, help="s of arrivals")
     p.add_argument("--settle", type=float, default=40.0, help="s before transfers count")
@@ -54,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--long-frac", type=float, default=0.25)
     p.add_argument("--long-len", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="")
+    harness.add_output_args(p, "kv_block_runs")
     return p.parse_args(argv)
 
 
@@ -164,19 +168,16 @@ def summarize(transfers: list[dict], settle: float) -> dict:
     return {"all": stats(late), "long_prompts": stats(long) if long else {}}
 
 
-def main() -> None:
-    a = parse_args()
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
+    rec = harness.Recorder.start("kv_block_runs", a, argv=argv, about=__doc__, figures=FIGURES)
     res = simulate(a)
-    summary = summarize(res["transfers"], a.settle)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    report = {"command": "python " + " ".join([os.path.relpath(__file__), *sys.argv[1:]]),
-              "commit": commit, "args": vars(a), "refused": res["refused"],
-              "summary": summary}
-    print(json.dumps(report, indent=2))
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
+    rec["refused"] = res["refused"]
+    rec["summary"] = summarize(res["transfers"], a.settle)
+    print(json.dumps(rec["summary"], indent=2))
+    print(f"wrote {rec.save()}")
+    return rec.doc
 
 
 if __name__ == "__main__":

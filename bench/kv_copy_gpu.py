@@ -1,9 +1,8 @@
 """How to move a 4096-token prompt's KV blocks from one GPU to another of the same host,
-when its blocks are scattered (issue 5): copy engines (one cuMemcpyDtoDAsync per run of
-blocks; ONE cuMemcpyBatchAsync call for all runs, CUDA 12.8+, what cuda_ipc does now; the
-first version of this script also spread the per-run calls over 2 / 4 streams, which gained
-nothing: kv_copy_gpu_h200_batch.json) against one Triton kernel on the receiving GPU reading the peer's
-memory (kvtransfer.cuda_copy.kernel_copy_runs, "pull") with various numbers of programs
+when its blocks are scattered: copy engines (one cuMemcpyDtoDAsync per run of blocks; ONE
+cuMemcpyBatchAsync call for all runs, CUDA 12.8+, what cuda_ipc does now) against one
+Triton kernel on the receiving GPU reading the peer's memory
+(kvtransfer.cuda_copy.kernel_copy_runs, "pull") with various numbers of programs
 (CTAs), the same kernel on the SENDING GPU writing into the peer ("push"), and both engines
 at once (``split_kNN``: NN% of the blocks by the pulling kernel, the rest by batched copy
 engine copies on a second stream).
@@ -12,22 +11,26 @@ In one process: src cache on cuda:0, dst cache on cuda:1 (peer access enabled, a
 mapping is), 256 blocks x 2 MiB (Llama-3-8B, 16-token blocks). GB/s = payload / GPU time
 between events around the copies on the receiving GPU's stream, median of --reps.
 
-    PYTHONPATH=. python3 bench/kv_copy_gpu.py --out bench/results/kv_copy_gpu_h200.json
+    python3 -m bench.kv_copy_gpu --set h200-mycommit                (2 GPUs, ~1 min)
 """
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
+import sys
 import time
 
 import torch
 
 from kvtransfer.control import segments
-from kvtransfer.cuda_copy import copy_runs, enable_peer_access, kernel_copy_runs
+from kvtransfer.cuda_copy import batch_copy_runs, copy_runs, enable_peer_access, kernel_copy_runs
+from pdserve.benchlib import harness
 
-from kvtransfer.cuda_copy import batch_copy_runs
+FIGURES = [
+    harness.Figure(f"{pattern}, {method}", "GB/s", ("results", pattern, method, "median_gbps"))
+    for pattern, method in (("scattered", "copy_engine"), ("scattered", "copy_engine_batch"),
+                            ("scattered", "kernel_p32_t32k"), ("contiguous", "copy_engine"))]
 
 
 def cut_runs(runs: list[tuple[int, int, int]],
@@ -89,8 +92,10 @@ def _push(dst, src, runs, stream, push_stream, programs) -> None:
     stream.wait_event(done)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python3 -m bench.kv_copy_gpu",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=256)
     p.add_argument("--block-bytes", type=int, default=2 << 20)
     p.add_argument("--cache-blocks", type=int, default=1024)
@@ -99,8 +104,9 @@ def main() -> None:
     p.add_argument("--tiles", default="32768,65536")
     p.add_argument("--push-programs", default="32,132,264")
     p.add_argument("--kernel-shares", default="0.25,0.4,0.5,0.6")
-    p.add_argument("--out", default="")
-    a = p.parse_args()
+    harness.add_output_args(p, "kv_copy_gpu")
+    a = p.parse_args(argv)
+    rec = harness.Recorder.start("kv_copy_gpu", a, argv=argv, about=__doc__, figures=FIGURES)
     src = torch.randint(0, 255, (a.cache_blocks, a.block_bytes), dtype=torch.uint8,
                         device="cuda:0")
     dst = torch.zeros((a.cache_blocks, a.block_bytes), dtype=torch.uint8, device="cuda:1")
@@ -167,13 +173,10 @@ def main() -> None:
             print(f"{pname:10s} {mname:22s} {gbps:7.1f} GB/s  host "
                   f"{statistics.median(host[2:]) * 1e3:6.3f} ms  runs {len(runs)}  ok={ok}",
                   flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"command": "python3 bench/kv_copy_gpu.py " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out"),
-                "payload_bytes": payload, "devices": [torch.cuda.get_device_name(0)] * 2,
-                "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "results": results}, f, indent=1)
+    rec["payload_bytes"] = payload
+    rec["devices"] = [torch.cuda.get_device_name(i) for i in (0, 1)]
+    rec["results"] = results
+    print(f"wrote {rec.save()}")
 
 
 if __name__ == "__main__":

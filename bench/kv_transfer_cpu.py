@@ -9,7 +9,8 @@ cache), median of ``--runs`` runs after ``--warmup`` runs. Two block patterns: `
 ``runs<k>`` (k runs of consecutive ids at random places on each side). Both
 processes run their event loop as the workers do (uvloop where installed).
 
-    python bench/kv_transfer_cpu.py --out bench/results/kv_transfer_cpu.json
+    python3 -m bench.kv_transfer_cpu --set cpu-mybox
+    python3 -m bench.kv_transfer_cpu --tokens 256 --runs 3 --out /tmp/kv.json   (quick)
 """
 
 from __future__ import annotations
@@ -17,29 +18,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
-import random
-import shlex
-import statistics
 import logging
+import os
+import random
+import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvtransfer import KVLayout, make_receiver, make_sender
+from kvtransfer.stream import BlockStream
+from pdserve.benchlib import harness
+from services.grpc_server import run as run_on_service_loop  # uvloop, as the workers
 
-from kvtransfer import KVLayout, make_receiver, make_sender  # noqa: E402
-from kvtransfer.stream import BlockStream  # noqa: E402
-from services.grpc_server import run as run_on_service_loop  # noqa: E402  (uvloop, as workers)
+FIGURES = [
+    harness.Figure("tcp, contiguous blocks, one send", "GB/s",
+                   ("results", "tcp", "contiguous", "median_gbps")),
+    harness.Figure("shm, contiguous blocks, one send", "GB/s",
+                   ("results", "shm", "contiguous", "median_gbps")),
+    harness.Figure("tcp, scattered blocks", "GB/s", ("results", "tcp", "scattered", "median_gbps")),
+    harness.Figure("shm, scattered blocks", "GB/s", ("results", "shm", "scattered", "median_gbps")),
+]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None,
+               benchmark: str = "kv_transfer_cpu") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python3 -m bench.{benchmark}",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="tcp,shm")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--layers", type=int, default=30)  # SmolLM2-135M
@@ -57,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "handshake first, then all blocks; GB/s over the time after the blocks "
                         "were handed over), two_parts (half the blocks, a 20 ms pause standing "
                         "in for the last prefill chunk, then the rest; reports the tail)")
-    p.add_argument("--out", default=None)
+    harness.add_output_args(p, benchmark)
     p.add_argument("--src-device", default="cpu", help="sender cache device (e.g. cuda:0)")
     p.add_argument("--dst-device", default="cpu", help="receiver cache device (e.g. cuda:1)")
     p.add_argument("--role", default="sender", choices=["sender", "receiver"])
@@ -128,11 +136,11 @@ async def bench_backend(args: argparse.Namespace, backend: str) -> dict:
         opts["num_slots"] = args.shm_slots
     tx = make_sender(backend, src, layout, **opts)
     child = subprocess.Popen(
-        [sys.executable, __file__, "--role", "receiver", "--backend", backend,
-         "--tokens", str(args.tokens), "--layers", str(args.layers), "--kv-heads",
+        [sys.executable, "-m", "bench.kv_transfer_cpu", "--role", "receiver",
+         "--backend", backend, "--tokens", str(args.tokens), "--layers", str(args.layers), "--kv-heads",
          str(args.kv_heads), "--head-dim", str(args.head_dim), "--block-size",
          str(args.block_size), "--dtype", args.dtype, "--dst-device", args.dst_device],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=harness.REPO)
     loop = asyncio.get_running_loop()
 
     async def readline() -> str:
@@ -273,13 +281,16 @@ def device_copy_gbps(nbytes: int, src: str, dst: str, runs: int) -> float:
     return nbytes / statistics.median(times[2:]) / 1e9
 
 
-async def main(args: argparse.Namespace, script: str = __file__) -> None:
+async def main(args: argparse.Namespace, benchmark: str = "kv_transfer_cpu",
+               figures: list[harness.Figure] = FIGURES, argv: list[str] | None = None) -> dict:
     layout = layout_of(args)
     n = -(-args.tokens // args.block_size)
     payload = n * layout.block_bytes
     print(f"KV of {args.tokens} tokens: {n} blocks x {layout.block_bytes} B = "
           f"{payload / 2**20:.1f} MiB", flush=True)
-    load = [round(x, 2) for x in os.getloadavg()]  # the CI host is shared: note how busy
+    cfg = {k: v for k, v in vars(args).items() if k not in ("out", "result_set", "role",
+                                                           "backend")}
+    head = harness.header(benchmark, cfg, argv=argv, about=__doc__, figures=figures)
     results = {}
     for b in args.backends.split(","):
         try:
@@ -295,7 +306,7 @@ async def main(args: argparse.Namespace, script: str = __file__) -> None:
         copy = memcpy_gbps(payload, args.runs)
         print(f"in-process single-thread memcpy of the same payload: {copy:.2f} GB/s")
     report = {
-        "command": "python " + shlex.join([os.path.relpath(script), *sys.argv[1:]]),
+        **head,
         "layout": layout.__dict__, "tokens": args.tokens, "num_blocks": n,
         "payload_bytes": payload, "runs": args.runs, "warmup": args.warmup,
         "gbps_definition": ("mode send: payload bytes / sender send() seconds (connect..ack); "
@@ -313,17 +324,12 @@ async def main(args: argparse.Namespace, script: str = __file__) -> None:
         "devices": {"src": args.src_device, "dst": args.dst_device,
                     "names": [torch.cuda.get_device_name(i)
                               for i in range(torch.cuda.device_count())]},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "torch_threads": torch.get_num_threads(),
-                    "loadavg_at_start": load,
-                    "event_loop": type(asyncio.get_running_loop()).__module__},
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "torch_threads": torch.get_num_threads(),
+        "event_loop": type(asyncio.get_running_loop()).__module__,
     }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    path = harness.write_json(harness.output_path(args, benchmark), report)
+    print(f"wrote {path}")
+    return report
 
 
 def log_timelines(role: str) -> None:
@@ -333,7 +339,12 @@ def log_timelines(role: str) -> None:
                             format=f"[{role}] %(message)s")
 
 
-if __name__ == "__main__":
-    ns = parse_args()
+def cli(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = parse_args(argv)
     log_timelines(ns.role)
-    run_on_service_loop(receiver_main(ns) if ns.role == "receiver" else main(ns))
+    run_on_service_loop(receiver_main(ns) if ns.role == "receiver" else main(ns, argv=argv))
+
+
+if __name__ == "__main__":
+    cli()

@@ -15,7 +15,7 @@ handshake happens first, then all blocks (or half, 20 ms, the rest) are handed o
 GB/s is over the time after the last hand-over, i.e. what a transfer adds to TTFT.
 The ceiling is one contiguous cuda:0 -> cuda:1 copy of the same payload in one process.
 
-    PYTHONPATH=. python3 bench/kv_transfer_gpu.py --out bench/results/kv_transfer_gpu_h200.json
+    python3 -m bench.kv_transfer_gpu --set h200-mycommit          (2 GPUs, ~2 min)
 """
 
 from __future__ import annotations
@@ -23,11 +23,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import kv_transfer_cpu as driver  # noqa: E402
+from bench import kv_transfer_cpu as driver
+from pdserve.benchlib import harness
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -36,17 +34,29 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 GPU_DEFAULTS = ["--backends", "nccl,cuda_ipc,nixl", "--layers", "32", "--kv-heads", "8",
                 "--head-dim", "128", "--dtype", "bfloat16", "--src-device", "cuda:0",
                 "--dst-device", "cuda:1", "--runs", "10", "--warmup", "2",
-                "--modes", "send,ahead,two_parts"]
+                "--modes", "send,ahead,two_parts",
+                "--patterns", "contiguous,runs8,runs24,scattered"]
 
 
-def main() -> None:
-    args = driver.parse_args(GPU_DEFAULTS + sys.argv[1:])
+FIGURES = [
+    harness.Figure(f"{backend}, {pattern} blocks, data movement", "GB/s",
+                   ("results", backend, pattern, "data_median_gbps"))
+    for backend in ("nccl", "cuda_ipc", "nixl") for pattern in ("runs8", "scattered")
+] + [harness.Figure(f"{backend}, contiguous, one send end to end", "GB/s",
+                    ("results", backend, "contiguous", "median_gbps"))
+     for backend in ("nccl", "cuda_ipc", "nixl")] + [
+    harness.Figure("in-process cuda:0 -> cuda:1 copy (ceiling)", "GB/s", ("copy_ceiling_gbps",))]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = driver.parse_args(GPU_DEFAULTS + argv, benchmark="kv_transfer_gpu")
     if args.role == "sender" and "nixl" in args.backends.split(",") and \
             importlib.util.find_spec("nixl_cu13") is None:
         print("nixl_cu13 not importable: skipping the nixl backend", flush=True)
         args.backends = ",".join(b for b in args.backends.split(",") if b != "nixl")
     driver.log_timelines(args.role)
-    driver.run_on_service_loop(driver.main(args, script=__file__))
+    driver.run_on_service_loop(driver.main(args, "kv_transfer_gpu", FIGURES, argv=argv))
 
 
 if __name__ == "__main__":

@@ -18,13 +18,11 @@ process, on dummy:llama-3-8b bf16:
 Times are host wall times of launch + collect (sampling included), medians of --reps after
 two warm-ups.
 
-    PYTHONPATH=. python3 bench/mixed_step_gpu.py --out bench/results/mixed_step_gpu_h200.json
+    python3 -m bench.mixed_step_gpu --set h200-mycommit             (one GPU, ~2 min)
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import sys
@@ -32,12 +30,20 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine.llm import LLM
+from engine.request import SamplingParams
+from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.sequence import Sequence, SeqStatus
+from pdserve.benchlib import harness
+from pdserve.benchlib.workload import parse_range
 
-from engine.llm import LLM  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
-from engine.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
-from engine.sequence import Sequence, SeqStatus  # noqa: E402
+FIGURES = [
+    harness.Figure(f"{d} decode rows + {p}-token chunk, {name}", "ms",
+                   ("rows", {"decode_rows": d, "chunk": p}, key), format=".1f")
+    for d, p in ((128, 256), (128, 2048))
+    for name, key in (("decode rows alone", "decode_ms"), ("one launch (before)",
+                                                           "mixed_one_launch_ms"),
+                      ("split, eager", "mixed_split_ms"), ("split, graph", "mixed_graph_ms"))]
 
 
 def build_seq(eng, rid: str, tokens: list[int], computed: int, sp) -> Sequence:
@@ -61,9 +67,11 @@ def timed(runner, out: SchedulerOutput, reps: int) -> list[float]:
     return times
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python3 -m bench.mixed_step_gpu",
+                                 description=__doc__.splitlines()[0])
+    harness.add_output_args(ap, "mixed_step_gpu")
     ap.add_argument("--decode-rows", default="32,64,128,192",
                     help="comma-separated D: running sequences that decode")
     ap.add_argument("--chunks", default="256,512,2048",
@@ -73,10 +81,10 @@ def main() -> None:
     ap.add_argument("--ctx", default="512:4096", help="decode rows' context lengths, lo:hi")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--kv-gib", type=float, default=90.0)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     ds = [int(x) for x in a.decode_rows.split(",")]
     ps = [int(x) for x in a.chunks.split(",")]
-    lo, hi = (int(x) for x in a.ctx.split(":"))
+    lo, hi = parse_range(a.ctx)
     llm = LLM("dummy:llama-3-8b", dtype="bfloat16", device="cuda", max_num_seqs=max(ds) + 1,
               max_num_batched_tokens=max(ps) + max(ds), max_model_len=8192,
               kv_cache_memory_bytes=int(a.kv_gib * 2**30), enable_prefix_caching=False)
@@ -85,9 +93,11 @@ def main() -> None:
     vocab = eng.model_config.vocab_size
     sp = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
     rng = random.Random(0)
-    R = {"command": "PYTHONPATH=. python3 " + " ".join(sys.argv), "torch": torch.__version__,
-         "device": torch.cuda.get_device_name(0), "args": vars(a),
-         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": []}
+    rec = harness.Recorder.start("mixed_step_gpu", a, argv=argv, about=__doc__,
+                                 figures=FIGURES)
+    R = rec.doc
+    R["device"] = torch.cuda.get_device_name(0)
+    R["rows"] = []
     decoders = []
     for i in range(max(ds)):
         n = rng.randint(lo, hi)
@@ -143,12 +153,10 @@ def main() -> None:
                 row["graph_speedup"] = round(row["mixed_split_ms"] / row["mixed_graph_ms"], 2)
             R["rows"].append(row)
             print(row, flush=True)
-            with open(a.out, "w") as f:
-                json.dump(R, f, indent=1)
+            rec.save()
         eng.block_manager.free_seq(chunk)
     R["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    with open(a.out, "w") as f:
-        json.dump(R, f, indent=1)
+    print(f"wrote {rec.save()}")
 
 
 if __name__ == "__main__":

@@ -7,16 +7,14 @@ at once: the engine runs full prefill steps back to back, as a saturated prefill
 
 Each of ``--rounds`` runs uses fresh prompts (prefix caching off). Also the TTFT of one
 4096-token prompt alone. Compare engine variants by running it once per variant (the
-engine's PDSERVE_* switches). bench/results/prefill_capacity_gpu_h200*.json came from commit
-497cd89, which compared attention paths inside one process (``long_min_query``; reverted).
+engine's PDSERVE_* switches).
 
-    PYTHONPATH=. python3 bench/prefill_capacity_gpu.py --out bench/results/prefill_capacity_gpu_h200.json
+    python3 -m bench.prefill_capacity_gpu --set h200-mycommit       (one GPU, ~2 min)
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -24,14 +22,21 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from engine.llm import LLM
+from engine.request import SamplingParams
+from pdserve.benchlib import harness
+from pdserve.benchlib.workload import parse_range
 
-from engine.llm import LLM  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+FIGURES = [
+    harness.Figure("prompt tokens/s of one prefill engine on the disagg mix (median)", "tok/s",
+                   ("prompt_tok_s_median",)),
+    harness.Figure("one 4096-token prompt alone, budget 2048", "ms",
+                   ("ttft_long_ms", "median"), format=".1f"),
+]
 
 
 def prompts(rng: random.Random, n: int, a, vocab: int) -> list[list[int]]:
-    lo, hi = (int(x) for x in a.short.split(":"))
+    lo, hi = parse_range(a.short)
     out = []
     for _ in range(n):
         length = a.long_len if rng.random() < a.long_frac else rng.randint(lo, hi)
@@ -39,9 +44,11 @@ def prompts(rng: random.Random, n: int, a, vocab: int) -> list[list[int]]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python3 -m bench.prefill_capacity_gpu",
+                                 description=__doc__.splitlines()[0])
+    harness.add_output_args(ap, "prefill_capacity_gpu")
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
@@ -50,14 +57,13 @@ def main() -> None:
     ap.add_argument("--long-len", type=int, default=4096)
     ap.add_argument("--short", default="128:512")
     ap.add_argument("--kv-gib", type=float, default=40.0)
-    a = ap.parse_args()
-    R = {"command": "PYTHONPATH=. python3 " + " ".join(sys.argv), "torch": torch.__version__,
-         "device": torch.cuda.get_device_name(0), "args": vars(a),
-         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": []}
-
-    def save():
-        with open(a.out, "w") as f:
-            json.dump(R, f, indent=1)
+    a = ap.parse_args(argv)
+    rec = harness.Recorder.start("prefill_capacity_gpu", a, argv=argv, about=__doc__,
+                                 figures=FIGURES)
+    R = rec.doc
+    R["device"] = torch.cuda.get_device_name(0)
+    R["runs"] = []
+    save = rec.save
 
     llm = LLM("dummy:llama-3-8b", dtype="bfloat16", device="cuda", max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_batched_tokens, max_model_len=a.long_len + 256,
@@ -90,7 +96,6 @@ def main() -> None:
     R["ttft_long_ms"] = {"runs": [round(x, 2) for x in ttfts],
                          "median": round(statistics.median(ttfts[1:]), 2)}
     R["prompt_tok_s_median"] = round(statistics.median(r["prompt_tok_s"] for r in R["runs"]))
-    R["env"] = {k: v for k, v in os.environ.items() if k.startswith("PDSERVE_")}
     R["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     save()
     print(json.dumps({k: R[k] for k in ("prompt_tok_s_median", "ttft_long_ms")}))

@@ -1,15 +1,19 @@
 """Serving overhead on CPU: 16 concurrent streams through the full gRPC path (gateway ->
 workers, real processes, real Redis) against the in-process engine on the same prompts.
 
-    python bench/serving_cpu.py --out bench/results/serving_cpu.json
+    python3 -m bench.serving_cpu --set cpu-mybox
+    python3 -m bench.serving_cpu --threads 1 --set cpu-mybox       (equal thread counts)
+    python3 -m bench.serving_cpu --model dummy:tiny --streams 2 --rounds 1 --max-tokens 4 \\
+        --out /tmp/serving.json                                     (quick)
 
 Each of --streams closed-loop streams sends --rounds requests back to back (greedy, EOS
 ignored, --max-tokens new tokens, prompts of 64-192 tokens). Reported per deployment: output
 tok/s, TTFT p50/p90 under that load (mostly queueing), the TTFT p50 of requests sent one at a
 time (the path's own latency: gRPC hops, routing, KV transfer), and the ratios/differences to
-the in-process engine (AsyncEngine driven by the same asyncio client loop in this process). Deployments: colocated (1 worker, gateway in front) and
-1P1D (prefill and decode workers, KV over tcp). The KV transfer GB/s comes from
-bench/kv_transfer_cpu.py (tcp and shm between two processes).
+the in-process engine (AsyncEngine driven by the same asyncio client loop in this process).
+Deployments: colocated (1 worker, gateway in front) and 1P1D (prefill and decode workers, KV
+over tcp). The KV transfer GB/s comes from bench/kv_transfer_cpu.py (tcp and shm between two
+processes).
 """
 from __future__ import annotations
 
@@ -21,19 +25,26 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from pdserve.benchlib import harness
+from pdserve.benchlib.metrics import percentile
+
+FIGURES = [
+    harness.Figure("colocated throughput / in-process", "",
+                   ("summary", "colocated", "throughput_ratio"), format=".2f"),
+    harness.Figure("1P1D throughput / in-process", "", ("summary", "1p1d", "throughput_ratio"),
+                   format=".2f"),
+    harness.Figure("1P1D TTFT p50 added, one request at a time", "ms",
+                   ("summary", "1p1d", "added_ttft_p50_ms_single"), format=".1f"),
+]
 
 
-def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of 64-192 random token ids in [100, min(vocab - 1, 40000))."""
     import random
     rng = random.Random(seed)
-    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(64, 193))] for _ in range(n)]
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    hi = min(vocab - 1, 40000)
+    return [[rng.randrange(min(100, hi // 2), hi) for _ in range(rng.randrange(64, 193))]
+            for _ in range(n)]
 
 
 def summarize(results, wall) -> dict:
@@ -41,7 +52,7 @@ def summarize(results, wall) -> dict:
     toks = sum(r["tokens"] for r in results)
     return {"requests": len(results), "output_tokens": toks, "wall_s": wall,
             "output_tok_s": toks / wall, "ttft_p50_ms": 1000 * statistics.median(ttft),
-            "ttft_p90_ms": 1000 * pct(ttft, 0.9)}
+            "ttft_p90_ms": 1000 * percentile(ttft, 90)}
 
 
 async def single_ttft(submit, prompts, n: int = 8) -> float:
@@ -112,8 +123,10 @@ async def bench_cluster(args, prompts, **kw):
         c.stop()
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python3 -m bench.serving_cpu",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
@@ -123,36 +136,31 @@ def main():
     ap.add_argument("--worker-threads", type=int, default=1,
                     help="torch threads per worker process (the gateway and the client need "
                          "a core too: more threads than free cores stalls OpenMP)")
-    ap.add_argument("--out", default=os.path.join(REPO, "bench/results/serving_cpu.json"))
-    a = ap.parse_args()
-    prompts = make_prompts(a.streams * a.rounds)
-    doc = {"command": "python bench/serving_cpu.py " + " ".join(sys.argv[1:]),
-           "load_avg_start": os.getloadavg(), "cpus": os.cpu_count(), "config": vars(a)}
-    doc["inprocess"] = asyncio.run(bench_inprocess(a, prompts))
-    print("in-process", doc["inprocess"], flush=True)
-    doc["colocated"] = asyncio.run(bench_cluster(
-        a, prompts, prefill=0, decode=0, colocated=1,
-        worker_args=("--num-threads", str(a.worker_threads))))
-    print("colocated", doc["colocated"], flush=True)
-    doc["1p1d"] = asyncio.run(bench_cluster(
-        a, prompts, prefill=1, decode=1,
-        worker_args=("--num-threads", str(a.worker_threads))))
-    print("1p1d", doc["1p1d"], flush=True)
-    base = doc["inprocess"]
-    doc["summary"] = {
-        name: {"throughput_ratio": doc[name]["output_tok_s"] / base["output_tok_s"],
-               "added_ttft_p50_ms_under_load": doc[name]["ttft_p50_ms"] - base["ttft_p50_ms"],
-               "added_ttft_p50_ms_single": doc[name]["single_ttft_p50_ms"]
+    harness.add_output_args(ap, "serving_cpu")
+    a = ap.parse_args(argv)
+    from engine.loader import load_config
+    prompts = make_prompts(a.streams * a.rounds, load_config(a.model).vocab_size)
+    rec = harness.Recorder.start("serving_cpu", a, argv=argv, about=__doc__, figures=FIGURES)
+    rec["inprocess"] = asyncio.run(bench_inprocess(a, prompts))
+    print("in-process", rec["inprocess"], flush=True)
+    wargs = ("--num-threads", str(a.worker_threads))
+    rec["colocated"] = asyncio.run(bench_cluster(a, prompts, prefill=0, decode=0, colocated=1,
+                                                 worker_args=wargs))
+    print("colocated", rec["colocated"], flush=True)
+    rec["1p1d"] = asyncio.run(bench_cluster(a, prompts, prefill=1, decode=1, worker_args=wargs))
+    print("1p1d", rec["1p1d"], flush=True)
+    base = rec["inprocess"]
+    summary = {
+        name: {"throughput_ratio": rec[name]["output_tok_s"] / base["output_tok_s"],
+               "added_ttft_p50_ms_under_load": rec[name]["ttft_p50_ms"] - base["ttft_p50_ms"],
+               "added_ttft_p50_ms_single": rec[name]["single_ttft_p50_ms"]
                - base["single_ttft_p50_ms"]}
         for name in ("colocated", "1p1d")}
-    doc["summary"]["targets"] = {"throughput_ratio": ">= 0.85", "added_ttft_p50_ms": "<= 20"}
-    kv = os.path.join(REPO, "bench/results/kv_transfer_cpu.json")
-    if os.path.exists(kv):
-        doc["kv_transfer"] = json.load(open(kv)).get("summary", "see kv_transfer_cpu.json")
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(json.dumps(doc["summary"], indent=2))
+    summary["targets"] = {"throughput_ratio": ">= 0.85", "added_ttft_p50_ms": "<= 20"}
+    rec["summary"] = summary
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {rec.save()}")
+    return rec.doc
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 real Redis, KV over tcp), one with tracing off and one exporting every span over OTLP/gRPC to
 a collector in this process (pdserve.otlp_receiver), sampler always_on.
 
-    python bench/tracing_overhead_cpu.py --out bench/results/tracing_overhead_cpu.json
+    python3 -m bench.tracing_overhead_cpu --model smollm2-135m --set cpu-mybox
+    python3 -m bench.tracing_overhead_cpu --set cpu-mybox      (dummy:tiny: the worst case)
+    python3 -m bench.tracing_overhead_cpu --pairs 1 --streams 2 --rounds 1 --max-tokens 4 \\
+        --out /tmp/tracing.json                                (quick)
 
 Both clusters run at once; trials alternate off, on, off, on, ... so slow drifts of a shared,
 noisy machine hit both alike. One trial: --streams closed-loop streams each send --rounds
@@ -22,18 +25,15 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench.serving_cpu import drive, make_prompts, summarize
+from pdserve.benchlib import harness
 
-from bench.serving_cpu import drive, summarize  # noqa: E402
-
-
-def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    import random
-    rng = random.Random(seed)
-    hi = min(vocab - 1, 40000)
-    return [[rng.randrange(min(100, hi // 2), hi) for _ in range(rng.randrange(64, 193))]
-            for _ in range(n)]
+FIGURES = [
+    harness.Figure("throughput with tracing on / off (median of pairs)", "",
+                   ("summary", "median_ratio_on_off"), format=".3f"),
+    harness.Figure("service CPU added per request by tracing", "",
+                   ("summary", "service_cpu_overhead"), format="+.1%"),
+]
 
 
 def cluster_cpu_s(cluster) -> float:
@@ -70,24 +70,28 @@ async def trial(address, prompts, args, tag):
     return summarize(res, wall)
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python3 -m bench.tracing_overhead_cpu",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="dummy:tiny")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--pairs", type=int, default=6, help="off/on trial pairs")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    ap.add_argument("--out", default=os.path.join(REPO, "bench/results/tracing_overhead_cpu.json"))
-    a = ap.parse_args()
+    ap.add_argument("--note", default="", help="free text stored in the JSON")
+    harness.add_output_args(ap, "tracing_overhead_cpu")
+    a = ap.parse_args(argv)
 
     from pdserve.cluster import LocalCluster
     from pdserve.otlp_receiver import OtlpReceiver
     from engine.loader import load_config
     prompts = make_prompts(a.streams * a.rounds, load_config(a.model).vocab_size)
-    doc = {"command": "python bench/tracing_overhead_cpu.py " + " ".join(sys.argv[1:]),
-           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cpus": os.cpu_count(),
-           "load_avg_start": os.getloadavg(), "config": vars(a)}
+    rec = harness.Recorder.start("tracing_overhead_cpu", a, argv=argv, about=__doc__,
+                                 figures=FIGURES)
+    doc = rec.doc
+    doc["note"] = a.note
     wargs = ("--num-threads", str(a.threads))
     off_env = {"OTEL_TRACES_EXPORTER": "none"}
     with OtlpReceiver() as rx:
@@ -120,23 +124,24 @@ def main():
     cpu_on = [t["on"]["service_cpu_ms_per_request"] for t in trials]
     traced_requests = len({s.trace_id for s in spans if s.name == "gateway.Generate"})
     doc["trials"] = trials
-    doc["load_avg_end"] = os.getloadavg()
+    doc["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     doc["summary"] = {
         "median_ratio_on_off": statistics.median(ratios),
         "min_ratio": min(ratios), "max_ratio": max(ratios),
         "ratio_of_totals": sum(on_tps) / sum(off_tps),
-        "off_tok_s_median": statistics.median(off_tps), "on_tok_s_median": statistics.median(on_tps),
-        "off_tok_s_range": [min(off_tps), max(off_tps)], "on_tok_s_range": [min(on_tps), max(on_tps)],
+        "off_tok_s_median": statistics.median(off_tps),
+        "on_tok_s_median": statistics.median(on_tps),
+        "off_tok_s_range": [min(off_tps), max(off_tps)],
+        "on_tok_s_range": [min(on_tps), max(on_tps)],
         "service_cpu_ms_per_request_off_median": statistics.median(cpu_off),
         "service_cpu_ms_per_request_on_median": statistics.median(cpu_on),
         "service_cpu_overhead": statistics.median(cpu_on) / statistics.median(cpu_off) - 1,
         "spans_received": len(spans), "traces_received": traced_requests,
         "target": "median_ratio_on_off >= 0.97",
     }
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=2)
     print(json.dumps(doc["summary"], indent=2))
+    print(f"wrote {rec.save()}")
+    return doc
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
 """List the Triton kernels compiled into a cache directory, oldest first, with the time each
 was written: run a service with a fresh ``TRITON_CACHE_DIR``, then compare the times with its
-log to see which kernels compiled while it served (bench/results/triton_compiles_colocated_s11.log).
+log to see which kernels compiled while it served (docs/performance.md, "Triton compiles
+during serving").
 
-    python3 bench/triton_cache_list.py /tmp/tc
+    python3 -m bench.triton_cache_list /tmp/tc
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import time
 
 
@@ -30,6 +31,13 @@ def compiled(root: str) -> list[tuple[float, str]]:
     return sorted(rows)
 
 
-if __name__ == "__main__":
-    for t, name in compiled(sys.argv[1]):
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python3 -m bench.triton_cache_list",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("cache_dir", help="a TRITON_CACHE_DIR")
+    for t, name in compiled(p.parse_args(argv).cache_dir):
         print(time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}", name)
+
+
+if __name__ == "__main__":
+    main()

@@ -8,34 +8,37 @@ prefill worker's queueing, compute and KV transfer, the decode worker's KV wait.
 transfer starts with the request (its handshake and finished chunks overlap the compute), so
 what it adds is its end minus the compute's end (``end_ms_p50``).
 
-    python bench/ttft_breakdown.py --model dummy:tiny --out /tmp/ttft_cpu.json      (CPU)
-    PYTHONPATH=. python3 bench/ttft_breakdown.py --devices gpu --kv-backend nccl,cuda_ipc \\
-        --out bench/results/ttft_breakdown_h200.json                                 (2 GPUs)
+    python3 -m bench.ttft_breakdown --model dummy:tiny --set cpu-mybox             (CPU)
+    python3 -m bench.ttft_breakdown --devices gpu --kv-backend nccl,cuda_ipc \\
+        --set h200-mycommit                                                        (2 GPUs)
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
-import shlex
 import statistics
 import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pdserve import client  # noqa: E402
-from pdserve.cluster import LocalCluster  # noqa: E402
-from pdserve.otlp_receiver import OtlpReceiver  # noqa: E402
+from pdserve import client
+from pdserve.benchlib import harness
+from pdserve.cluster import LocalCluster
+from pdserve.otlp_receiver import OtlpReceiver
 
 GiB = 1 << 30
+FIGURES = [
+    harness.Figure(f"{what} ends, after the gateway's span starts", "ms",
+                   ("spans", {"span": span}, "end_ms_p50"), format=".1f")
+    for what, span in (("prefill compute", "pdserve-prefill/prefill.compute"),
+                       ("KV transfer", "pdserve-prefill/kv.transfer"),
+                       ("the decode worker's prefill call", "pdserve-decode/prefill.remote"))]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python3 -m bench.ttft_breakdown",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--model", default="dummy:llama-3-8b")
     p.add_argument("--devices", default="cpu", choices=["cpu", "gpu"])
     p.add_argument("--kv-backend", default="tcp")
@@ -43,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--vocab", type=int, default=None, help="token ids drawn below this")
-    p.add_argument("--out", default=None)
+    harness.add_output_args(p, "ttft_breakdown")
     return p.parse_args(argv)
 
 
@@ -56,7 +59,9 @@ async def _one(address: str, ids: list[int]) -> None:
 
 
 def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
+    rec = harness.Recorder.start("ttft_breakdown", a, argv=argv, about=__doc__, figures=FIGURES)
     gpu = a.devices == "gpu"
     plen = a.prompt_len or (4096 if gpu else 512)
     vocab = a.vocab or (128000 if gpu else 250)
@@ -105,14 +110,11 @@ def main(argv=None) -> dict:
     for r in table:
         print(f"{r['span']:48s} {r['start_ms_p50']:9.2f} {r['duration_ms_p50']:9.2f} "
               f"{r['end_ms_p50']:9.2f}")
-    doc = {"command": "python " + shlex.join([os.path.relpath(__file__), *sys.argv[1:]]),
-           "settings": vars(a) | {"prompt_len": plen}, "spans": table,
-           "note": "start/duration relative to the gateway's Generate span start; medians"}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(doc, f, indent=2)
-        print(f"wrote {a.out}")
-    return doc
+    rec["settings"] = vars(a) | {"prompt_len": plen}
+    rec["spans"] = table
+    rec["note"] = "start/duration relative to the gateway's Generate span start; medians"
+    print(f"wrote {rec.save()}")
+    return rec.doc
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""TTFT added by disaggregation, GPU for GPU (issue 5): each 1P1D set-up against a colocated
+"""TTFT added by disaggregation, GPU for GPU: each 1P1D set-up against a colocated
 worker on the GPU that does the prefill, runs interleaved.
 
 bench/disagg_gpu.py compares 1P1D (prefill on cuda:0) with two colocated workers (cuda:0 and
@@ -18,30 +18,35 @@ Per set-up: the TTFT of ``--repeats`` distinct random ``--prompt-len``-token pro
 round, sent one at a time through the gateway (the client's time to the first token), after
 a warm-up; the workers are disagg_gpu.py's (same arguments, GEMV off). Reported: median and
 spread of all its prompts, and for every 1P1D set-up the added TTFT against ``coloc@G`` of
-its prefill GPU (with the same K=V where that set-up exists). Where both GPUs have both, ``pooled``: the mean of the 1P1D medians over the
-two prefill GPUs against the mean of the two colocated medians (the prefill GPU of a
-deployment being either one).
+its prefill GPU (with the same K=V where that set-up exists). Where both GPUs have both,
+``pooled``: the mean of the 1P1D medians over the two prefill GPUs against the mean of the
+two colocated medians (the prefill GPU of a deployment being either one).
 
-    PYTHONPATH=. python3 bench/ttft_gpu.py --out bench/results/ttft_gpu_h200.json
+    python3 -m bench.ttft_gpu --set h200-mycommit                        (2 GPUs, ~4 min)
+    python3 -m bench.ttft_gpu --devices cpu --configs coloc@0,1p1d@0:tcp --rounds 1 \\
+        --repeats 2 --prompt-len 64 --model dummy:tiny --out /tmp/ttft_gpu_cpu.json  (CPU smoke)
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import disagg_gpu as dg
+from bench.disagg_workload import ttft_items, warmup_items
+from pdserve.benchlib import harness, metrics
+from pdserve.cluster import LocalCluster
 
-import disagg_gpu as dg  # noqa: E402
-from disagg_workload import ttft_items, warmup_items  # noqa: E402
-from disagg_report import environment  # noqa: E402
-from pdserve.benchlib import metrics  # noqa: E402
-from pdserve.cluster import LocalCluster  # noqa: E402
-
+FIGURES = [
+    harness.Figure("1P1D nccl TTFT added, pooled over both prefill GPUs", "%",
+                   ("summary", "pooled", "nccl", "added_pct"), format="+.2f"),
+    harness.Figure("1P1D cuda_ipc TTFT added on cuda:0", "%",
+                   ("summary", "added", "1p1d@0:cuda_ipc", "added_pct"), format="+.2f"),
+    harness.Figure("colocated TTFT on cuda:0 (4096-token prompt)", "ms",
+                   ("summary", "setups", "coloc@0", "ttft_ms", "p50"), format=".1f"),
+]
 DEFAULT_CONFIGS = "coloc@0,1p1d@0:nccl,coloc@1,1p1d@1:nccl"
 
 
@@ -126,7 +131,8 @@ def summarize(cfgs: list[dict], runs: dict[str, list[dict]]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m bench.ttft_gpu",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=DEFAULT_CONFIGS)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=12, help="TTFT prompts per set-up and round")
@@ -134,8 +140,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="dummy:llama-3-8b")
     p.add_argument("--devices", default="gpu", choices=["gpu", "cpu"],
                    help="cpu: a smoke run (the @G are ignored; use a CPU backend, e.g. tcp)")
-    p.add_argument("--out", default=None)
     p.add_argument("--note", default="")
+    harness.add_output_args(p, "ttft_gpu")
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(argv)
     cfgs = [parse_config(x.strip()) for x in a.configs.split(",") if x.strip()]
     cpu = ["--quick", "--devices", "cpu", "--dtype", "float32"] if a.devices == "cpu" else []
@@ -143,16 +150,16 @@ def main(argv=None) -> int:
         "--model", a.model, "--prompt-len", str(a.prompt_len), "--ttft-repeats",
         str(a.repeats), "--warmup-rounds", "1"]))
     runs: dict[str, list[dict]] = {c["name"]: [] for c in cfgs}
-    doc = {"command": "python3 " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
-           "note": a.note, "prompt_len": a.prompt_len, "repeats": a.repeats,
-           "rounds": a.rounds, "worker_args": dg.worker_args(d), "worker_env": d.worker_env,
-           "environment": environment(d), "runs": runs}
+    out = harness.output_path(a, "ttft_gpu")
+    doc = harness.header("ttft_gpu", a, argv=argv, about=__doc__, figures=FIGURES,
+                         cuda=a.devices == "gpu")
+    doc.update({"note": a.note, "prompt_len": a.prompt_len, "repeats": a.repeats,
+                "rounds": a.rounds, "worker_args": dg.worker_args(d),
+                "worker_env": d.worker_env, "runs": runs})
 
     def save():
         doc["summary"] = summarize(cfgs, runs)
-        if a.out:
-            with open(a.out, "w") as f:
-                f.write(json.dumps(doc, indent=1) + "\n")
+        harness.write_json(out, doc)
 
     for rnd in range(a.rounds):
         for c in cfgs:

@@ -222,17 +222,18 @@ class BlockManager:
         in as few runs of consecutive ids as the oldest free blocks allow.
 
         A KV transfer costs one copy / message / descriptor per run that is contiguous in
-        both caches (``kvtransfer.control.segments``), and on two H200s 256 pieces of 2 MiB
-        move at 250-295 GB/s where one of 512 MiB moves at 330-385. Taking blocks strictly
-        in eviction order fragments a cache once it has been used through: every freed
-        sequence goes back tail first, decode steps take blocks one at a time, and a 4096-
-        token prompt's transfer came to ~216 pieces of ~1.2 blocks (bench/kv_block_runs.py).
-        So ``n`` >= RUN_MIN_BLOCKS blocks come from the ``RUN_WINDOW * n`` least recently
-        freed ones (at most RUN_WINDOW_MAX), whole runs of consecutive ids first, the
-        longest first (ties: the older run), which brings it to ~8 pieces. The cost is
-        eviction order within that window: a cached block there may go while an older one
-        of a shorter run stays (``PDSERVE_KV_BLOCK_RUNS=0`` keeps strict order). Host time:
-        ~0.1-0.4 ms for 128-256 blocks (against ~0.05-0.15 in strict order)."""
+        both caches (``kvtransfer.control.segments``), and each piece has a fixed cost, so a
+        few long runs move much faster than many short ones. Taking blocks strictly in
+        eviction order fragments a cache once it has been used through: every freed
+        sequence goes back tail first and decode steps take blocks one at a time, so a long
+        prompt's blocks come as runs of one or two. So ``n`` >= RUN_MIN_BLOCKS blocks come
+        from the ``RUN_WINDOW * n`` least recently freed ones (at most RUN_WINDOW_MAX),
+        whole runs of consecutive ids first, the longest first (ties: the older run).
+        ``bench/kv_block_runs.py`` counts the pieces per transfer either way
+        (docs/performance.md). The cost is eviction order within that window: a cached
+        block there may go while an older one of a shorter run stays
+        (``PDSERVE_KV_BLOCK_RUNS=0`` keeps strict order); and the window's ids are sorted
+        on the host, a little more work than popping ``n`` blocks."""
         if not self._runs or n < RUN_MIN_BLOCKS or len(self.free) <= n:
             return sorted(self._take_free() for _ in range(n))
         k = min(len(self.free), max(n, min(RUN_WINDOW * n, RUN_WINDOW_MAX)))

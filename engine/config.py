@@ -108,8 +108,8 @@ class EngineConfig:
     mixed_graph_tokens: int = 512
     num_threads: int | None = None  # CPU: torch intra-op threads
     # Launch the next decode step before reading this one's tokens when the batch cannot
-    # change (engine.engine.LLMEngine.step): hides host work behind the GPU (on an H200,
-    # batch-1 decode of Llama-3-8B went 224 -> 239 tok/s, bench/gpu_notes.md). None: on with
+    # change (engine.engine.LLMEngine.step): hides host work behind the GPU's (the gain is in
+    # docs/performance.md). None: on with
     # CUDA graphs (cuda, not enforce_eager), off otherwise; works without a speed-up on the CPU.
     async_decode: bool | None = None
 

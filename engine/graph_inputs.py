@@ -2,11 +2,12 @@
 static inputs of a decode-only step and of a mixed step, written into pinned numpy buffers.
 Checked against the eager inputs on the CPU (tests/unit/test_graph_inputs.py).
 
-Mixed steps: running sequences decoding plus a few short prefill chunks. An eager step of
-Llama-3-8B costs ~11 ms of host time on an H200 (launches of 32 layers), about as long as the
-GPU work of ~100 decode rows. A decode worker that prefills short prompts
+Mixed steps: running sequences decoding plus a few short prefill chunks. An eager step
+launches every layer's kernels from the host, which for an 8B model takes about as long as
+the GPU work of a full batch of decode rows. A decode worker that prefills short prompts
 itself, and a colocated worker whose short prompts join running decodes, run such steps all
-the time; captured, they cost their GPU time only (bench/mixed_step_gpu.py).
+the time; captured, they cost their GPU time only (bench/mixed_step_gpu.py times the paths;
+docs/performance.md, "Kernels").
 
 One graph per (decode bucket ``b``, prefill-token bucket ``p``). Static layout of a step:
 

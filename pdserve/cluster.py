@@ -228,7 +228,7 @@ class LocalCluster:
         extra = [*self.worker_args, *self.role_args.get(role, ())]
         if "--num-threads" not in extra:
             # several workers share this machine's cores: more torch threads than cores per
-            # process makes OpenMP threads wait on each other (measured: 10x slower steps)
+            # process makes OpenMP threads wait on each other (steps several times slower)
             n = sum(self.counts.values()) or 1
             args += ["--num-threads", str(max(1, (os.cpu_count() or 1) // n))]
         return args + extra

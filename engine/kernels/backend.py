@@ -6,9 +6,8 @@ padded row, which the CUDA-graph decode path relies on), then:
 * decode-only steps: ``paged_decode_attention``. Its split count depends only on the
   block-table width, so a graph captured with a fixed width replays for any context length;
 * a step whose sequences have no cached prefix and are long: torch SDPA (flash) over the
-  fresh K/V, one call per sequence. Measured on an H200 (bench/results/kernels_gpu_h200.json)
-  the flash kernel runs a 4096-token causal prefill at ~520 TFLOP/s against ~260 for the
-  Triton paged kernel;
+  fresh K/V, one call per sequence: on a long causal prefill the flash kernel runs about
+  twice as fast as the Triton paged kernel (docs/performance.md, "Kernels");
 * everything else (prefix hits, chunked prefill, many short prompts): one
   ``paged_prefill_attention`` launch over the whole ragged batch, reading K/V back from the
   cache;
@@ -83,10 +82,9 @@ class TritonAttention(AttentionBackend):
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [n, Hq, D], k/v [n, Hk, D], causal with no prefix -> [n, Hq, D]."""
     # 4-D [1, H, n, D]: torch's flash / mem-efficient kernels take 4-D inputs only; 3-D falls
-    # back to the math kernel (measured: 4096-token TTFT 506 ms with 3-D). K/V heads are
-    # shared by the kernel (enable_gqa), not expanded by a copy first: on an H200 a
-    # 4096-token layer takes 0.283 instead of 0.345 ms, with the same output bits
-    # (bench/results/attention_prefill_gpu_h200.json)
+    # back to the math kernel, several times slower. K/V heads are shared by the kernel
+    # (enable_gqa), not expanded by a copy first: faster, with the same output bits
+    # (bench/attention_prefill_gpu.py compares the two)
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                        v.transpose(0, 1)[None], is_causal=True, scale=scale,
                                        enable_gqa=q.shape[1] != k.shape[1])

@@ -23,8 +23,8 @@ _INT = (torch.int32, torch.int64)
 # Triton compiles a kernel again for every new "class" of an integer argument (== 1, a
 # multiple of 16, other). The arguments below change from step to step (the layer, the
 # split count and the block-table width of eager steps), so each new class met under load
-# cost a compile of ~0.3-1 s in the middle of serving (a colocated worker's first rate:
-# TTFT p99 2.4-2.9 s, bench/disagg_notes.md, session 11). Unspecialized, each kernel
+# cost a compile in the middle of serving, which every request of that step waited for
+# (docs/performance.md, "Triton compiles during serving"). Unspecialized, each kernel
 # compiles once per constexpr set, which warm-up and graph capture reach.
 _VARYING = ["layer", "num_splits", "stride_bt"]
 

@@ -15,7 +15,7 @@ from engine.kernels._checks import check_kv_cache, check_shape, check_tensor, ne
 
 _LOG2E = 1.4426950408889634
 _INT = (torch.int32, torch.int64)
-CUDA_CONFIG = (128, 64, 8, 2)  # H200 bf16 d128: 282 TFLOP/s; (128, 128, 8, 2) 290
+CUDA_CONFIG = (128, 64, 8, 2)  # picked on the H200 for bf16, head_dim 128 (docs/performance.md)
 
 
 @triton.jit

@@ -66,8 +66,9 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if rotary.fused and getattr(backend, "fuses_rotary", False) and meta.decode_only:
-            # GPU decode: rotary + store_kv in one kernel inside the backend (measured to pay
-            # at decode; prefill and mixed steps keep the separate kernels)
+            # GPU decode: rotary + store_kv in one kernel inside the backend (it pays at
+            # decode; on prefill and mixed steps it was slower, so they keep the separate
+            # kernels)
             o = backend.forward(self.layer, q, k, v, kv_cache, meta,
                                 rope=(positions, rotary.cos_sin_cache))
         else:

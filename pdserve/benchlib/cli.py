@@ -20,12 +20,10 @@ import contextlib
 import json
 import math
 import os
-import platform
-import shlex
 import sys
 import time
 
-from pdserve.benchlib import metrics, workload
+from pdserve.benchlib import harness, metrics, workload
 from pdserve.benchlib.runner import LoadSpec, cycle_items, run_load
 
 UP_KEYS = ("prefill", "decode", "colocated")
@@ -99,11 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
-
-
 def make_items(a) -> tuple[list[workload.Item], dict]:
     n = a.num_requests or 100
     if a.workload:
@@ -111,7 +104,8 @@ def make_items(a) -> tuple[list[workload.Item], dict]:
         return items, {"replayed_from": a.workload, "items": len(items)}
     spec = workload.WorkloadSpec(
         kind=a.workload_kind, num_requests=n + a.warmup, seed=a.seed, fmt=a.prompt_format,
-        vocab_size=a.vocab_size, input_len=_range(a.input_len), output_len=_range(a.output_len),
+        vocab_size=a.vocab_size, input_len=workload.parse_range(a.input_len),
+        output_len=workload.parse_range(a.output_len),
         num_prefixes=a.num_prefixes, num_users=a.num_users, prefix_len=a.prefix_len,
         num_turns=a.num_turns, reply_len=a.reply_len, long_frac=a.long_frac,
         long_len=a.long_len)
@@ -170,10 +164,9 @@ def run_all(a, items, meta) -> dict:
     slo_ttft = a.slo_ttft_ms / 1000 if a.slo_ttft_ms is not None else None
     slo_tpot = a.slo_tpot_ms / 1000 if a.slo_tpot_ms is not None else None
     progress = False if a.no_progress else None
-    report = {"command": "pdserve bench " + " ".join(shlex.quote(x) for x in a.argv),
-              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                       "loadavg_before": list(os.getloadavg())},
+    config = {k: v for k, v in vars(a).items() if k != "argv"}
+    report = {**harness.header("pdserve_bench", config, argv=a.argv, prog="pdserve bench",
+                               about=__doc__),
               "note": a.note, "model": a.model if (a.up or a.compare_up) else None,
               "workload": meta, "warmup": len(warm), "measured_requests": len(measured),
               "deployments": []}
@@ -194,7 +187,7 @@ def run_all(a, items, meta) -> dict:
                 raw.append((label, ld, s, results))
                 print_summary(desc, s)
         report["deployments"].append(dep)
-    report["host"]["loadavg_after"] = list(os.getloadavg())
+    report["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     if len(report["deployments"]) == 2:
         a_runs, b_runs = (d["runs"] for d in report["deployments"])
         report["compare"] = [{"rate": ra["rate"], "concurrency": ra["concurrency"],

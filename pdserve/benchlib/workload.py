@@ -157,6 +157,12 @@ def _multiturn(g: _Gen) -> list[Item]:
     return out
 
 
+def parse_range(text: str) -> tuple[int, int]:
+    """``"LO:HI"`` -> ``(LO, HI)``; ``"N"`` -> ``(N, N)`` (lengths drawn uniformly in it)."""
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
 def generate(spec: WorkloadSpec) -> list[Item]:
     g = _Gen(spec)
     if spec.kind == "random":

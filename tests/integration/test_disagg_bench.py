@@ -1,8 +1,10 @@
 """bench/disagg_gpu.py in its CPU smoke mode, end to end: two real local clusters (1P1D, then
-two colocated workers; dummy:tiny fp32, KV over tcp), the real benchmark process."""
+two colocated workers; dummy:tiny fp32, KV over tcp), the real benchmark process, started as
+a script with the repository root on PYTHONPATH (bench/__init__.py's second way)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,12 +23,14 @@ def test_disagg_bench_quick_cpu(tmp_path):
            "--gateway-args", "--local-prefill-max-tokens 64 --local-prefill-queue-tokens 1024",
            "--decode-worker-args", "--max-num-batched-tokens 64",
            "--prefill-worker-args", "--max-num-batched-tokens 1024", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=480)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=480, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "TTFT added by disaggregation" in proc.stdout  # the human summary
     rep = json.loads(out.read_text())
     assert rep["complete"] and rep["command"].startswith("python3 bench/disagg_gpu.py --quick")
-    assert rep["environment"]["python"] and rep["settings"]["rate_list"] == [2.0, 4.0]
+    assert rep["machine"]["python"] and rep["settings"]["rate_list"] == [2.0, 4.0]
+    assert rep["benchmark"] == "disagg_gpu" and rep["commit"] and rep["date"]
 
     for name in ("1p1d", "colocated"):
         dep = rep["deployments"][name]

@@ -257,8 +257,7 @@ def test_cli_compare_writes_json_and_plots(gateway, tmp_path, capsys):
 def test_max_rate_at_slo_is_the_last_rate_of_the_unbroken_run():
     """Goodput as DistServe defines it: the highest rate of the sweep up to which every rate
     kept 90% of its requests within the SLO; a later recovery does not count."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from disagg_report import max_rate_at_slo
+    from bench.disagg_report import max_rate_at_slo
 
     def rows(*pairs):
         return [{"rate": r, "summary": {"slo_attainment": a}} for r, a in pairs]
@@ -273,8 +272,7 @@ def test_disagg_rate_samples_follow_the_rate_not_its_place_in_the_list():
     """bench/disagg_gpu.py: a rate label carries the same prompts and arrival seed whatever
     the other rates of the run, and different rates carry different samples."""
     import argparse
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from disagg_workload import rate_items, rate_seed
+    from bench.disagg_workload import rate_items, rate_seed
     a = argparse.Namespace(seed=0, num_requests=6, duration=1.0, vocab_size=500,
                            short=(4, 8), out_range=(2, 3), long_frac=0.25, prompt_len=16)
     first = rate_items(a, 0, 26.0)
@@ -287,8 +285,7 @@ def test_slo_limits_pool_the_samples_of_a_rate_across_runs():
     """disagg_report --limits: a rate's samples from several runs are pooled (21 req/s: one
     sample at 92%, one at 27% -> 60%, failed); the token-rate limit is the highest offered
     prompt tok/s that passed below the lowest that failed."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from disagg_report import limits
+    from bench.disagg_report import limits
 
     def run(dep, *rows):
         return {"deployments": {dep: {"mixed": [
@@ -312,11 +309,10 @@ def test_limits_rescore_requests_against_another_slo():
     """disagg_report --limits --slo-ttft-ms/--slo-tpot-ms: every request of every rate is
     re-scored from its record; against the run's own SLO it gives the run's own count (a
     committed GPU run), and a tighter TPOT SLO drops exactly the slow decoders."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from disagg_report import limits, rescore
+    from bench.disagg_report import limits, rescore
 
-    doc = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" /
-                      "disagg_gpu_h200_colocated_s10.json").read_text())
+    doc = json.loads((Path(__file__).resolve().parents[2] / "bench" / "results" / "disagg_gpu" /
+                      "h200-s11" / "colocated.json").read_text())
     for row in doc["deployments"]["colocated"]["mixed"]:
         s = row["summary"]
         assert rescore(row, 1000, 50) == (s["num_good"], s["num_requests"])
