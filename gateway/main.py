@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 
 from services.config import GatewaySettings
+from services.config_tree import redacted_flat
 from services.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -36,10 +38,15 @@ async def serve_gateway(settings: GatewaySettings) -> None:
                     static_prefill=settings.prefill_addrs, static_decode=settings.decode_addrs,
                     local_prefill_max_tokens=settings.local_prefill_max_tokens,
                     local_prefill_queue_tokens=settings.local_prefill_queue_tokens,
-                    local_prefill_decode_tokens=settings.local_prefill_decode_tokens)
+                    local_prefill_decode_tokens=settings.local_prefill_decode_tokens,
+                    static_capacity=settings.static_capacity,
+                    queue_factor=settings.queue_factor)
     await router.refresh()
     metrics = GatewayMetrics()
     metrics.watch_router(router)
+    shown = redacted_flat(settings)
+    metrics.export_config(shown)
+    logger.info("gateway configuration: %s", json.dumps(shown))
     servicer = GatewayServicer(router, tokenizer, model=model_id, vocab_size=mc.vocab_size,
                                max_model_len=mc.max_position,
                                hasher=BlockHasher(settings.hash_seed, model_id, settings.block_size),
