@@ -61,12 +61,17 @@ def profile_step(runner, lengths: list[int]) -> None:
         seq.block_table = list(range(first, first + nb))
         first += nb
         items.append(ScheduledSeq(seq, n))
+    had, previous = hasattr(runner, "kv_cache"), getattr(runner, "kv_cache", None)
+    steps = runner.eager_steps
     runner.kv_cache = scratch
     try:
         runner.collect(runner.launch(SchedulerOutput(items)))
     finally:
-        del runner.kv_cache
-        runner.eager_steps = 0
+        if had:
+            runner.kv_cache = previous
+        else:
+            del runner.kv_cache
+        runner.eager_steps = steps  # profiling runs are not the engine's steps
 
 
 def gpu_kv_cache_bytes(runner, max_tokens: int, max_seqs: int, max_len: int,

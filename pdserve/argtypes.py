@@ -16,10 +16,14 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _num(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
 def _bounds(lo, hi) -> str:
     if lo is not None and hi is not None:
-        return f"in {lo:g}..{hi:g}"
-    return f">= {lo:g}" if lo is not None else f"<= {hi:g}"
+        return f"in {_num(lo)}..{_num(hi)}"
+    return f">= {_num(lo)}" if lo is not None else f"<= {_num(hi)}"
 
 
 def integer(lo: int | None = None, hi: int | None = None):

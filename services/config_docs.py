@@ -117,10 +117,10 @@ def _table(specs: list[Spec]) -> list[str]:
 def render_docs(roots: dict[str, type]) -> str:
     """The whole of docs/configuration.md."""
     lines = [_INTRO]
-    engine_names = set(tree(roots["engine"]))
     for key, title, who in _TREES:
+        # a worker's engine section is the engine tree, listed once above
         specs = [s for s in tree(roots[key]).values()
-                 if key == "engine" or s.name not in engine_names]
+                 if not (key == "worker" and s.path[0] == "engine")]
         lines += [f"## {title}", "", f"Used by {who}.", ""]
         by_group: dict[str, list[Spec]] = {}
         for s in specs:

@@ -230,11 +230,15 @@ def file_values(path: str, cls: type, sections: Sequence[str],
     every_group = {g for r in roots.values() for g in groups(r)}
     out: Values = {}
 
+    own_groups = groups(cls)
+
     def walk(d: Mapping, where: str, own: bool, allowed: set[str], allowed_groups: set[str]):
         for key, value in d.items():
             key = str(key)
             if isinstance(value, dict) and key in allowed_groups:
-                walk(value, f"{where}{key}.", own, allowed, allowed_groups)
+                # a group of another tree (the engine's [cache] for the gateway) is not ours
+                walk(value, f"{where}{key}.", own and key in own_groups, allowed,
+                     allowed_groups)
                 continue
             if key not in allowed:
                 raise ConfigError(f"config file {path!r}: unknown setting {where}{key}"
@@ -320,16 +324,25 @@ def parser(cls: type, prog: str, description: str = "",
     return p
 
 
-def flag_values(ns: argparse.Namespace, cls: type) -> Values:
+def _flag_used(spec: Spec, argv: Sequence[str] | None) -> str:
+    """The option string that set ``spec`` (an alias, if that is what argv used)."""
+    names = [spec.flag] + ["--" + a.replace("_", "-") for a in spec.meta.get("aliases", ())]
+    used = [t.split("=")[0] for t in argv or () if t.split("=")[0] in names
+            or t.split("=")[0] in ("--no-" + n[2:] for n in names)]
+    return used[-1] if used else spec.flag
+
+
+def flag_values(ns: argparse.Namespace, cls: type, argv: Sequence[str] | None = None) -> Values:
     out: Values = {}
     for spec in tree(cls).values():
         raw = getattr(ns, spec.name, None)
         if raw is None:
             continue
+        flag = _flag_used(spec, argv)
         try:
-            out[spec.name] = (raw if isinstance(raw, bool) else parse_text(spec, raw), spec.flag)
+            out[spec.name] = (raw if isinstance(raw, bool) else parse_text(spec, raw), flag)
         except ValueError as e:
-            raise ConfigError(f"{spec.flag}: {e}") from None
+            raise ConfigError(f"{flag}: {e}") from None
     return out
 
 
@@ -390,7 +403,7 @@ def build(cls: type, *, roots: Mapping[str, type], argv: Sequence[str] | None = 
         values.update(file_values(path, cls, sections, roots))
     values.update(env_values(env, cls, roots))
     if ns is not None:
-        values.update(flag_values(ns, cls))
+        values.update(flag_values(ns, cls, argv))
     values.update(keyword_values(keywords or {}, cls))
     return construct(cls, values), values
 
