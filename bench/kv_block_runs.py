@@ -54,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--long-frac", type=float, default=0.25)
     p.add_argument("--long-len", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-block-runs", dest="block_runs", action="store_false",
+                   help="strict eviction order (the workers' kv_block_runs off; was "
+                        "PDSERVE_KV_BLOCK_RUNS=0 here)")
     p.add_argument("--out", default="")
     return p.parse_args(argv)
 
@@ -61,8 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def simulate(a: argparse.Namespace) -> dict:
     rng = random.Random(a.seed)
     bs = a.block_size
-    pbm = BlockManager(a.prefill_blocks, bs, hasher=None)
-    dbm = BlockManager(a.decode_blocks, bs, hasher=None)
+    pbm = BlockManager(a.prefill_blocks, bs, hasher=None, block_runs=a.block_runs)
+    dbm = BlockManager(a.decode_blocks, bs, hasher=None, block_runs=a.block_runs)
     sampling = SamplingParams(max_tokens=1)
     events: list[tuple[float, int, str, object]] = []  # (time, tie, kind, payload)
     tie = 0

@@ -193,8 +193,9 @@ class CacheConfig:
     num_blocks: int = setting(0, "KV blocks; 0: derived from kv_cache_memory_bytes", ge=0)
     kv_cache_memory_bytes: int | None = setting(
         None, "KV cache size in bytes (16GiB-style suffixes work); auto: on a GPU what "
-              "gpu_memory_utilization leaves after the weights and a profiling forward pass, "
-              "on the CPU 1 GiB", ge=1, unit="bytes")
+              "gpu_memory_utilization leaves after the weights and a profiling forward pass "
+              "(at most what max_num_seqs sequences of max_model_len tokens use), on the CPU "
+              "1 GiB", ge=1, unit="bytes")
     gpu_memory_utilization: float = setting(
         0.9, "GPU: the fraction of the device's memory this worker may use (weights, "
              "activations and KV cache); workers sharing a GPU split it, e.g. 0.45 each",

@@ -3,16 +3,21 @@
 With neither ``num_blocks`` nor ``kv_cache_memory_bytes`` set, a GPU engine may use
 ``gpu_memory_utilization`` of its device: after the weights are loaded, the model runner runs
 profiling steps on a scratch cache (the largest prompt chunk of one sequence, and a step of
-``max_num_seqs`` sequences that all sample, with logprobs), takes this process's peak of
-reserved memory, and gives the KV cache what is left of its share::
+``max_num_seqs`` sequences that all sample, with logprobs). The engine's own use is its
+weights (parameters and buffers) plus the peak its profiling steps added to the allocator's
+reserved memory (so other engines of the same process do not count), and the KV cache gets
+what is left of its share::
 
-    kv = min(utilization * total - peak - GPU_RESERVE_BYTES, free - GPU_RESERVE_BYTES)
+    kv = min(utilization * total - used - GPU_RESERVE_BYTES, free - GPU_RESERVE_BYTES)
 
 ``free`` is the device's free memory at that moment, so workers started together on one GPU,
 each with its own share (``pdserve up --device cuda`` gives a prefill and a decode worker 0.45
 each), never take more than the device holds even when one of them exceeds its share.
 ``GPU_RESERVE_BYTES`` stays out of the cache for what the profile does not see: the CUDA
 context, cuBLAS / Triton / NCCL workspaces and the CUDA-graph pool captured after the cache.
+The model runner then takes no more blocks than ``max_num_seqs`` sequences of
+``max_model_len`` tokens can use (a small model on a large GPU would otherwise get tens of
+millions of blocks, each a host-side object in the block manager).
 """
 from __future__ import annotations
 
@@ -39,10 +44,10 @@ def profile_lengths(max_tokens: int, max_seqs: int, max_len: int) -> list[list[i
     return [one, many]
 
 
-def kv_budget_bytes(total: int, free: int, peak: int, utilization: float,
+def kv_budget_bytes(total: int, free: int, used: int, utilization: float,
                     reserve: int = GPU_RESERVE_BYTES) -> int:
     """Bytes the KV cache may take (see the module docstring); 0 when nothing is left."""
-    share = int(utilization * total) - peak - reserve
+    share = int(utilization * total) - used - reserve
     return max(0, min(share, free - reserve))
 
 
@@ -80,16 +85,20 @@ def gpu_kv_cache_bytes(runner, max_tokens: int, max_seqs: int, max_len: int,
     dev = runner.device
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     for lengths in profile_lengths(max_tokens, max_seqs, max_len):
         profile_step(runner, lengths)
     torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_reserved(dev)
+    activations = max(0, torch.cuda.max_memory_reserved(dev) - base)
+    model = runner.model
+    weights = sum(t.numel() * t.element_size()
+                  for t in (*model.parameters(), *model.buffers()) if t.device == dev)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
-    budget = kv_budget_bytes(total, free, peak, utilization)
-    logger.info("KV cache budget %.2f GiB: %.0f%% of %.1f GiB, profiled peak %.2f GiB, "
-                "%.1f GiB free, %.1f GiB reserved for context and graphs", budget / 2**30,
-                100 * utilization, total / 2**30, peak / 2**30, free / 2**30,
-                GPU_RESERVE_BYTES / 2**30)
+    budget = kv_budget_bytes(total, free, weights + activations, utilization)
+    logger.info("KV cache budget %.2f GiB: %.0f%% of %.1f GiB less weights %.2f GiB, "
+                "profiled activations %.2f GiB and %.1f GiB for context and graphs "
+                "(%.1f GiB free)", budget / 2**30, 100 * utilization, total / 2**30,
+                weights / 2**30, activations / 2**30, GPU_RESERVE_BYTES / 2**30, free / 2**30)
     return budget

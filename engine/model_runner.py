@@ -161,9 +161,10 @@ class ModelRunner(CudaGraphsMixin):
 
     def _num_kv_blocks(self, block_bytes: int) -> int:
         """cache.num_blocks, else cache.kv_cache_memory_bytes, else on a GPU what
-        gpu_memory_utilization leaves after a profiling step (engine.kv_memory), else (CPU)
-        engine.config.CPU_KV_CACHE_BYTES."""
-        cc, sc = self.config.cache, self.config.scheduler
+        gpu_memory_utilization leaves after a profiling step (engine.kv_memory), but no more
+        than max_num_seqs sequences of max_model_len tokens can use (a small model on a large
+        GPU), else (CPU) engine.config.CPU_KV_CACHE_BYTES."""
+        cc, sc, mc = self.config.cache, self.config.scheduler, self.mc
         if cc.num_blocks:
             return cc.num_blocks
         if cc.kv_cache_memory_bytes:
@@ -172,13 +173,18 @@ class ModelRunner(CudaGraphsMixin):
             return max(1, CPU_KV_CACHE_BYTES // block_bytes)
         from engine.kv_memory import gpu_kv_cache_bytes
         budget = gpu_kv_cache_bytes(self, sc.max_num_batched_tokens, sc.max_num_seqs,
-                                    self.mc.max_position, cc.gpu_memory_utilization)
+                                    mc.max_position, cc.gpu_memory_utilization)
         if budget < block_bytes:
             raise ValueError(
                 f"gpu_memory_utilization {cc.gpu_memory_utilization:g} leaves no room for a KV "
                 f"cache on {self.device} after the weights and activations: raise it, or set "
                 "kv_cache_memory_bytes")
-        return budget // block_bytes
+        max_len = min(sc.max_model_len or mc.max_position, mc.max_position)
+        usable = sc.max_num_seqs * -(-max_len // self.block_size)
+        if budget // block_bytes > usable:
+            logger.info("KV cache: %d blocks would fit; %d sequences of %d tokens use %d",
+                        budget // block_bytes, sc.max_num_seqs, max_len, usable)
+        return min(budget // block_bytes, usable)
 
     # ---------------------------------------------------------------- inputs
     def prepare(self, out: SchedulerOutput, next_ids: list[int] | None = None):

@@ -260,8 +260,9 @@ def gateway_settings(argv: Sequence[str] | None = None,
 def worker_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
                     role: str = "colocated", resolve: bool = True) -> WorkerSettings:
     """A worker's settings; ``role`` is the default role (``--role`` / PDSERVE_ROLE override;
-    the file tables that apply are ``[engine]``, ``[worker]`` and the role's). With ``resolve``, the device,
-    the KV backends and the per-device engine limits are resolved (:func:`resolve_worker`)."""
+    the file tables that apply are ``[engine]``, ``[worker]`` and the role's). With
+    ``resolve``, the device, the KV backends and the per-device engine limits are resolved
+    (:func:`resolve_worker`)."""
     import sys
     argv = sys.argv[1:] if argv is None else argv
 

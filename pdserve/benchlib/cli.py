@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default="smollm2-135m")
     d.add_argument("--kv-backend", default=None, choices=KV_BACKENDS,
                    help="default: the workers' (tcp on the CPU)")
+    d.add_argument("--device", default=None,
+                   help="--up / --compare-up: every worker's device (cpu, cuda, cuda:N; "
+                        "workers sharing a GPU split its memory); default: the workers'")
     lo = p.add_argument_group("load")
     lo.add_argument("--rate", type=number(gt=0.0, allow_inf=True), default=None,
                     help="Poisson req/s ('inf': burst)")
@@ -173,7 +176,10 @@ def open_deployment(address, cfg, a):
     from pdserve.cluster import LocalCluster
     print(f"starting a local cluster {cfg} (model {a.model}) ...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    with LocalCluster(a.model, kv_backend=a.kv_backend, **cfg) as cluster:
+    devices = None
+    if getattr(a, "device", None):
+        devices = {role: [a.device] for role in UP_KEYS}
+    with LocalCluster(a.model, kv_backend=a.kv_backend, devices=devices, **cfg) as cluster:
         print(f"up in {time.monotonic() - t0:.0f}s at {cluster.address}", file=sys.stderr)
         yield cluster.address
 
@@ -299,6 +305,12 @@ def main(argv=None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     a.argv = argv
+    if a.device is not None:
+        from engine.config import EngineConfig
+        try:
+            EngineConfig(device=a.device)
+        except ValueError as e:
+            p.error(str(e))
     try:
         items, meta = make_items(a)
         if a.save_workload:

@@ -73,3 +73,12 @@ def test_unknown_variable_is_refused_by_every_service(capsys, monkeypatch):
         assert main(argv) == 2
         assert "unknown variable PDSERVE_MAX_NUM_SEQ (did you mean PDSERVE_MAX_NUM_SEQS?)" in \
             capsys.readouterr().err
+
+
+def test_run_takes_engine_settings_as_flags(capsys):
+    """pdserve run: the offline engine with any engine setting as a flag."""
+    assert main(["run", "--model", "dummy:tiny", "--num-blocks", "32", "--block-size", "8",
+                 "--max-num-seqs", "2", "--policy", "short_first", "--max-tokens", "3",
+                 "hello", "world"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("[3 tokens, length]") == 2 and "tok/s" in out
