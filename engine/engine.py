@@ -52,6 +52,9 @@ def resolve_on_this_machine(config: EngineConfig) -> EngineConfig:
     (engine.config.resolve_engine_config); the KV cache size and max_model_len follow in the
     model runner."""
     cuda = torch.cuda.is_available()
+    if config.device.startswith("cuda") and not cuda:
+        raise ValueError(f"device {config.device!r}: no CUDA GPU is visible (device auto "
+                         "runs on the CPU)")
     on_gpu = config.device.startswith("cuda") or (config.device == "auto" and cuda)
     checkpoint = None
     if config.dtype == "auto" and on_gpu:

@@ -38,7 +38,10 @@ def show(argv) -> int:
                     "client": config.ClientSettings}[a.role]
             obj, values = build(root, roots=config.ROOTS, argv=rest, sections=(a.role,),
                                 prog=f"pdserve config show --role {a.role}")
-    except config.ConfigError as e:
+            if a.role == "engine":  # what LLM(...) would run: the engine resolves the rest
+                from engine.engine import resolve_on_this_machine
+                obj = resolve_on_this_machine(obj)
+    except ValueError as e:  # ConfigError, or a device that is not there
         print(f"pdserve config show: error: {e}", file=sys.stderr)
         return 2
     sys.stdout.write(render_show(obj, values, f"pdserve {a.role}: resolved configuration",

@@ -390,3 +390,12 @@ def test_frozen_trees_only_validate():
     with pytest.raises(ValueError, match="enable_prefix_caching must be true or false"):
         CacheConfig(enable_prefix_caching="yes")  # type: ignore[arg-type]
     assert aliases(EngineConfig)["policy"] == "schedule_policy"
+
+
+def test_a_gpu_device_without_a_gpu_is_a_clear_error():
+    import torch
+    from engine import LLM
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(ValueError, match="device 'cuda:0': no CUDA GPU is visible"):
+        LLM("dummy:tiny", device="cuda:0")
