@@ -315,17 +315,7 @@ def client_settings(env: Mapping[str, str] | None = None) -> ClientSettings:
     return build(ClientSettings, roots=ROOTS, env=env, sections=("client",))[0]
 
 
-def worker_engine_config(s: WorkerSettings) -> EngineConfig:
-    """The engine a worker runs (its ``engine`` section)."""
-    return s.engine
-
-
 def setting_names(root: str) -> set[str]:
     """Flat names (aliases included) of one entry point's tree."""
     from services.config_tree import aliases
     return set(aliases(ROOTS[root]))
-
-
-def describe(root: str) -> dict[str, Any]:
-    """name -> Spec of one tree (for docs and tools)."""
-    return dict(tree(ROOTS[root]))
