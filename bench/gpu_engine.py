@@ -1,5 +1,6 @@
 """GPU engine benchmark on dummy:llama-3-8b in bf16: (a) batch-1 decode, (b) offline
-throughput, (c) TTFT of a long prompt, (d) greedy agreement with transformers.
+throughput, (c) TTFT of a long prompt, (d) greedy agreement with transformers, (e) an
+8192-token prompt.
 
     python3 -m bench.gpu_engine --set h200-mycommit                 (one H200, ~3 min)
     python3 -m bench.gpu_engine --sections a --max-num-seqs 8 --out ...   (section a alone)
@@ -7,7 +8,11 @@ throughput, (c) TTFT of a long prompt, (d) greedy agreement with transformers.
         --sections a,c,b --num-requests 4 --long-prompt 1024 --kv-gib 0.5 \\
         --out /tmp/engine.json                                       (CPU smoke run, ~1 min)
 
-Sections run in the order d, a, c, b (d first: it needs a second copy of the weights for the
+``--defaults`` builds the engine as a new user would, ``LLM("dummy:llama-3-8b")`` with no
+other argument (device, dtype, KV cache, max_model_len and scheduler limits all "auto"; the
+resolved configuration is recorded), and runs sections a, c, e, b.
+
+Sections run in the order d, a, c, e, b (d first: it needs a second copy of the weights for the
 transformers model, freed before the engine is built); ``--sections`` picks some of them.
 
 (a) four requests of a 128-token prompt and 128 new tokens, one at a time (the first is a
@@ -38,7 +43,7 @@ from engine.llm import LLM
 from engine.request import SamplingParams
 from pdserve.benchlib import harness
 
-SECTIONS = ("d", "a", "c", "b")
+SECTIONS = ("d", "a", "c", "e", "b")
 FIGURES = [
     harness.Figure("(a) batch-1 decode", "tok/s", ("a", "decode_tok_s_median"), format=".1f"),
     harness.Figure("(a) batch-1 decode graph replay", "ms", ("a", "graph_replay_ms_b1"),
@@ -230,12 +235,37 @@ def section_b(llm, gen, vocab, num_requests: int, device: str) -> dict:
     return out
 
 
+def section_e(llm, gen, vocab) -> dict:
+    """An 8192-token prompt is accepted and served (max_model_len auto: the model's own,
+    capped by the KV cache); its decode steps run eagerly past cuda_graph_max_len."""
+    eng = llm.engine
+    p = rand_prompt(gen, 8192, vocab)
+    t0 = time.perf_counter()
+    try:
+        out = llm.generate([p], greedy(16))[0]
+        res = {"prompt_tokens": len(p), "accepted": True, "output_tokens": len(out.token_ids),
+               "finish": out.finish_reason.value, "wall_ms": (time.perf_counter() - t0) * 1e3,
+               "max_model_len": eng.max_model_len}
+    except ValueError as err:
+        res = {"prompt_tokens": len(p), "accepted": False, "error": str(err),
+               "max_model_len": eng.max_model_len}
+    print("e:", res, flush=True)
+    return res
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python3 -m bench.gpu_engine",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("--sections", default="d,a,c,b", help="any of d,a,c,b (run in that order)")
+    ap.add_argument("--sections", default=None,
+                    help="any of d,a,c,e,b (run in that order; default d,a,c,b, with "
+                         "--defaults a,c,e,b)")
+    ap.add_argument("--defaults", action="store_true",
+                    help='LLM(MODEL) with no engine argument (the flags below that set engine '
+                         'values are ignored, but --max-num-seqs when given)')
     ap.add_argument("--num-requests", type=int, default=1000, help="section b's requests")
-    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="default 512; with --defaults: only when given (the one engine "
+                         "argument, for LLM.generate at a serving run's concurrency)")
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-gib", type=float, default=40.0)
     ap.add_argument("--long-prompt", type=int, default=4096, help="section c's prompt tokens")
@@ -248,7 +278,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16")
     harness.add_output_args(ap, "gpu_engine")
     args = ap.parse_args(argv)
-    args.section_list = [s for s in args.sections.split(",") if s]
+    sections = args.sections or ("a,c,e,b" if args.defaults else "d,a,c,b")
+    args.section_list = [s for s in sections.split(",") if s]
     if set(args.section_list) - set(SECTIONS):
         ap.error(f"--sections: unknown {sorted(set(args.section_list) - set(SECTIONS))}")
     if "d" in args.section_list and not args.device.startswith("cuda"):
@@ -268,12 +299,24 @@ def main(argv: list[str] | None = None) -> dict:
         rec.save()
 
     t0 = time.time()
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_batched_tokens,
-              max_model_len=args.long_prompt + 256,
-              kv_cache_memory_bytes=int(args.kv_gib * 2**30), enable_prefix_caching=False,
-              enforce_eager=args.eager, async_decode=args.async_decode)
+    if args.defaults:
+        llm = LLM(args.model, **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs
+                                 else {}))
+    else:
+        llm = LLM(args.model, dtype=args.dtype, device=args.device,
+                  max_num_seqs=args.max_num_seqs or 512,
+                  max_num_batched_tokens=args.max_batched_tokens,
+                  max_model_len=args.long_prompt + 256,
+                  kv_cache_memory_bytes=int(args.kv_gib * 2**30), enable_prefix_caching=False,
+                  enforce_eager=args.eager, async_decode=args.async_decode)
     eng = llm.engine
+    from services.config_tree import redacted_flat
+    rec["resolved_config"] = redacted_flat(eng.config)
+    rec["graph_width"] = getattr(eng.runner, "graph_width", None)
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        rec["gpu_memory_after_build_gib"] = {"used": round((total - free) / 2**30, 2),
+                                             "total": round(total / 2**30, 2)}
     rec["engine_build_s"] = round(time.time() - t0, 1)
     rec["graph_buckets"] = getattr(eng.runner, "graph_buckets", None)
     rec["num_kv_blocks"] = eng.runner.num_blocks
@@ -296,6 +339,9 @@ def main(argv: list[str] | None = None) -> dict:
         rec.save()
     if "c" in args.section_list:
         rec["c"] = section_c(eng, gen, vocab, args.device, args.long_prompt)
+        rec.save()
+    if "e" in args.section_list:
+        rec["e"] = section_e(llm, gen, vocab)
         rec.save()
     if "b" in args.section_list:
         rec["b"] = section_b(llm, gen, vocab, args.num_requests, args.device)

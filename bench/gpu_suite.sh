@@ -24,6 +24,11 @@
 #   engine-full  bench/gpu_engine.py sections d,a,c,b with FLAGS=... (and env)             ~3
 #   kvcopy       bench/kv_copy_gpu.py: copy engines vs copy kernel for scattered blocks    ~1
 #   transfer     bench/kv_transfer_gpu.py (2 GPUs)                                          ~3
+#   defaults     bench/gpu_engine.py --defaults: bare LLM("dummy:llama-3-8b"), sections
+#                a,c,e,b (issue 22's done-when), then tests/gpu/test_config_gpu.py           ~5
+#   serve-defaults  pdserve bench --up: one colocated worker with no flag but --device cuda
+#                (Redis: the gateway learns its capacity), 1000 x (200+200) at concurrency
+#                256 and 512; then 1P1D on the one GPU (pdserve up --device cuda)           ~8
 #   xfer-sweep   bench/kv_transfer_gpu.py per backend setting (env): cuda_ipc copy lanes,
 #                NCCL channel / chunk settings, NIXL descriptor size (2 GPUs)               ~4
 #   xfer-tests   pytest -m gpu tests/gpu/test_kvtransfer_gpu.py (2 GPUs)                    ~2
@@ -80,6 +85,18 @@ PY
         --out "$OUT/gpu_engine_h200.json" || echo "=== FAILED: engine-best $v" >&2 ;;
     engine-full) run python3 -m bench.gpu_engine --sections d,a,c,b ${FLAGS:-} \
         --out "$OUT/gpu_engine_h200.json" ;;
+    defaults) run python3 -m bench.gpu_engine --defaults \
+        --out "$OUT/gpu_engine_defaults_h200.json"
+      run python3 -m pytest -q -m gpu tests/gpu/test_config_gpu.py -p no:cacheprovider ;;
+    serve-defaults)  # the LLM.generate figure to compare with: engine-full / defaults, b
+      for dep in "colocated:--colocated 1 --prefill 0 --decode 0" "1p1d:--prefill 1 --decode 1"; do
+        for c in 256 512; do
+          run python3 -m pdserve.cli bench --up ${dep#*:} --model dummy:llama-3-8b --device cuda \
+            --prompt-format tokens --vocab-size 128000 --input-len 200:200 \
+            --output-len 200:200 --num-requests 1000 --warmup 64 --concurrency $c \
+            --no-plots --no-progress --out "$OUT/serving_defaults_h200_${dep%%:*}_c$c.json"
+        done
+      done ;;
     xfer-tests) run python3 -m pytest -q -m gpu tests/gpu/test_kvtransfer_gpu.py \
         -p no:cacheprovider ;;
     xfer-sweep)  # one process pair per setting; "name|backend|env"

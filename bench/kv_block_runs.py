@@ -18,7 +18,7 @@ enough to be used through several times. Per transfer it records the segment cou
 summary covers the transfers after ``--settle`` seconds (both caches wrapped by then).
 
     python3 -m bench.kv_block_runs --set cpu-mycommit
-    PDSERVE_KV_BLOCK_RUNS=0 python3 -m bench.kv_block_runs --out ...   (strict eviction order)
+    python3 -m bench.kv_block_runs --no-block-runs --out ...   (strict eviction order)
 """
 
 from __future__ import annotations
@@ -59,14 +59,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--long-len", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     harness.add_output_args(p, "kv_block_runs")
+    p.add_argument("--no-block-runs", dest="block_runs", action="store_false",
+                   help="strict eviction order (the workers' kv_block_runs off; was "
+                        "PDSERVE_KV_BLOCK_RUNS=0 here)")
     return p.parse_args(argv)
 
 
 def simulate(a: argparse.Namespace) -> dict:
     rng = random.Random(a.seed)
     bs = a.block_size
-    pbm = BlockManager(a.prefill_blocks, bs, hasher=None)
-    dbm = BlockManager(a.decode_blocks, bs, hasher=None)
+    pbm = BlockManager(a.prefill_blocks, bs, hasher=None, block_runs=a.block_runs)
+    dbm = BlockManager(a.decode_blocks, bs, hasher=None, block_runs=a.block_runs)
     sampling = SamplingParams(max_tokens=1)
     events: list[tuple[float, int, str, object]] = []  # (time, tie, kind, payload)
     tie = 0

@@ -14,7 +14,6 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 import itertools
 import logging
-import os
 
 import numpy as np
 
@@ -57,15 +56,16 @@ class CacheStats:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, hasher: BlockHasher | None,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, block_runs: bool = True):
         if num_blocks < 1:
             raise ValueError("need at least one KV block")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.hasher = hasher
         self.enable_prefix_caching = enable_prefix_caching and hasher is not None
-        # PDSERVE_KV_BLOCK_RUNS=0: strict eviction order (the A/B of _take_free_runs)
-        self._runs = os.environ.get("PDSERVE_KV_BLOCK_RUNS", "1") != "0"
+        # block_runs False (kv_block_runs off): strict eviction order (the A/B of
+        # _take_free_runs)
+        self._runs = block_runs
         self.blocks = [_Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order (front = evicted first). Values unused.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -232,7 +232,7 @@ class BlockManager:
         ``bench/kv_block_runs.py`` counts the pieces per transfer either way
         (docs/performance.md). The cost is eviction order within that window: a cached
         block there may go while an older one of a shorter run stays
-        (``PDSERVE_KV_BLOCK_RUNS=0`` keeps strict order); and the window's ids are sorted
+        (``kv_block_runs`` off keeps strict order); and the window's ids are sorted
         on the host, a little more work than popping ``n`` blocks."""
         if not self._runs or n < RUN_MIN_BLOCKS or len(self.free) <= n:
             return sorted(self._take_free() for _ in range(n))

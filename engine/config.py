@@ -1,9 +1,135 @@
-"""Frozen configuration dataclasses. They only validate; reading env, flags and files happens
-in one factory per service (services/config.py) and in engine/loader for model files."""
+"""Frozen configuration dataclasses of the engine. They only validate: reading flags, files and
+the environment happens in one builder per entry point (services/config.py, which also holds
+the service settings; docs/configuration.md is generated from both).
+
+Every user-facing field is declared with :func:`setting` (a help line, a type from its
+annotation, a range) or :func:`section` (a nested group). Names are flat and unique across the
+tree, so one rule names a field everywhere: ``max_num_seqs`` is ``LLM(max_num_seqs=...)``,
+``--max-num-seqs`` and ``PDSERVE_MAX_NUM_SEQS``. :func:`check_settings` applies the declared
+types and ranges in each ``__post_init__``; cross-field rules follow it there.
+
+"auto" values (device, dtype, per-device scheduler limits, the KV cache size, max_model_len)
+stay "auto" here; :func:`resolve_engine_config` and the model runner turn them into the values
+the engine runs with, and the engine's ``config`` holds the resolved tree.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+import functools
+import re
+import types
+import typing
 from typing import Any
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+POLICIES = ("fcfs", "short_first")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+GEMV_MODES = ("auto", "off", "force")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+# Per-device defaults of the "auto" limits. GPU: measured on an H200 with dummy:llama-3-8b
+# bf16 (issue 22): 1000 x (200 + 200) gave 14,528 output tok/s at 512 / 8192 against 3,633 at
+# the CPU's 64 / 2048. CPU: sized for the 2-core machines the suite runs on.
+DEVICE_DEFAULTS = {"cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
+                   "cuda": {"max_num_seqs": 512, "max_num_batched_tokens": 8192}}
+CPU_KV_CACHE_BYTES = 1 << 30  # CPU: the KV cache when neither num_blocks nor a size is given
+
+
+# ------------------------------------------------------------------ field declarations
+def setting(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
+            le: float | None = None, choices: tuple[str, ...] | None = None,
+            secret: bool = False, aliases: tuple[str, ...] = (), unit: str | None = None) -> Any:
+    """A user-facing field: ``help`` is its one-line description (``--help``, the docs);
+    ``ge`` / ``gt`` / ``le`` bound a number, ``choices`` a string; ``secret`` values are
+    redacted wherever the configuration is shown; ``aliases`` are older names that still
+    work (as keyword, flag and variable); ``unit="bytes"`` accepts 16GiB-style strings."""
+    return field(default=default, metadata={
+        "help": help, "ge": ge, "gt": gt, "le": le, "choices": choices, "secret": secret,
+        "aliases": tuple(aliases), "unit": unit})
+
+
+def section(cls: type, help: str) -> Any:
+    """A nested group of settings (its field names stay flat and unique in the tree)."""
+    return field(default_factory=cls, metadata={"section": True, "help": help})
+
+
+class SettingError(ValueError):
+    """An invalid setting value; ``name`` is the field it is about."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def kind_of(hint: Any) -> tuple[str, bool]:
+    """``(kind, optional)`` of an annotation: kind is int, float, bool, str or tuple
+    (a tuple of strings); optional when None is allowed (None means "auto")."""
+    optional = False
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(hint))
+        hint = args[0]
+    if typing.get_origin(hint) is tuple:
+        return "tuple", optional
+    return hint.__name__, optional
+
+
+def setting_fields(cls: type) -> list[tuple[Any, str, bool]]:
+    """``(dataclass field, kind, optional)`` of each setting of ``cls`` (sections excluded)."""
+    hints = field_types(cls)
+    return [(f, *kind_of(hints[f.name])) for f in fields(cls)
+            if "help" in f.metadata and not f.metadata.get("section")]
+
+
+_KIND_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false",
+               "str": "a string", "tuple": "a list of strings"}
+
+
+def check_value(name: str, kind: str, optional: bool, meta, value: Any) -> Any:
+    """``value`` checked against a setting's type and range; returns it normalised (an int
+    for a float field becomes a float, a list a tuple). Raises SettingError."""
+    if value is None:
+        if optional:
+            return None
+        raise SettingError(name, f"{name} must be set, got None")
+    ok = {"bool": isinstance(value, bool),
+          "int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+          "str": isinstance(value, str),
+          "tuple": isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)}
+    if not ok[kind]:
+        raise SettingError(name, f"{name} must be {_KIND_WORDS[kind]}, got {value!r}")
+    if kind == "float":
+        value = float(value)
+        if value != value:
+            raise SettingError(name, f"{name} must be a number, got nan")
+    elif kind == "tuple":
+        value = tuple(value)
+    if meta.get("ge") is not None and value < meta["ge"]:
+        raise SettingError(name, f"{name} must be >= {meta['ge']:g}, got {value!r}")
+    if meta.get("gt") is not None and value <= meta["gt"]:
+        raise SettingError(name, f"{name} must be > {meta['gt']:g}, got {value!r}")
+    if meta.get("le") is not None and value > meta["le"]:
+        raise SettingError(name, f"{name} must be <= {meta['le']:g}, got {value!r}")
+    if meta.get("choices") and value not in meta["choices"]:
+        raise SettingError(name, f"{name} must be one of {', '.join(meta['choices'])}, "
+                                 f"got {value!r}")
+    return value
+
+
+def check_settings(obj: Any) -> None:
+    """Type and range checks of every setting of the frozen dataclass ``obj`` (call it first
+    in ``__post_init__``); normalised values are written back."""
+    for f, kind, optional in setting_fields(type(obj)):
+        value = getattr(obj, f.name)
+        checked = check_value(f.name, kind, optional, f.metadata, value)
+        if checked is not value:
+            object.__setattr__(obj, f.name, checked)  # frozen: normalised once, here
 
 
 @dataclass(frozen=True)
@@ -53,73 +179,154 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
+def _power_of_two(name: str, v: int) -> None:
+    if v & (v - 1):
+        raise SettingError(name, f"{name} must be a power of two, got {v}")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # None: derive from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 1 << 30
-    enable_prefix_caching: bool = True
-    hash_seed: str = "pdserve-v1"
-    kv_dtype: str | None = None  # None: same as the model dtype
+    """The paged KV cache and its prefix cache."""
+
+    block_size: int = setting(16, "KV block size in tokens (a power of two; the gateway's must "
+                                  "match)", ge=1)
+    num_blocks: int = setting(0, "KV blocks; 0: derived from kv_cache_memory_bytes", ge=0)
+    kv_cache_memory_bytes: int | None = setting(
+        None, "KV cache size in bytes (16GiB-style suffixes work); auto: on a GPU what "
+              "gpu_memory_utilization leaves after the weights and a profiling forward pass "
+              "(at most what max_num_seqs sequences of max_model_len tokens use), on the CPU "
+              "1 GiB", ge=1, unit="bytes")
+    gpu_memory_utilization: float = setting(
+        0.9, "GPU: the fraction of the device's memory this worker may use (weights, "
+             "activations and KV cache); workers sharing a GPU split it, e.g. 0.45 each",
+        gt=0.0, le=1.0)
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of cached prompt prefixes")
+    hash_seed: str = setting("pdserve-v1", "block-hash seed (the same on every process of a "
+                                           "cluster, the gateway's included)")
+    kv_dtype: str | None = setting(None, "KV cache dtype; auto: the model dtype",
+                                   choices=DTYPE_NAMES)
+    kv_block_runs: bool = setting(True, "allocations of 16+ blocks take runs of consecutive "
+                                        "block ids (KV transfers then move a few large pieces); "
+                                        "off: strict eviction order")
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError("block_size must be a positive power of two")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError("num_blocks must be >= 1")
+        check_settings(self)
+        _power_of_two("block_size", self.block_size)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64  # cap on running requests
-    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill splits above it)
-    max_model_len: int = 4096
-    # order of admission from the waiting queue: "fcfs" (arrival order) or "short_first" (the
-    # fewest tokens left to compute first, so short prompts do not queue behind long ones;
-    # a request waiting longer than max_wait_s goes before every newer one: no starvation)
-    policy: str = "fcfs"
-    max_wait_s: float = 1.0
+    """Continuous batching: what runs in each step."""
+
+    max_num_seqs: int | None = setting(
+        None, "cap on running requests; auto: 512 on a GPU, 64 on the CPU", ge=1)
+    max_num_batched_tokens: int | None = setting(
+        None, "per-step token budget (chunked prefill splits prompts above it); auto: 8192 "
+              "on a GPU, 2048 on the CPU", ge=1)
+    max_model_len: int | None = setting(
+        None, "max prompt + output tokens; auto: the model's maximum, capped by what the KV "
+              "cache holds", ge=1)
+    schedule_policy: str = setting(
+        "fcfs", "admission order of waiting requests: fcfs (arrival order) or short_first "
+                "(fewest prompt tokens left first; one waiting over schedule_max_wait_s goes "
+                "first)", choices=POLICIES, aliases=("policy",))
+    schedule_max_wait_s: float = setting(
+        1.0, "short_first: a request waiting this long goes before newer ones (no starvation)",
+        gt=0.0, aliases=("max_wait_s",))
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 1:
-            raise ValueError("scheduler limits must be positive")
-        if self.policy not in POLICIES:
-            raise ValueError(f"scheduler policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.max_wait_s <= 0:
-            raise ValueError(f"max_wait_s must be > 0, got {self.max_wait_s}")
+        check_settings(self)
 
 
-POLICIES = ("fcfs", "short_first")
+@dataclass(frozen=True)
+class KernelConfig:
+    """GPU and CPU kernel choices (the defaults are the measured fastest; the switches exist
+    for A/B measurements, bench/gpu_notes.md)."""
+
+    gemv: str = setting("auto", "GPU batch-1 projections: auto (Triton GEMV where timing beats "
+                                "cuBLAS, per shape, once per process), off (cuBLAS), force "
+                                "(Triton GEMV always)", choices=GEMV_MODES)
+    gemv_pdl: bool = setting(True, "GPU: launch the GEMVs with programmatic dependent launch")
+    gemv_split_k: bool = setting(False, "GPU: let the GEMV tuner try split-K configs (measured: "
+                                        "no gain on the H200)")
+    fuse_rotary: bool = setting(True, "GPU: rotary embedding and the KV store in one kernel")
+    split_mixed: bool = setting(True, "GPU: a mixed step's decode rows take the decode kernel "
+                                      "(off: the prefill kernel with the rest)")
+    cpu_packed: bool = setting(True, "CPU: batch-1 decode reads the GGUF's Q4_1/Q8_0 blocks "
+                                     "(a C++ extension built on first use); off: dense fp32")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "smollm2-135m"
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    device: str = "cpu"
-    seed: int = 0
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    attention_backend: str = "auto"  # auto | torch | triton
-    enforce_eager: bool = False  # GPU: disable CUDA graphs
-    # GPU with CUDA graphs: mixed steps (decode rows plus chunks of up to this many prompt
-    # tokens in all, from at most 8 sequences) replay captured graphs (engine.cuda_graphs);
-    # 0: such steps run eagerly
-    mixed_graph_tokens: int = 512
-    num_threads: int | None = None  # CPU: torch intra-op threads
-    # Launch the next decode step before reading this one's tokens when the batch cannot
-    # change (engine.engine.LLMEngine.step): hides host work behind the GPU's (the gain is in
-    # docs/performance.md). None: on with
-    # CUDA graphs (cuda, not enforce_eager), off otherwise; works without a speed-up on the CPU.
-    async_decode: bool | None = None
+    """The engine: model, numerics, device and execution (offline ``LLM`` and every worker)."""
+
+    model: str = setting("smollm2-135m", "model spec: smollm2-135m, dummy:<name>, a Hugging "
+                                         "Face folder or a .gguf file")
+    dtype: str = setting("auto", "weights and activations: auto (the checkpoint's bf16/fp16 "
+                                 "on a GPU, else bf16 there; float32 on the CPU), float32, "
+                                 "bfloat16 or float16", choices=("auto",) + DTYPE_NAMES)
+    device: str = setting("auto", "auto (cuda when a GPU is visible, else cpu), cpu, cuda or "
+                                  "cuda:N")
+    seed: int = setting(0, "engine seed (weights of dummy models, sampling without a seed)")
+    attention_backend: str = setting("auto", "auto (triton on a GPU, torch on the CPU), torch "
+                                             "or triton", choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = setting(False, "GPU: no CUDA graphs")
+    mixed_graph_tokens: int = setting(
+        512, "GPU: steps that mix decodes with prompt chunks of up to this many tokens in all "
+             "replay CUDA graphs; 0: such steps run eagerly", ge=0)
+    cuda_graph_max_len: int = setting(
+        8192, "GPU: decode steps whose sequences all fit this many tokens replay CUDA graphs "
+              "(their block tables are this wide, whatever max_model_len is); longer contexts "
+              "step eagerly", ge=1)
+    num_threads: int = setting(0, "CPU: torch intra-op threads; 0: torch's default", ge=0)
+    async_decode: bool | None = setting(
+        None, "launch the next decode step before reading this one's tokens (hides host work "
+              "behind the GPU); auto: on with CUDA graphs, off otherwise")
+    cache: CacheConfig = section(CacheConfig, "KV cache")
+    scheduler: SchedulerConfig = section(SchedulerConfig, "scheduler")
+    kernels: KernelConfig = section(KernelConfig, "kernels")
 
     def __post_init__(self) -> None:
-        if self.async_decode is None:
-            object.__setattr__(self, "async_decode",  # frozen: resolved once, here
-                               self.device.startswith("cuda") and not self.enforce_eager)
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"unsupported dtype {self.dtype!r}")
-        if self.mixed_graph_tokens < 0:
-            raise ValueError(f"mixed_graph_tokens must be >= 0, got {self.mixed_graph_tokens}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"unknown attention backend {self.attention_backend!r}")
+        check_settings(self)
+        if not self.model:
+            raise SettingError("model", "model must not be empty")
+        if not _DEVICE_RE.match(self.device):
+            raise SettingError("device", f"device must be auto, cpu, cuda or cuda:N, "
+                                         f"got {self.device!r}")
+        for name, cls in (("cache", CacheConfig), ("scheduler", SchedulerConfig),
+                          ("kernels", KernelConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise SettingError(name, f"{name} must be a {cls.__name__}")
+
+    @property
+    def device_kind(self) -> str:
+        """cpu or cuda (auto counts as unresolved: cpu until resolve_engine_config)."""
+        return "cuda" if self.device.startswith("cuda") else "cpu"
+
+
+def resolve_engine_config(c: EngineConfig, *, cuda_available: bool,
+                          checkpoint_dtype: str | None = None,
+                          bf16_supported: bool = True) -> EngineConfig:
+    """``c`` with device, dtype, async_decode and the per-device scheduler limits resolved
+    (the KV cache size and max_model_len are resolved by the model runner, which measures).
+    ``checkpoint_dtype``: the dtype the weights are stored in, when the loader knows it."""
+    device = c.device if c.device != "auto" else ("cuda" if cuda_available else "cpu")
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    dtype = c.dtype
+    if dtype == "auto":
+        if kind == "cpu":
+            dtype = "float32"
+        elif checkpoint_dtype == "float16" or not bf16_supported:
+            dtype = "float16"
+        else:
+            dtype = "bfloat16"
+    sc = c.scheduler
+    limits = {k: getattr(sc, k) or v for k, v in DEVICE_DEFAULTS[kind].items()}
+    async_decode = c.async_decode
+    if async_decode is None:
+        async_decode = kind == "cuda" and not c.enforce_eager
+    return replace(c, device=device, dtype=dtype, async_decode=async_decode,
+                   scheduler=replace(sc, **limits))

@@ -45,11 +45,14 @@ class CudaGraphsMixin:
         one token): model forward, logits and greedy argmax. Inputs live in static buffers;
         a step fills the first ``n`` rows and pads the bucket with slot -1 (store_kv skips
         it) and context 0 (decode writes a zero row). The block-table width is fixed at
-        max_model_len / block_size, so the decode kernel's split count (a function of shapes
-        only) is the same at capture and at replay."""
+        cuda_graph_max_len (at most max_model_len) / block_size, so the decode kernel's split
+        count (a function of shapes only) is the same at capture and at replay; a step with
+        a longer sequence runs eagerly (``_can_graph``). Neither the tables copied each step
+        nor the split count grow with a model's 131072-token maximum."""
         sc = self.config.scheduler
         bs = self.block_size
-        self.graph_width = width = -(-min(sc.max_model_len, self.mc.max_position) // bs)
+        span = min(self.config.cuda_graph_max_len, self.max_model_len)
+        self.graph_width = width = -(-span // bs)
         buckets = [1, 2, 4, 8]
         while buckets[-1] < sc.max_num_seqs:
             buckets.append(buckets[-1] * 2 if buckets[-1] < 256 else buckets[-1] + 128)

@@ -10,14 +10,14 @@ worker receive a prompt's KV from elsewhere and continue from the first token.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 import logging
 import time
 
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_engine_config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import DTYPES, ModelRunner, StepHandle
 from engine.request import FinishReason, PrefillProgress, RequestOutput, SamplingParams
@@ -52,13 +52,33 @@ class EngineStats:
     request_blocks: dict[str, int] = field(default_factory=dict)
 
 
+def resolve_on_this_machine(config: EngineConfig) -> EngineConfig:
+    """``config`` with its "auto" device, dtype and scheduler limits resolved for this machine
+    (engine.config.resolve_engine_config); the KV cache size and max_model_len follow in the
+    model runner."""
+    cuda = torch.cuda.is_available()
+    if config.device.startswith("cuda") and not cuda:
+        raise ValueError(f"device {config.device!r}: no CUDA GPU is visible (device auto "
+                         "runs on the CPU)")
+    on_gpu = config.device.startswith("cuda") or (config.device == "auto" and cuda)
+    checkpoint = None
+    if config.dtype == "auto" and on_gpu:
+        from engine.loader import checkpoint_dtype
+        checkpoint = checkpoint_dtype(config.model)
+    return resolve_engine_config(config, cuda_available=cuda, checkpoint_dtype=checkpoint,
+                                 bf16_supported=not on_gpu or torch.cuda.is_bf16_supported())
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None):
-        self.config = config
+        """``config`` may hold "auto" values; ``self.config`` is the resolved tree (device,
+        dtype, limits, KV cache size, max_model_len as this engine runs them)."""
+        config = resolve_on_this_machine(config)
         if loaded is None:
             from engine.loader import load_model  # heavy: weights
             loaded = load_model(config.model, dtype=DTYPES[config.dtype], device=config.device,
-                                seed=config.seed)
+                                seed=config.seed, keep_packed=None if config.kernels.cpu_packed
+                                else False)
         self.model_id = loaded.model_id
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -67,12 +87,17 @@ class LLMEngine:
                                   packed=getattr(loaded, "packed", None))
         loaded.weights = None  # the runner owns the parameters now
         loaded.packed = None
+        self.max_model_len = self.runner.max_model_len
+        config = replace(config, cache=replace(config.cache, num_blocks=self.runner.num_blocks,
+                                               kv_cache_memory_bytes=self.runner.kv_cache_bytes),
+                         scheduler=replace(config.scheduler, max_model_len=self.max_model_len))
+        self.config = self.runner.config = config
         bs = config.cache.block_size
         self.hasher = BlockHasher(config.cache.hash_seed, self.model_id, bs)
         self.block_manager = BlockManager(self.runner.num_blocks, bs, self.hasher,
-                                          config.cache.enable_prefix_caching)
+                                          config.cache.enable_prefix_caching,
+                                          block_runs=config.cache.kv_block_runs)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.max_model_len = min(config.scheduler.max_model_len, loaded.config.max_position)
         eos = set(loaded.config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)

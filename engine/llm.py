@@ -10,26 +10,37 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 import itertools
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.request import RequestOutput, SamplingParams
 
-_CACHE_KEYS = {"block_size", "num_blocks", "kv_cache_memory_bytes", "enable_prefix_caching",
-               "hash_seed", "kv_dtype"}
-_SCHED_KEYS = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
 
-
-def build_engine_config(model: str, **kwargs) -> EngineConfig:
-    cache = {k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_KEYS}
-    sched = {k: kwargs.pop(k) for k in list(kwargs) if k in _SCHED_KEYS}
-    return EngineConfig(model=model, cache=CacheConfig(**cache),
-                        scheduler=SchedulerConfig(**sched), **kwargs)
+def build_engine_config(model: str | None = None, config: str | None = None,
+                        **kwargs) -> EngineConfig:
+    """The engine settings of ``LLM(model, **kwargs)``: defaults < the config file
+    (``config``, or PDSERVE_CONFIG) < PDSERVE_* variables < ``kwargs``, each keyword any
+    engine setting by its flat name (docs/configuration.md)."""
+    from services.config import engine_config  # the one builder of every entry point
+    return engine_config(model, config_file=config, **kwargs)
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", **kwargs):
-        """kwargs: any EngineConfig, CacheConfig or SchedulerConfig field (flat)."""
-        self.engine = LLMEngine(build_engine_config(model, **kwargs))
+    def __init__(self, model: str | None = None, *, config: str | None = None, **kwargs):
+        """``model``: a model spec (default smollm2-135m); ``kwargs``: any engine setting,
+        flat (``max_num_seqs=``, ``block_size=``, ``schedule_policy=``, ``gemv_pdl=``, ...;
+        docs/configuration.md lists them); ``config``: a TOML or YAML file of settings.
+        Unknown keywords raise TypeError naming the nearest setting."""
+        self._start(LLMEngine(build_engine_config(model, config, **kwargs)))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        """An LLM running exactly ``config`` (read nothing else)."""
+        llm = cls.__new__(cls)
+        llm._start(LLMEngine(config))
+        return llm
+
+    def _start(self, engine: LLMEngine) -> None:
+        self.engine = engine
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 import logging
-import os
 
 import numpy as np
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from engine.cuda_graphs import CudaGraphsMixin
 from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from engine.layers.sampler import Sampler, SamplingBatch
@@ -53,10 +52,10 @@ def make_attention_backend(config: EngineConfig, mc: ModelConfig) -> AttentionBa
         want = "triton" if config.device.startswith("cuda") else "torch"
     if want == "triton":
         from engine.kernels.backend import TritonAttention  # GPU path
-        # A/B measurements: PDSERVE_FUSE_ROTARY=0 separate rotary and store_kv kernels;
-        # PDSERVE_SPLIT_MIXED=0 a mixed step's decode rows through the prefill kernel
-        return TritonAttention(scale, fuse_rotary=os.environ.get("PDSERVE_FUSE_ROTARY") != "0",
-                               split_mixed=os.environ.get("PDSERVE_SPLIT_MIXED") != "0")
+        # A/B measurements: kernels.fuse_rotary off: separate rotary and store_kv kernels;
+        # kernels.split_mixed off: a mixed step's decode rows through the prefill kernel
+        return TritonAttention(scale, fuse_rotary=config.kernels.fuse_rotary,
+                               split_mixed=config.kernels.split_mixed)
     return TorchAttention(scale)
 
 
@@ -78,6 +77,9 @@ class ModelRunner(CudaGraphsMixin):
 
     def __init__(self, config: EngineConfig, mc: ModelConfig, weights: dict[str, torch.Tensor],
                  packed: dict[str, tuple] | None = None):
+        """``config`` has its device, dtype and scheduler limits resolved
+        (engine.config.resolve_engine_config); the KV cache size and ``max_model_len`` are
+        resolved here (``num_blocks``, ``kv_cache_bytes``, ``max_model_len``)."""
         self.config = config
         self.mc = mc
         self.device = torch.device(config.device)
@@ -98,25 +100,16 @@ class ModelRunner(CudaGraphsMixin):
         self.model.load_weights(weights)
         self.model.eval()
         self.packed_projections = 0
-        if (packed and self.device.type == "cpu" and self.dtype == torch.float32
-                and hasattr(self.model, "load_packed")):
+        if (packed and config.kernels.cpu_packed and self.device.type == "cpu"
+                and self.dtype == torch.float32 and hasattr(self.model, "load_packed")):
             # decode (<= 8 tokens per step) reads GGUF Q4_1 / Q8_0 blocks instead of fp32
-            # (PDSERVE_CPU_PACKED=auto|off); builds the C++ extension on first use
+            # (kernels.cpu_packed); builds the C++ extension on first use
             from engine.kernels import cpu_quant
             if cpu_quant.available():
                 self.packed_projections = self.model.load_packed(packed)
                 logger.info("CPU packed GEMV: %d projections read GGUF blocks",
                             self.packed_projections)
         self.backend = make_attention_backend(config, mc)
-
-        kv_dtype = DTYPES[config.cache.kv_dtype] if config.cache.kv_dtype else self.dtype
-        bb = kv_block_bytes(mc, self.block_size, kv_dtype)
-        n = config.cache.num_blocks or max(1, config.cache.kv_cache_memory_bytes // bb)
-        self.num_blocks = int(n)
-        shape = (self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_cache = _zeros(shape, kv_dtype, self.device)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks,
-                    self.block_size, self.kv_cache.numel() * kv_dtype.itemsize / 2**20)
         self.shared_gen = torch.Generator(device=self.device)
         self.shared_gen.manual_seed(config.seed)
         self.sampler = Sampler(self.shared_gen)
@@ -129,16 +122,69 @@ class ModelRunner(CudaGraphsMixin):
         self.mixed_graph_steps = 0  # mixed-step CUDA graphs
         self.eager_steps = 0
         self.gemv_tuning: dict = {}
-        if self.device.type == "cuda" and self.backend.name == "triton":
+        gpu_kernels = self.device.type == "cuda" and self.backend.name == "triton"
+        if gpu_kernels:
             self.model.enable_fused_ops(True)
+        self._make_kv_cache()
+        if gpu_kernels:
+            kc = config.kernels
             if hasattr(self.model, "set_gemv_plan"):
                 # one-token projections: Triton GEMV or cuBLAS, timed per shape once per
-                # process (PDSERVE_GEMV=off|auto|force)
+                # process (kernels.gemv: off|auto|force)
                 from engine.kernels.gemv_tune import tune_gemv_plan
-                plan, self.gemv_tuning = tune_gemv_plan(self.model)
+                plan, self.gemv_tuning = tune_gemv_plan(self.model, kc.gemv, pdl=kc.gemv_pdl,
+                                                        split_k=kc.gemv_split_k)
                 self.model.set_gemv_plan(plan)
             if not config.enforce_eager:
                 self._capture_graphs()
+
+    def _make_kv_cache(self) -> None:
+        """Size (see :meth:`_num_kv_blocks`) and allocate the KV cache; cap max_model_len by
+        what it holds."""
+        mc, cc, sc = self.mc, self.config.cache, self.config.scheduler
+        self.kv_dtype = DTYPES[cc.kv_dtype] if cc.kv_dtype else self.dtype
+        bb = kv_block_bytes(mc, self.block_size, self.kv_dtype)
+        self.num_blocks = self._num_kv_blocks(bb)
+        self.kv_cache_bytes = self.num_blocks * bb
+        limit = min(sc.max_model_len or mc.max_position, mc.max_position)
+        held = self.num_blocks * self.block_size
+        if limit > held:
+            if sc.max_model_len:
+                logger.warning("max_model_len %d capped to %d: the KV cache holds %d tokens",
+                               sc.max_model_len, held, held)
+            limit = held
+        self.max_model_len = limit
+        shape = (self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_cache = _zeros(shape, self.kv_dtype, self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len %d",
+                    self.num_blocks, self.block_size, self.kv_cache_bytes / 2**20, limit)
+
+    def _num_kv_blocks(self, block_bytes: int) -> int:
+        """cache.num_blocks, else cache.kv_cache_memory_bytes, else on a GPU what
+        gpu_memory_utilization leaves after a profiling step (engine.kv_memory), but no more
+        than max_num_seqs sequences of max_model_len tokens can use (a small model on a large
+        GPU), else (CPU) engine.config.CPU_KV_CACHE_BYTES."""
+        cc, sc, mc = self.config.cache, self.config.scheduler, self.mc
+        if cc.num_blocks:
+            return cc.num_blocks
+        if cc.kv_cache_memory_bytes:
+            return max(1, cc.kv_cache_memory_bytes // block_bytes)
+        if self.device.type != "cuda":
+            return max(1, CPU_KV_CACHE_BYTES // block_bytes)
+        from engine.kv_memory import gpu_kv_cache_bytes
+        budget = gpu_kv_cache_bytes(self, sc.max_num_batched_tokens, sc.max_num_seqs,
+                                    mc.max_position, cc.gpu_memory_utilization)
+        if budget < block_bytes:
+            raise ValueError(
+                f"gpu_memory_utilization {cc.gpu_memory_utilization:g} leaves no room for a KV "
+                f"cache on {self.device} after the weights and activations: raise it, or set "
+                "kv_cache_memory_bytes")
+        max_len = min(sc.max_model_len or mc.max_position, mc.max_position)
+        usable = sc.max_num_seqs * -(-max_len // self.block_size)
+        if budget // block_bytes > usable:
+            logger.info("KV cache: %d blocks would fit; %d sequences of %d tokens use %d",
+                        budget // block_bytes, sc.max_num_seqs, max_len, usable)
+        return min(budget // block_bytes, usable)
 
     # ---------------------------------------------------------------- inputs
     def prepare(self, out: SchedulerOutput, next_ids: list[int] | None = None):

@@ -8,7 +8,7 @@ running requests; a prefix-cache hit or a KV transfer only starts the count high
 Policy: running requests first (oldest first), then admission from the waiting queue while
 the budget, the running cap and the free blocks allow: in arrival order (``fcfs``), or
 (``short_first``) the request with the fewest tokens left to compute first, except that one
-waiting longer than ``max_wait_s`` goes first (oldest first). Under load the second keeps short
+waiting longer than ``schedule_max_wait_s`` goes first (oldest first). Under load the second keeps short
 prompts' TTFT low on a prefill worker whose queue holds long prompts; a request put back by
 preemption resumes first under both. When a running request needs a block and
 none is free, the newest running request is preempted: its blocks are freed and it goes back to
@@ -139,9 +139,9 @@ class Scheduler:
     def _next_waiting(self) -> Sequence:
         """The waiting request to admit next (see the module's policy)."""
         head = self.waiting[0]  # arrival order; preempted requests were put at the front
-        if self.config.policy == "fcfs" or head.num_preemptions:
+        if self.config.schedule_policy == "fcfs" or head.num_preemptions:
             return head
-        aged_before = time.monotonic() - self.config.max_wait_s
+        aged_before = time.monotonic() - self.config.schedule_max_wait_s
         if head.arrival_time <= aged_before:
             return head  # the oldest has waited too long: FIFO until the backlog is served
         return min(self.waiting,

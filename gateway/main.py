@@ -4,10 +4,12 @@ grace period end with a final finish_reason."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 
 from services.config import GatewaySettings
+from services.config_tree import redacted_flat
 from services.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ def _env(settings: GatewaySettings, router, tokenizer, model_id: str, vocab_size
                             seat_share=settings.key_max_seat_share,
                             tokens_per_s=settings.key_max_tokens_per_s),
         hasher=BlockHasher(settings.hash_seed, model_id, settings.block_size),
-        metrics=metrics, limits=settings.limits(), model=model_id, vocab_size=vocab_size,
+        metrics=metrics, limits=settings.limits, model=model_id, vocab_size=vocab_size,
         max_migrations=settings.max_migrations,
         peers=ChannelPool(worker_pb2_grpc.DecodeWorkerStub))
 
@@ -85,6 +87,9 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     await prober.probe_all()  # static workers: their capacity and context limit, at once
     metrics = GatewayMetrics()
     metrics.watch_router(router)
+    shown = redacted_flat(settings)
+    metrics.export_config(shown)
+    logger.info("gateway configuration: %s", json.dumps(shown))
     keys = load_api_keys(settings.api_keys, settings.api_key_file)
     env = _env(settings, router, load_tokenizer(settings.model), model_id, mc.vocab_size,
                len(keys), metrics)

@@ -1,11 +1,15 @@
 """pdserve command line.
 
-    pdserve up [--prefill N] [--decode M] [--colocated K] [--model SPEC] [--port P]
+    pdserve up [--prefill N] [--decode M] [--colocated K] [--model SPEC] [--port P] [--device D]
     pdserve gateway | prefill | decode | colocated [service flags, see --help]
     pdserve generate --address HOST:PORT "prompt"      pdserve chat --address HOST:PORT
-    pdserve run --model SPEC "prompt"                   (offline, in-process engine)
+    pdserve run --model SPEC [engine flags] "prompt"    (offline, in-process engine)
     pdserve bench ...                                   (serving benchmark)
     pdserve chaos [--scenario NAME] [--model SPEC]      (fault injection against a local cluster)
+    pdserve config show [--role R] [flags]              (the resolved configuration)
+    pdserve config docs [--out FILE | --check]          (docs/configuration.md)
+
+Every setting and its flag, variable and default: docs/configuration.md.
 """
 from __future__ import annotations
 
@@ -22,25 +26,45 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _cmd_up(argv) -> int:
-    from pdserve.cluster import LocalCluster
-    p = argparse.ArgumentParser(prog="pdserve up", description="start a whole local cluster")
+def _up_args(argv):
+    from pdserve.argtypes import Parser, integer
+    from services.config import KV_BACKENDS
+    p = Parser(prog="pdserve up", description="start a whole local cluster")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--prefill", type=int, default=1)
-    p.add_argument("--decode", type=int, default=1)
-    p.add_argument("--colocated", type=int, default=0)
-    p.add_argument("--port", type=int, default=50051, help="gateway port")
-    p.add_argument("--kv-backend", default="tcp", choices=["tcp", "shm"])
+    p.add_argument("--prefill", type=integer(0), default=1)
+    p.add_argument("--decode", type=integer(0), default=1)
+    p.add_argument("--colocated", type=integer(0), default=0)
+    p.add_argument("--port", type=integer(0, 65535), default=50051, help="gateway port")
+    p.add_argument("--device", default=None, help="every worker's device (cpu, cuda, cuda:N); "
+                   "workers sharing a GPU split its memory; default: the workers' (auto)")
+    p.add_argument("--kv-backend", default=None, choices=KV_BACKENDS,
+                   help="default: the workers' (tcp on the CPU, cuda_ipc,nccl on a GPU)")
     p.add_argument("--no-demo", action="store_true", help="skip the sample request")
     p.add_argument("--exit-after-demo", action="store_true", help="stop after the sample request")
     p.add_argument("--verbose", action="store_true", help="echo every service's log")
     a = p.parse_args(argv)
     if a.prefill + a.decode + a.colocated == 0 or (a.prefill and not a.decode):
         p.error("need --decode >= 1 with --prefill, or --colocated >= 1")
+    if a.device is not None:
+        from engine.config import EngineConfig
+        try:
+            EngineConfig(device=a.device)
+        except ValueError as e:
+            p.error(str(e))
+    return a
+
+
+def _cmd_up(argv) -> int:
+    from pdserve.cluster import LocalCluster
+    a = _up_args(argv)
     print(f"starting redis, {a.prefill} prefill, {a.decode} decode, {a.colocated} colocated "
           f"worker(s) and a gateway on :{a.port} (model {a.model}) ...", flush=True)
+    devices = None
+    if a.device is not None:
+        devices = {role: [a.device] for role in ("prefill", "decode", "colocated")}
     cluster = LocalCluster(a.model, prefill=a.prefill, decode=a.decode, colocated=a.colocated,
-                           gateway_port=a.port, kv_backend=a.kv_backend, echo=a.verbose)
+                           gateway_port=a.port, kv_backend=a.kv_backend, echo=a.verbose,
+                           devices=devices)
     # SIGTERM (docker stop, timeout, kill) must stop the cluster too, like Ctrl-C: the
     # services run in their own sessions and would otherwise outlive us
     signal.signal(signal.SIGTERM, _interrupt)
@@ -82,14 +106,15 @@ def _cmd_up(argv) -> int:
 
 
 def _client_args(prog: str, argv, chat: bool):
-    p = argparse.ArgumentParser(prog=prog)
-    p.add_argument("--address", default="127.0.0.1:50051")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--timeout", type=float, default=300)
+    from pdserve.argtypes import Parser, address, integer, number
+    p = Parser(prog=prog)
+    p.add_argument("--address", type=address, default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=integer(1, 2**32 - 1), default=128)
+    p.add_argument("--temperature", type=number(0.0), default=0.0)
+    p.add_argument("--top-p", type=number(gt=0.0, hi=1.0), default=None)
+    p.add_argument("--top-k", type=integer(-1, 2**31 - 1), default=0, help="0 or -1: off")
+    p.add_argument("--seed", type=integer(0, 2**64 - 1), default=None)
+    p.add_argument("--timeout", type=number(gt=0.0), default=300)
     p.add_argument("--api-key", default=None,
                    help="key for a gateway started with API keys [default: $PDSERVE_API_KEY]")
     if not chat:
@@ -133,15 +158,25 @@ def _cmd_generate(argv, chat: bool = False) -> int:
 
 
 def _cmd_run(argv) -> int:
-    p = argparse.ArgumentParser(prog="pdserve run", description="offline, in-process generation")
+    from engine.config import EngineConfig
+    from pdserve.argtypes import integer, number
+    from services.config import ConfigError, ROOTS
+    from services.config_tree import build, parser
+    p = parser(EngineConfig, "pdserve run", "offline, in-process generation; every engine "
+               "setting is a flag (docs/configuration.md)")
     p.add_argument("prompt", nargs="+")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=integer(1), default=64)
+    p.add_argument("--temperature", type=number(0.0), default=0.0)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    a = p.parse_args(argv)
-    from engine import LLM, SamplingParams
-    llm = LLM(a.model)
+    a = p.parse_strict(argv)
+    try:
+        config, _ = build(EngineConfig, roots=ROOTS, namespace=a, sections=("engine",))
+    except ConfigError as e:
+        print(f"pdserve run: error: {e}", file=sys.stderr)
+        return 2
+    from engine import SamplingParams
+    from engine.llm import LLM
+    llm = LLM.from_config(config)
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature)
     t0 = time.perf_counter()
     if a.chat:
@@ -181,6 +216,9 @@ def main(argv=None) -> int:
     if cmd == "chaos":
         from pdserve.chaos.cli import main as chaos
         return chaos(rest)
+    if cmd == "config":
+        from pdserve.config_cli import main as config
+        return config(rest)
     print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2
 

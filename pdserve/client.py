@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-import os
 import time
 
 import grpc
@@ -90,8 +89,12 @@ class _BearerKeyUnaryUnary(_BearerKey, grpc.aio.UnaryUnaryClientInterceptor):
 
 
 def channel(address: str, api_key: str | None = None) -> grpc.aio.Channel:
-    """A channel to the gateway; ``api_key`` (default: $PDSERVE_API_KEY) is sent with each call."""
-    key = api_key if api_key is not None else os.environ.get("PDSERVE_API_KEY", "")
+    """A channel to the gateway; ``api_key`` (default: the client setting api_key,
+    $PDSERVE_API_KEY) is sent with each call."""
+    if api_key is None:
+        from services.config import client_settings
+        api_key = client_settings().api_key
+    key = api_key
     return grpc.aio.insecure_channel(address, options=[
         ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
         interceptors=[_BearerKeyUnaryStream(key), _BearerKeyUnaryUnary(key)] if key else None)

@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 
+from services.config_tree import child_environ
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Set in every process of a cluster that uses a GPU: NVLink multicast (NVLS) must stay off on
@@ -149,11 +151,16 @@ class LocalCluster:
     default (CPU).
 
     ``worker_args`` go to every worker, then ``role_args[role]`` to the workers of that role
-    only (``{"decode": ("--max-num-batched-tokens", "512")}``; later flags win)."""
+    only (``{"decode": ("--max-num-batched-tokens", "512")}``; later flags win).
+
+    ``kv_backend`` None leaves each worker its default (kv_backend auto: tcp on the CPU,
+    cuda_ipc,nccl on a GPU, none for colocated workers). Workers sharing one GPU split its
+    memory: each gets gpu_memory_utilization / (workers on that GPU), unless the flags give
+    the worker its own --gpu-memory-utilization, --kv-cache-memory-bytes or --num-blocks."""
 
     def __init__(self, model: str = "smollm2-135m", *, prefill: int = 1, decode: int = 1,
                  colocated: int = 0, gateway_port: int = 0, redis: bool = True,
-                 kv_backend: str = "tcp", worker_args: tuple[str, ...] = (),
+                 kv_backend: str | None = None, worker_args: tuple[str, ...] = (),
                  gateway_args: tuple[str, ...] = (), env: dict | None = None, echo: bool = False,
                  startup_timeout_s: float = 180.0, metrics: bool = False,
                  devices: dict[str, list[str]] | None = None,
@@ -167,7 +174,7 @@ class LocalCluster:
         self.kv_backend = kv_backend
         self.worker_args = tuple(worker_args)
         self.gateway_args = tuple(gateway_args)
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self.env = child_environ({"PYTHONUNBUFFERED": "1", **(env or {})})
         self.env["PYTHONPATH"] = REPO + os.pathsep + self.env.get("PYTHONPATH", "")
         if any(d.startswith("cuda") for ds in self.devices.values() for d in ds):
             self.env.update(GPU_ENV)
@@ -215,17 +222,37 @@ class LocalCluster:
         ds = self.devices.get(role)
         return ds[index % len(ds)] if ds else None
 
+    def workers_on(self, device: str) -> int:
+        """How many of the configured workers run on the GPU ``device`` (0 for the CPU;
+        "cuda" counts as the current device, cuda:0)."""
+        def gpu(d: str | None) -> str | None:
+            if not d or not d.startswith("cuda"):
+                return None
+            return d if ":" in d else "cuda:0"
+        target = gpu(device)
+        if target is None:
+            return 0
+        return sum(gpu(self.device_for(role, i)) == target
+                   for role, n in self.counts.items() for i in range(n))
+
     def worker_cmd_args(self, role: str, index: int = 0) -> list[str]:
         """Flags of the ``index``-th worker of ``role`` (the index picks its device)."""
         args = ["--model", self.model, "--host", "127.0.0.1", "--port", "0",
-                "--kv-backend", self.kv_backend, "--log-format", "text",
-                "--log-level", "WARNING"]
+                "--log-format", "text", "--log-level", "WARNING"]
+        if self.kv_backend is not None:
+            args += ["--kv-backend", self.kv_backend]
         if self.redis:
             args += ["--redis-url", self.redis.url]
         device = self.device_for(role, index)
+        extra = [*self.worker_args, *self.role_args.get(role, ())]
         if device is not None:
             args += ["--device", device]
-        extra = [*self.worker_args, *self.role_args.get(role, ())]
+            sharing = self.workers_on(device)
+            if sharing > 1 and not {"--gpu-memory-utilization", "--kv-cache-memory-bytes",
+                                    "--num-blocks"} & set(extra):
+                from engine.config import CacheConfig
+                share = CacheConfig().gpu_memory_utilization / sharing
+                args += ["--gpu-memory-utilization", f"{share:.4f}"]
         if "--num-threads" not in extra:
             # several workers share this machine's cores: more torch threads than cores per
             # process makes OpenMP threads wait on each other (steps several times slower)

@@ -6,10 +6,13 @@
 """
 from __future__ import annotations
 
+from dataclasses import replace
+import json
 import logging
 import sys
 
 from services.config import WorkerSettings
+from services.config_tree import redacted_flat
 from services.grpc_server import DECODE_SERVICE, PREFILL_SERVICE, GrpcServer
 from services.metrics import WorkerMetrics, serve_metrics
 from services.worker_runtime import WorkerRuntime, engine_config
@@ -27,11 +30,17 @@ async def serve_worker(settings: WorkerSettings) -> None:
 
     role = settings.role
     engine = LLMEngine(engine_config(settings))
+    # the engine resolves what depends on the model and the device (dtype, KV cache size,
+    # max_model_len): the configuration logged and exported is the one that runs
+    settings = replace(settings, engine=engine.config)
+    shown = redacted_flat(settings)
+    logger.info("%s worker configuration: %s", role, json.dumps(shown))
     aengine = AsyncEngine(engine)
     await aengine.start()
     cache = engine.runner.kv_cache
     layout = KVLayout.from_cache(cache, settings.block_size)
     metrics = WorkerMetrics(role)
+    metrics.export_config(shown)
     runtime = WorkerRuntime(settings, aengine, engine.model_id, metrics=metrics)
 
     services = []
@@ -45,7 +54,8 @@ async def serve_worker(settings: WorkerSettings) -> None:
             receivers.append((backend, receiver))
         decode = DecodeServicer(aengine, runtime, receivers, layout, settings, metrics=metrics)
         services.append(DECODE_SERVICE)
-    if role in ("prefill", "colocated"):
+    # a colocated worker without KV backends (its default) prefills its own requests only
+    if role == "prefill" or (role == "colocated" and settings.kv_backends):
         for backend in settings.kv_backends:
             senders[backend] = make_sender(backend, cache, layout)
         services.append(PREFILL_SERVICE)

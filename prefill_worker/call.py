@@ -124,7 +124,7 @@ class PrefillCall:
 
     def _validate(self) -> _Request:
         r, env = self.request, self.env
-        limits = env.settings.limits()
+        limits = env.settings.limits
         validation.check_label(r.request_id, limits)
         sp = validation.sampling(r.sampling, limits)
         validation.check_model(r.model, env.runtime.model_id, limits)

@@ -1,267 +1,55 @@
-"""Service settings: frozen dataclasses that only validate, and one factory per service.
+"""The settings of every entry point, one tree each, and their builders.
 
-Each field ``some_name`` can be set by the flag ``--some-name`` or the environment variable
-``PDSERVE_SOME_NAME``; precedence: flag > environment > default. Booleans take
-``--x/--no-x`` and ``1/0/true/false/yes/no/on/off``; tuples are comma-separated. Bad values
-raise :class:`ConfigError` naming the flag and the variable; unknown flags are argparse errors.
+    engine     engine.config.EngineConfig: LLM(model, **kw) and the engine of every worker
+    worker     WorkerSettings: pdserve prefill | decode | colocated (its engine is a section)
+    gateway    GatewaySettings: pdserve gateway
+    client     ClientSettings: pdserve generate | chat | bench
+
+Each tree is frozen dataclasses that only validate; services/config_tree.py fills them:
+defaults < config file (``--config FILE``, ``PDSERVE_CONFIG``) < ``PDSERVE_*`` variables <
+flags (< keywords, for ``LLM``). The field ``some_name`` is the flag ``--some-name``, the
+variable ``PDSERVE_SOME_NAME``, the file key and the keyword ``some_name``. Bad values raise
+:class:`ConfigError` naming the setting and where it was set; unknown names in a file or in
+``PDSERVE_*`` are errors naming the nearest setting. docs/configuration.md is generated from
+these trees (``pdserve config docs``); ``pdserve config show`` prints one resolved.
 
     gateway_settings(argv=None, env=None) -> GatewaySettings
-    worker_settings(argv=None, env=None, role="colocated") -> WorkerSettings
+    worker_settings(argv=None, env=None, role="colocated") -> WorkerSettings (device resolved)
+    engine_config(model, env=None, **kw) -> EngineConfig          (what LLM uses)
+    client_settings(env=None) -> ClientSettings
 """
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, dataclass, field, fields
-import os
+from dataclasses import dataclass, replace
 import socket
-from typing import Any, TypeVar
+from typing import Any
 
-from engine.config import POLICIES
+from engine.config import (EngineConfig, SettingError, check_settings, resolve_engine_config,
+                           section, setting)
+from services.config_tree import ConfigError, build, tree  # noqa: F401 - ConfigError re-exported
 from services.validation import RequestLimits
 
-S = TypeVar("S")
-
 ROLES = ("prefill", "decode", "colocated")
-KV_BACKENDS = ("tcp", "shm", "nccl", "cuda_ipc", "nixl", "fake")
-_GPU_ONLY_BACKENDS = ("nccl", "cuda_ipc")
-_CPU_ONLY_BACKENDS = ("tcp", "shm")
 LOG_FORMATS = ("json", "text")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
-
-class ConfigError(ValueError):
-    """A setting has an invalid value; the message says which one and why."""
-
-
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
-def _check_port(name: str, port: int, allow_zero: bool = True) -> None:
-    if not (0 if allow_zero else 1) <= port <= 65535:
-        raise ValueError(f"{name} must be in {0 if allow_zero else 1}..65535, got {port}")
-
-
-def _check_common(s: Any) -> None:
-    _check_port("port", s.port)
-    _check_port("metrics_port", s.metrics_port)
-    if s.grace_s < 0 or s.drain_delay_s < 0:
-        raise ValueError("grace_s and drain_delay_s must be >= 0")
-    if s.max_message_bytes < 1024:
-        raise ValueError(f"max_message_bytes must be >= 1024, got {s.max_message_bytes}")
-    if s.log_level.upper() not in LOG_LEVELS:
-        raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {s.log_level!r}")
-    if s.log_format not in LOG_FORMATS:
-        raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {s.log_format!r}")
-    if s.redis_url and not s.redis_url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, "
-                         f"got {s.redis_url!r}")
-    if s.redis_timeout_s <= 0:
-        raise ValueError("redis_timeout_s must be > 0")
-    if s.block_size <= 0 or s.block_size & (s.block_size - 1):
-        raise ValueError(f"block_size must be a positive power of two, got {s.block_size}")
-    if not s.model:
-        raise ValueError("model must not be empty")
+# KV transfer backends and the caches (devices) each can move.
+# tcp / shm: CPU caches only. Moving a GPU cache over them (staging through pinned host
+# memory) is being added in kvtransfer/ by another change; until it lands the refusal below
+# is still needed, and then "cuda" joins their devices here and "tcp" the GPU default list.
+BACKEND_DEVICES = {"tcp": ("cpu",), "shm": ("cpu",), "nccl": ("cuda",), "cuda_ipc": ("cuda",),
+                   "nixl": ("cpu", "cuda"), "fake": ("cpu", "cuda")}
+KV_BACKENDS = tuple(BACKEND_DEVICES)
+# kv_backend=auto: a colocated worker moves no KV; a GPU worker prefers the copy engines on
+# one host (cuda_ipc also serves a prefill and a decode worker sharing one GPU, where NCCL
+# cannot), then NCCL between hosts; a CPU worker uses tcp.
+DEFAULT_KV_BACKENDS = {"cpu": "tcp", "cuda": "cuda_ipc,nccl"}
 
 
-@dataclass(frozen=True)
-class GatewaySettings(RequestLimits):
-    host: str = _opt("0.0.0.0", "address to bind")
-    port: int = _opt(50051, "gRPC port (0: any free port)")
-    model: str = _opt("smollm2-135m", "model spec; requests naming another model are refused")
-    redis_url: str = _opt("", "Redis for registry + prefix index; empty: static workers only")
-    namespace: str = _opt("pdserve", "Redis key prefix")
-    redis_timeout_s: float = _opt(0.25, "Redis connect/read timeout")
-    prefill_addrs: tuple[str, ...] = _opt((), "static prefill workers host:port,...")
-    decode_addrs: tuple[str, ...] = _opt((), "static decode/colocated workers host:port,...")
-    block_size: int = _opt(16, "KV block size in tokens (must match the workers)")
-    hash_seed: str = _opt("pdserve-v1", "block-hash seed (must match the workers)")
-    prefix_weight: float = _opt(1.0, "router: weight of cached prefix vs load")
-    local_prefill_max_tokens: int = _opt(0, "router: a prompt with at most this many tokens "
-                                            "uncached on the chosen decode worker is prefilled "
-                                            "there, not on a prefill worker, while that prefill "
-                                            "worker is backed up (see "
-                                            "--local-prefill-queue-tokens); 0: off")
-    local_prefill_queue_tokens: int = _opt(8192, "router: a prefill worker counts as backed up "
-                                                 "when at least this many uncached prompt "
-                                                 "tokens this gateway sent it await their first "
-                                                 "token (0: always, i.e. every short prompt "
-                                                 "prefills locally)")
-    local_prefill_decode_tokens: int = _opt(0, "router: local prefill only while the decode "
-                                               "worker's own such prompts awaiting their first "
-                                               "token stay within this many uncached tokens "
-                                               "(a decode worker that falls behind gets no "
-                                               "more); 0: no cap")
-    static_capacity: int = _opt(64, "requests a worker is assumed to run at once until it "
-                                    "reports its own capacity (Stats)")
-    queue_factor: float = _opt(2.0, "shedding: new requests get RESOURCE_EXHAUSTED while the "
-                                    "gateway has this many times the decode pool's capacity "
-                                    "in flight")
-    max_migrations: int = _opt(3, "times a request may move to another decode worker after "
-                                  "the one streaming it failed (0: never)")
-    health_interval_s: float = _opt(1.0, "how often each worker is probed (Stats, which also "
-                                         "gives a static worker's capacity and load)")
-    health_timeout_s: float = _opt(1.0, "a probe unanswered this long fails")
-    health_failures: int = _opt(2, "consecutive failed probes after which a worker gets no "
-                                   "new requests and its streams move elsewhere")
-    tokenizer_threads: int = _opt(2, "threads that tokenize prompts (off the event loop)")
-    tokenizer_queue: int = _opt(256, "prompts waiting for a tokenizer thread beyond which "
-                                     "requests get RESOURCE_EXHAUSTED")
-    key_max_concurrent: int = _opt(0, "requests one API key may have in flight (0: no "
-                                      "limit but key_max_seat_share)")
-    key_max_seat_share: float = _opt(0.5, "with two or more API keys, the share of the decode "
-                                          "pool's capacity one key may hold (1: no limit)")
-    key_max_tokens_per_s: float = _opt(0.0, "prompt + completion tokens per second one API "
-                                            "key may use, averaged over 10 s (0: no limit)")
-    refresh_s: float = _opt(1.0, "how often to re-read the registry")
-    reaper_interval_s: float = _opt(1.0, "how often to reap dead workers' index entries")
-    request_timeout_s: float = _opt(600.0, "end-to-end deadline per request")
-    api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={
-        "help": "accepted client API keys (prefer PDSERVE_API_KEYS or --api-key-file: flags "
-                "show in ps); none: no auth"})
-    api_key_file: str = _opt("", "file with one accepted client API key per line")
-    grace_s: float = _opt(10.0, "shutdown: time in-flight requests get to finish")
-    drain_delay_s: float = _opt(0.5, "shutdown: NOT_SERVING this long before refusing RPCs")
-    max_message_bytes: int = _opt(4 * 1024 * 1024, "largest gRPC message a client may send "
-                                                    "(bigger ones: RESOURCE_EXHAUSTED before "
-                                                    "they are parsed); above max_prompt_bytes")
-    metrics_port: int = _opt(0, "Prometheus /metrics port (0: off)")
-    log_level: str = _opt("INFO", "log level")
-    log_format: str = _opt("json", "json or text")
-
-    def __post_init__(self) -> None:
-        _check_common(self)
-        self.check_limits()
-        if not self.redis_url and not self.decode_addrs:
-            raise ValueError("need redis_url or decode_addrs (where do workers come from?)")
-        for a in (*self.prefill_addrs, *self.decode_addrs):
-            _check_address(a)
-        if self.prefix_weight < 0:
-            raise ValueError("prefix_weight must be >= 0")
-        for name in ("local_prefill_max_tokens", "local_prefill_queue_tokens",
-                     "local_prefill_decode_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        from services.auth import load_api_keys
-        load_api_keys(self.api_keys, self.api_key_file)  # readable, well-formed
-        for name in ("refresh_s", "reaper_interval_s", "request_timeout_s", "static_capacity",
-                     "queue_factor", "health_interval_s", "health_timeout_s",
-                     "health_failures", "tokenizer_threads", "tokenizer_queue"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
-        for name in ("max_migrations", "key_max_concurrent", "key_max_tokens_per_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        if not 0 < self.key_max_seat_share <= 1:
-            raise ValueError(f"key_max_seat_share must be in (0, 1], got "
-                             f"{self.key_max_seat_share}")
-
-
-@dataclass(frozen=True)
-class WorkerSettings(RequestLimits):
-    role: str = _opt("colocated", "prefill, decode or colocated")
-    host: str = _opt("0.0.0.0", "address to bind")
-    port: int = _opt(50061, "gRPC port (0: any free port)")
-    advertise_host: str = _opt("", "host others dial (default: host, or hostname if wildcard)")
-    advertise_port: int = _opt(0, "port others dial (0: the bound port; e.g. a proxy's)")
-    worker_id: str = _opt("", "unique id (default: advertise address + random suffix)")
-    model: str = _opt("smollm2-135m", "model spec")
-    dtype: str = _opt("float32", "float32, bfloat16 or float16")
-    device: str = _opt("cpu", "cpu, cuda, cuda:N")
-    seed: int = _opt(0, "engine seed")
-    redis_url: str = _opt("", "Redis for registry + prefix index; empty: not registered")
-    namespace: str = _opt("pdserve", "Redis key prefix")
-    redis_timeout_s: float = _opt(0.25, "Redis connect/read timeout")
-    registry_ttl_s: float = _opt(3.0, "registry key TTL")
-    heartbeat_s: float = _opt(1.0, "registry heartbeat interval")
-    kv_backend: str = _opt("tcp", "KV transfer backend(s), preferred first: tcp, shm, nccl, "
-                                  "cuda_ipc, nixl, fake; e.g. nccl,tcp retries a failed "
-                                  "transfer over tcp")
-    kv_host: str = _opt("", "KV receiver bind host (default: host)")
-    kv_port: int = _opt(0, "KV receiver port (0: any free port)")
-    transfer_timeout_s: float = _opt(30.0, "KV transfer timeout (never past the request's "
-                                           "deadline)")
-    prefill_timeout_s: float = _opt(30.0, "decode role: a Prefill call's deadline, plus "
-                                          "--prefill-timeout-per-token-ms per prompt token "
-                                          "(never past the request's deadline)")
-    prefill_timeout_per_token_ms: float = _opt(1.0, "decode role: see --prefill-timeout-s")
-    block_size: int = _opt(16, "KV block size in tokens")
-    num_blocks: int = _opt(0, "KV blocks (0: derive from kv_cache_memory_bytes)")
-    kv_cache_memory_bytes: int = _opt(1 << 30, "KV cache size when num_blocks is 0")
-    enable_prefix_caching: bool = _opt(True, "reuse cached prompt prefixes")
-    hash_seed: str = _opt("pdserve-v1", "block-hash seed (same on every process)")
-    max_num_seqs: int = _opt(64, "max running requests")
-    max_num_batched_tokens: int = _opt(2048, "per-step token budget")
-    max_model_len: int = _opt(4096, "max prompt + output tokens")
-    schedule_policy: str = _opt("fcfs", "admission order of waiting requests: fcfs, or "
-                                        "short_first (fewest prompt tokens left first; one "
-                                        "waiting over --schedule-max-wait-s goes first)")
-    schedule_max_wait_s: float = _opt(1.0, "short_first: wait after which a request goes "
-                                           "before newer ones")
-    enforce_eager: bool = _opt(False, "GPU: no CUDA graphs")
-    mixed_graph_tokens: int = _opt(512, "GPU: steps that mix decodes with prompt chunks of "
-                                        "up to this many tokens replay CUDA graphs (0: eager)")
-    async_decode: bool | None = _opt(None, "launch the next decode step before reading this "
-                                            "one's tokens (hides host work behind the GPU); "
-                                            "unset: on with CUDA graphs, off otherwise")
-    num_threads: int = _opt(0, "CPU: torch threads (0: torch default)")
-    grace_s: float = _opt(30.0, "shutdown: time in-flight requests get to finish")
-    drain_delay_s: float = _opt(0.5, "shutdown: NOT_SERVING this long before refusing RPCs")
-    max_message_bytes: int = _opt(64 * 1024 * 1024, "gRPC max message size")
-    metrics_port: int = _opt(0, "Prometheus /metrics port (0: off)")
-    log_level: str = _opt("INFO", "log level")
-    log_format: str = _opt("json", "json or text")
-
-    def __post_init__(self) -> None:
-        _check_common(self)
-        self.check_limits()
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        bad = [b for b in self.kv_backends if b not in KV_BACKENDS]
-        if bad or not self.kv_backends or len(set(self.kv_backends)) != len(self.kv_backends):
-            raise ValueError(f"kv_backend must be distinct names from {KV_BACKENDS}, "
-                             f"comma-separated, got {self.kv_backend!r}")
-        on_gpu = self.device.startswith("cuda")
-        wrong = [b for b in self.kv_backends
-                 if (b in _GPU_ONLY_BACKENDS and not on_gpu) or (b in _CPU_ONLY_BACKENDS and on_gpu)]
-        if wrong:
-            raise ValueError(
-                f"kv_backend {','.join(wrong)} cannot move a KV cache on device {self.device!r}: "
-                f"{'/'.join(_GPU_ONLY_BACKENDS)} need a cuda device, "
-                f"{'/'.join(_CPU_ONLY_BACKENDS)} a cpu one (nixl and fake take either)")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        _check_port("kv_port", self.kv_port)
-        _check_port("advertise_port", self.advertise_port)
-        if self.prefill_timeout_s <= 0 or self.prefill_timeout_per_token_ms < 0:
-            raise ValueError("prefill_timeout_s must be > 0 and prefill_timeout_per_token_ms "
-                             ">= 0")
-        if self.heartbeat_s <= 0 or self.heartbeat_s >= self.registry_ttl_s:
-            raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be > 0 and shorter than "
-                             f"registry_ttl_s ({self.registry_ttl_s})")
-        for name in ("num_blocks", "num_threads", "mixed_graph_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        if self.schedule_policy not in POLICIES:
-            raise ValueError(f"schedule_policy must be one of {POLICIES}, "
-                             f"got {self.schedule_policy!r}")
-        for name in ("transfer_timeout_s", "kv_cache_memory_bytes", "max_num_seqs",
-                     "max_num_batched_tokens", "max_model_len", "schedule_max_wait_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
-
-    @property
-    def kv_backends(self) -> tuple[str, ...]:
-        """``--kv-backend nccl,tcp`` -> ``("nccl", "tcp")``: preferred first, then fallbacks."""
-        return tuple(b.strip() for b in self.kv_backend.split(",") if b.strip())
-
-    def advertise_address(self, bound_port: int | None = None) -> str:
-        """host:port that other processes dial (``bound_port`` when port was 0)."""
-        host = self.advertise_host or (socket.gethostname() if self.host in _WILDCARD_HOSTS
-                                       else self.host)
-        return f"{host}:{self.advertise_port or bound_port or self.port}"
+def default_kv_backend(role: str, device_kind: str) -> str:
+    return "none" if role == "colocated" else DEFAULT_KV_BACKENDS[device_kind]
 
 
 def _check_address(a: str) -> None:
@@ -270,81 +58,299 @@ def _check_address(a: str) -> None:
         raise ValueError(f"expected host:port, got {a!r}")
 
 
-def _names(name: str) -> tuple[str, str]:
-    return "--" + name.replace("_", "-"), "PDSERVE_" + name.upper()
+def _port(default: int, help: str) -> Any:
+    return setting(default, help, ge=0, le=65535)
 
 
-def _is_bool(kind: str) -> bool:
-    """A field annotated bool, or bool | None (unset: the component decides)."""
-    return kind.replace(" ", "") in ("bool", "bool|None")
+@dataclass(frozen=True)
+class ServiceSettings:
+    """What every service has: its gRPC server, Redis, shutdown, metrics and logs."""
+
+    host: str = setting("0.0.0.0", "address to bind")
+    port: int = _port(50051, "gRPC port (0: any free port)")
+    redis_url: str = setting("", "Redis for the worker registry and the prefix index "
+                                 "(redis://, rediss:// or unix://; a password in it is never "
+                                 "shown); empty: none")
+    namespace: str = setting("pdserve", "Redis key prefix")
+    redis_timeout_s: float = setting(0.25, "Redis connect/read timeout", gt=0.0)
+    grace_s: float = setting(10.0, "shutdown: time in-flight requests get to finish", ge=0.0)
+    drain_delay_s: float = setting(0.5, "shutdown: NOT_SERVING this long before refusing RPCs",
+                                   ge=0.0)
+    max_message_bytes: int = setting(64 * 1024 * 1024, "gRPC max message size", ge=1024,
+                                     unit="bytes")
+    metrics_port: int = _port(0, "Prometheus /metrics port (0: off)")
+    log_level: str = setting("INFO", "log level", choices=LOG_LEVELS)
+    log_format: str = setting("json", "log lines: json or text", choices=LOG_FORMATS)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "log_level", str(self.log_level).upper())
+        check_settings(self)
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://",
+                                                              "unix://")):
+            raise SettingError("redis_url", "redis_url must start with redis://, rediss:// or "
+                                            "unix://")
+
+    def __repr__(self) -> str:  # secrets and URL passwords redacted
+        from services.config_tree import flat, redact
+        specs = tree(type(self))
+        body = ", ".join(f"{k}={redact(specs[k], v)!r}" for k, v in flat(self).items())
+        return f"{type(self).__name__}({body})"
 
 
-def _parse(kind: str, raw: str) -> Any:
-    kind = kind.replace(" ", "")
-    if kind in ("int", "float"):
-        try:
-            return int(raw) if kind == "int" else float(raw)
-        except ValueError:
-            raise ValueError(f"expected {'an integer' if kind == 'int' else 'a number'}, "
-                             f"got {raw!r}") from None
-    if _is_bool(kind):
-        low = raw.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {raw!r}")
-    if kind.startswith("tuple"):
-        return tuple(p.strip() for p in raw.split(",") if p.strip())
-    return raw
+@dataclass(frozen=True, repr=False)
+class GatewaySettings(ServiceSettings):
+    """The gateway: front door, router, client authentication."""
+
+    model: str = setting("smollm2-135m", "model spec (its tokenizer and context length); "
+                                         "requests naming another model are refused")
+    prefill_addrs: tuple[str, ...] = setting((), "static prefill workers host:port,...")
+    decode_addrs: tuple[str, ...] = setting((), "static decode / colocated workers "
+                                                "host:port,...")
+    static_capacity: int = setting(
+        64, "requests each static worker (--decode-addrs / --prefill-addrs) is assumed to "
+            "hold at once; registered workers report their own (max_num_seqs)", ge=1)
+    queue_factor: float = setting(
+        2.0, "shedding: a request is refused RESOURCE_EXHAUSTED when the decode pool already "
+             "has queue_factor x its summed capacity in flight", gt=0.0)
+    block_size: int = setting(16, "KV block size in tokens (must match the workers)", ge=1)
+    hash_seed: str = setting("pdserve-v1", "block-hash seed (must match the workers)")
+    prefix_weight: float = setting(1.0, "router: weight of cached prefix vs load", ge=0.0)
+    local_prefill_max_tokens: int = setting(
+        0, "router: a prompt with at most this many tokens uncached on the chosen decode "
+           "worker is prefilled there, not on a prefill worker, while that prefill worker is "
+           "backed up (see local_prefill_queue_tokens); 0: off", ge=0)
+    local_prefill_queue_tokens: int = setting(
+        8192, "router: a prefill worker counts as backed up when at least this many uncached "
+              "prompt tokens this gateway sent it await their first token (0: always, i.e. "
+              "every short prompt prefills locally)", ge=0)
+    local_prefill_decode_tokens: int = setting(
+        0, "router: local prefill only while the decode worker's own such prompts awaiting "
+           "their first token stay within this many uncached tokens (a decode worker that "
+           "falls behind gets no more); 0: no cap", ge=0)
+    refresh_s: float = setting(1.0, "how often to re-read the registry", gt=0.0)
+    reaper_interval_s: float = setting(1.0, "how often to reap dead workers' index entries",
+                                       gt=0.0)
+    request_timeout_s: float = setting(600.0, "end-to-end deadline per request", gt=0.0)
+    api_keys: tuple[str, ...] = setting(
+        (), "accepted client API keys (prefer PDSERVE_API_KEYS or api_key_file: flags show in "
+            "ps); none: no auth", secret=True)
+    api_key_file: str = setting("", "file with one accepted client API key per line")
+    max_message_bytes: int = setting(
+        4 * 1024 * 1024, "largest gRPC message a client may send (bigger: RESOURCE_EXHAUSTED "
+                         "before it is parsed); above max_prompt_bytes", ge=1024, unit="bytes")
+    max_migrations: int = setting(3, "times a request may move to another decode worker after "
+                                     "the one streaming it failed (0: never)", ge=0)
+    health_interval_s: float = setting(1.0, "how often each worker is probed (Stats, which "
+                                            "also gives a static worker's capacity and load)",
+                                       gt=0.0)
+    health_timeout_s: float = setting(1.0, "a probe unanswered this long fails", gt=0.0)
+    health_failures: int = setting(2, "consecutive failed probes after which a worker gets no "
+                                      "new requests and its streams move elsewhere", ge=1)
+    tokenizer_threads: int = setting(2, "threads that tokenize prompts (off the event loop)",
+                                     ge=1)
+    tokenizer_queue: int = setting(256, "prompts waiting for a tokenizer thread beyond which "
+                                        "requests get RESOURCE_EXHAUSTED", ge=1)
+    key_max_concurrent: int = setting(0, "requests one API key may have in flight (0: no "
+                                         "limit but key_max_seat_share)", ge=0)
+    key_max_seat_share: float = setting(0.5, "with two or more API keys, the share of the "
+                                             "decode pool's capacity one key may hold (1: no "
+                                             "limit)", gt=0.0, le=1.0)
+    key_max_tokens_per_s: float = setting(0.0, "prompt + completion tokens per second one API "
+                                               "key may use, averaged over 10 s (0: no limit)",
+                                          ge=0.0)
+    limits: RequestLimits = section(RequestLimits, "request limits")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size & (self.block_size - 1):
+            raise SettingError("block_size", f"block_size must be a power of two, "
+                                             f"got {self.block_size}")
+        if not self.model:
+            raise SettingError("model", "model must not be empty")
+        if not self.redis_url and not self.decode_addrs:
+            raise ValueError("need redis_url or decode_addrs (where do workers come from?)")
+        for name in ("prefill_addrs", "decode_addrs"):
+            for a in getattr(self, name):
+                try:
+                    _check_address(a)
+                except ValueError as e:
+                    raise SettingError(name, f"{name}: {e}") from None
+        from services.auth import load_api_keys
+        load_api_keys(self.api_keys, self.api_key_file)  # readable, well-formed
 
 
-def _build(cls: type[S], prog: str, argv: Sequence[str] | None, env: Mapping[str, str] | None,
-           defaults: Mapping[str, Any] | None = None) -> S:
-    env = os.environ if env is None else env
-    defaults = defaults or {}
-    parser = argparse.ArgumentParser(prog=prog, description=f"{cls.__name__}: flag > "
-                                     "PDSERVE_* environment variable > default")
-    for f in fields(cls):
-        flag, var = _names(f.name)
-        default = defaults.get(f.name, f.default if f.default is not MISSING else None)
-        help_ = f"{f.metadata.get('help', '')} [{var}; default {default!r}]"
-        if _is_bool(f.type):
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=None, help=help_)
-        else:
-            parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(),
-                                help=help_)
-    ns = parser.parse_args(argv)
-    values: dict[str, Any] = {}
-    for f in fields(cls):
-        flag, var = _names(f.name)
-        raw = getattr(ns, f.name)
-        source = f"{flag} / {var}"
-        if raw is None and var in env:
-            raw, source = env[var], f"{var} (environment) / {flag}"
-        if raw is None:
-            if f.name in defaults:
-                values[f.name] = defaults[f.name]
-            continue
-        try:
-            values[f.name] = raw if isinstance(raw, bool) else _parse(f.type, raw)
-        except ValueError as e:
-            raise ConfigError(f"{source}: {e}") from None
-    try:
-        return cls(**values)
-    except ValueError as e:
-        raise ConfigError(f"invalid {cls.__name__}: {e} (field x_y is set by --x-y or "
-                          "PDSERVE_X_Y)") from None
+@dataclass(frozen=True, repr=False)
+class WorkerSettings(ServiceSettings):
+    """A worker process: its service side; the engine it runs is the ``engine`` section."""
+
+    role: str = setting("colocated", "prefill, decode or colocated", choices=ROLES)
+    port: int = _port(50061, "gRPC port (0: any free port)")
+    advertise_host: str = setting("", "host others dial (default: host, or the hostname if "
+                                      "host is a wildcard)")
+    advertise_port: int = _port(0, "port others dial (0: the bound port; e.g. a proxy's)")
+    worker_id: str = setting("", "unique id (default: advertise address + random suffix)")
+    registry_ttl_s: float = setting(3.0, "registry key TTL", gt=0.0)
+    heartbeat_s: float = setting(1.0, "registry heartbeat interval (shorter than "
+                                      "registry_ttl_s)", gt=0.0)
+    kv_backend: str = setting(
+        "auto", "KV transfer backend(s), preferred first: tcp, shm, nccl, cuda_ipc, nixl, "
+                "fake, comma-separated (a failed transfer is retried on the next), or none; "
+                f"auto: none for colocated, {DEFAULT_KV_BACKENDS['cuda']} on a GPU, "
+                f"{DEFAULT_KV_BACKENDS['cpu']} on the CPU")
+    kv_host: str = setting("", "KV receiver bind host (default: host)")
+    kv_port: int = _port(0, "KV receiver port (0: any free port; several backends count up)")
+    transfer_timeout_s: float = setting(30.0, "KV transfer timeout (never past the request's "
+                                              "deadline)", gt=0.0)
+    prefill_timeout_s: float = setting(30.0, "decode role: a Prefill call's deadline, plus "
+                                             "prefill_timeout_per_token_ms per prompt token "
+                                             "(never past the request's deadline)", gt=0.0)
+    prefill_timeout_per_token_ms: float = setting(1.0, "decode role: see prefill_timeout_s",
+                                                  ge=0.0)
+    grace_s: float = setting(30.0, "shutdown: time in-flight requests get to finish", ge=0.0)
+    limits: RequestLimits = section(RequestLimits, "request limits")
+    engine: EngineConfig = section(EngineConfig, "engine")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.engine, EngineConfig):
+            raise SettingError("engine", "engine must be an EngineConfig")
+        if not isinstance(self.limits, RequestLimits):
+            raise SettingError("limits", "limits must be a RequestLimits")
+        if self.heartbeat_s >= self.registry_ttl_s:
+            raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be shorter than "
+                             f"registry_ttl_s ({self.registry_ttl_s})")
+        self._check_backends()
+
+    def _check_backends(self) -> None:
+        names = self.kv_backends
+        raw = [b.strip() for b in self.kv_backend.split(",")]
+        if (self.kv_backend.strip() not in ("auto", "none")
+                and (not names or "" in raw or any(b not in BACKEND_DEVICES for b in names)
+                     or len(set(names)) != len(names))):
+            raise SettingError("kv_backend", f"kv_backend must be distinct names from "
+                                             f"{', '.join(KV_BACKENDS)}, comma-separated, auto "
+                                             f"or none, got {self.kv_backend!r}")
+        if not names and self.role != "colocated":
+            raise SettingError("kv_backend", f"a {self.role} worker needs a kv_backend")
+        if self.engine.device == "auto":
+            return  # checked once the device is resolved (resolve_worker)
+        kind = self.engine.device_kind
+        wrong = [b for b in names if kind not in BACKEND_DEVICES[b]]
+        if wrong:
+            gpu = "/".join(b for b, d in BACKEND_DEVICES.items() if d == ("cuda",))
+            cpu = "/".join(b for b, d in BACKEND_DEVICES.items() if d == ("cpu",))
+            raise SettingError("kv_backend", (
+                f"kv_backend {','.join(wrong)} cannot move a KV cache on device "
+                f"{self.engine.device!r}: {gpu} need a cuda device, {cpu} a cpu one (nixl and "
+                "fake take either)"))
+
+    @property
+    def kv_backends(self) -> tuple[str, ...]:
+        """``nccl,tcp`` -> ``("nccl", "tcp")``: preferred first, then fallbacks; () for none
+        (auto: the role's and device's default)."""
+        value = self.kv_backend.strip()
+        if value == "auto":
+            value = default_kv_backend(self.role, self.engine.device_kind)
+        if value == "none":
+            return ()
+        return tuple(b.strip() for b in value.split(",") if b.strip())
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.cache.block_size
+
+    def advertise_address(self, bound_port: int | None = None) -> str:
+        """host:port that other processes dial (``bound_port`` when port was 0)."""
+        host = self.advertise_host or (socket.gethostname() if self.host in _WILDCARD_HOSTS
+                                       else self.host)
+        return f"{host}:{self.advertise_port or bound_port or self.port}"
 
 
+@dataclass(frozen=True)
+class ClientSettings:
+    """The gateway's clients: pdserve generate, chat and bench."""
+
+    api_key: str = setting("", "API key sent to a gateway started with API keys "
+                               "(authorization: Bearer); generate and chat also take "
+                               "--api-key", secret=True)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+ROOTS: dict[str, type] = {"engine": EngineConfig, "worker": WorkerSettings,
+                          "gateway": GatewaySettings, "client": ClientSettings}
+
+
+# ----------------------------------------------------------------------------- builders
 def gateway_settings(argv: Sequence[str] | None = None,
                      env: Mapping[str, str] | None = None) -> GatewaySettings:
-    """The gateway's settings from flags (``argv``, default sys.argv[1:]) and ``env``."""
-    return _build(GatewaySettings, "pdserve gateway", argv, env)
+    """The gateway's settings from flags (``argv``; None: sys.argv[1:]) and ``env``."""
+    import sys
+    argv = sys.argv[1:] if argv is None else argv
+    return build(GatewaySettings, roots=ROOTS, argv=argv, env=env, sections=("gateway",),
+                 prog="pdserve gateway")[0]
 
 
 def worker_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
-                    role: str = "colocated") -> WorkerSettings:
-    """A worker's settings; ``role`` is the default role (``--role``/PDSERVE_ROLE override)."""
-    return _build(WorkerSettings, f"pdserve {role}", argv, env, defaults={"role": role})
+                    role: str = "colocated", resolve: bool = True) -> WorkerSettings:
+    """A worker's settings; ``role`` is the default role (``--role`` / PDSERVE_ROLE override;
+    the file tables that apply are ``[engine]``, ``[worker]`` and the role's). With
+    ``resolve``, the device, the KV backends and the per-device engine limits are resolved
+    (:func:`resolve_worker`)."""
+    import sys
+    argv = sys.argv[1:] if argv is None else argv
+
+    def one(r: str):
+        return build(WorkerSettings, roots=ROOTS, argv=argv, env=env, defaults={"role": r},
+                     sections=worker_sections(r), prog=f"pdserve {role}")
+    s, values = one(role)
+    if s.role != role:  # set by --role, PDSERVE_ROLE or the file: its table applies instead
+        s, values = one(s.role)
+    return resolve_worker(s, values) if resolve else s
+
+
+def worker_sections(role: str) -> tuple[str, ...]:
+    """The config-file tables a worker of ``role`` reads, later ones winning."""
+    return ("engine", "worker", role)
+
+
+def resolve_worker(s: WorkerSettings, values=None,
+                   cuda_available: bool | None = None) -> WorkerSettings:
+    """``s`` with engine.device, kv_backend and the engine's per-device limits resolved (the
+    dtype stays as set: "auto" depends on the checkpoint, which the engine reads)."""
+    if cuda_available is None:
+        import torch  # a worker has torch; the gateway never calls this
+        cuda_available = torch.cuda.is_available()
+    engine = replace(resolve_engine_config(s.engine, cuda_available=cuda_available),
+                     dtype=s.engine.dtype)
+    kv = s.kv_backend
+    if kv.strip() == "auto":
+        kv = default_kv_backend(s.role, engine.device_kind)
+    try:
+        return replace(s, engine=engine, kv_backend=kv)
+    except SettingError as e:
+        values = values or {}
+        src = ", ".join(f"{n} set by {values[n][1]}" for n in dict.fromkeys((e.name, "device"))
+                        if n in values and values[n][1] != "default")
+        raise ConfigError(f"{e}" + (f" ({src})" if src else "")) from None
+
+
+def engine_config(model: str | None = None, env: Mapping[str, str] | None = None,
+                  config_file: str | None = None, **kw) -> EngineConfig:
+    """The offline engine's settings: defaults < config file < ``PDSERVE_*`` < keywords
+    (``LLM(model, **kw)``). Unknown keywords raise TypeError naming the nearest setting."""
+    if model is not None:
+        kw["model"] = model
+    return build(EngineConfig, roots=ROOTS, env=env, keywords=kw, sections=("engine",),
+                 config_file=config_file)[0]
+
+
+def client_settings(env: Mapping[str, str] | None = None) -> ClientSettings:
+    return build(ClientSettings, roots=ROOTS, env=env, sections=("client",))[0]
+
+
+def setting_names(root: str) -> set[str]:
+    """Flat names (aliases included) of one entry point's tree."""
+    from services.config_tree import aliases
+    return set(aliases(ROOTS[root]))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 30.0, 60.0)
@@ -31,6 +31,15 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0")
         return None
     start_http_server(port, addr=host, registry=registry)
     return port
+
+
+def export_config(registry: CollectorRegistry, settings: dict[str, str]) -> Info:
+    """``pdserve_config_info``: one sample whose labels are the service's resolved settings
+    (flat names; secrets already redacted by the caller, services.config_tree.redacted_flat)."""
+    info = Info("pdserve_config", "The resolved configuration this service runs with (one "
+                "label per setting, secrets redacted)", registry=registry)
+    info.info({k: str(v) for k, v in settings.items()})
+    return info
 
 
 def route_mode(route) -> str:
@@ -95,6 +104,9 @@ class GatewayMetrics:
                                   "tokenizer_queue, capacity)", ["reason"], registry=r)
         for mode in ROUTE_MODES:
             self.routes.labels(mode)  # exported as 0 before the first decision
+
+    def export_config(self, settings: dict[str, str]) -> None:
+        export_config(self.registry, settings)
 
     def watch_router(self, router) -> None:
         """Redis availability, worker counts and pending prefill tokens read from ``router``
@@ -216,6 +228,9 @@ class WorkerMetrics:
         self.transfers = Counter("pdserve_kv_transfers", "KV transfers by direction and final "
                                  "state", ["direction", "state"], registry=r)
         self._last = None
+
+    def export_config(self, settings: dict[str, str]) -> None:
+        export_config(self.registry, settings)
 
     def observe_engine(self, st) -> None:
         """Update gauges and counters from an ``EngineStats`` snapshot (cumulative fields)."""

@@ -32,8 +32,9 @@ that started them.
 from __future__ import annotations
 
 import logging
-import os
 import time
+
+from services.config_tree import standard_environ
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ NOOP_SPAN = _NoopSpan()
 
 def tracing_requested(env=None) -> bool:
     """Whether the OTEL_* variables ask for trace export (``otlp``)."""
-    env = os.environ if env is None else env
+    env = standard_environ() if env is None else env
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
     exporters = [e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "").split(",")
@@ -107,7 +108,7 @@ def setup_tracing(service: str, env=None) -> bool:
     if not tracing_requested(env):
         ENABLED = False
         return False
-    env = os.environ if env is None else env
+    env = standard_environ() if env is None else env
     from opentelemetry import trace
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource

@@ -11,8 +11,9 @@ Nothing is allocated for a request before these checks pass.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
+from engine.config import check_settings, setting
 from engine.request import SamplingParams
 from protos.pdserve.v1 import common_pb2
 from services.protocol import sampling_from_proto
@@ -22,13 +23,13 @@ CHAT_ROLES = ("system", "user", "assistant")
 
 
 def _lim(default: int, help: str) -> int:
-    return field(default=default, metadata={"help": help})
+    return setting(default, help, ge=1)
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     """Bounds on every repeated or string field a client sends (a normal client never
-    meets them)."""
+    meets them); a section of the gateway's and the workers' settings."""
 
     max_request_id_bytes: int = _lim(256, "longest request_id (a label) accepted, in bytes")
     max_model_name_bytes: int = _lim(256, "longest model name accepted, in bytes")
@@ -40,16 +41,7 @@ class RequestLimits:
     max_stop_token_ids: int = _lim(256, "most stop_token_ids per request")
 
     def __post_init__(self) -> None:
-        self.check_limits()
-
-    def check_limits(self) -> None:
-        for f in fields(RequestLimits):
-            if getattr(self, f.name) < 1:
-                raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
-
-    def limits(self) -> "RequestLimits":
-        """These limits alone (settings classes inherit the fields)."""
-        return RequestLimits(**{f.name: getattr(self, f.name) for f in fields(RequestLimits)})
+        check_settings(self)
 
 
 class InvalidRequest(ValueError):

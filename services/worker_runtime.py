@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import EngineConfig
 from protos.pdserve.v1 import common_pb2
 from services.config import WorkerSettings
 from services.prefix_index import IndexUnavailable, PrefixIndex
@@ -23,17 +23,8 @@ ROLE_PB = {"prefill": common_pb2.WORKER_ROLE_PREFILL, "decode": common_pb2.WORKE
 
 
 def engine_config(s: WorkerSettings) -> EngineConfig:
-    return EngineConfig(
-        model=s.model, dtype=s.dtype, device=s.device, seed=s.seed,
-        cache=CacheConfig(block_size=s.block_size, num_blocks=s.num_blocks or None,
-                          kv_cache_memory_bytes=s.kv_cache_memory_bytes,
-                          enable_prefix_caching=s.enable_prefix_caching, hash_seed=s.hash_seed),
-        scheduler=SchedulerConfig(max_num_seqs=s.max_num_seqs,
-                                  max_num_batched_tokens=s.max_num_batched_tokens,
-                                  max_model_len=s.max_model_len, policy=s.schedule_policy,
-                                  max_wait_s=s.schedule_max_wait_s),
-        enforce_eager=s.enforce_eager, mixed_graph_tokens=s.mixed_graph_tokens,
-        async_decode=s.async_decode, num_threads=s.num_threads or None)
+    """The engine a worker runs: its settings' ``engine`` section (one tree, no copy)."""
+    return s.engine
 
 
 class WorkerRuntime:
@@ -53,6 +44,13 @@ class WorkerRuntime:
         self.registry = self.heartbeat = self.index = None
         self._resync = True  # publish every cached block on the first successful round
 
+    @property
+    def capacity(self) -> int:
+        """Requests this worker runs at once: its engine's resolved max_num_seqs."""
+        engine = getattr(self.aengine, "engine", None)
+        config = getattr(engine, "config", None) or self.settings.engine
+        return config.scheduler.max_num_seqs or 1
+
     def _connect(self, address: str, kv_endpoint: str) -> None:
         settings = self.settings
         self.address = address
@@ -62,7 +60,7 @@ class WorkerRuntime:
             self.registry = WorkerRegistry(settings.redis_url, ttl_s=settings.registry_ttl_s, **kw)
             info = WorkerInfo(worker_id=self.worker_id, address=address, role=settings.role,
                               model=self.model_id, kv_endpoint=kv_endpoint,
-                              capacity=settings.max_num_seqs,
+                              capacity=self.capacity,
                               max_model_len=self.aengine.engine.max_model_len)
             self.heartbeat = Heartbeat(self.registry, info, interval_s=settings.heartbeat_s,
                                        load_fn=lambda: self._load, on_lost=self._on_lost)
@@ -167,6 +165,6 @@ class WorkerRuntime:
             num_waiting=st.num_waiting + st.num_awaiting_kv,
             prefix_cache_query_tokens=st.prefix_query_tokens,
             prefix_cache_hit_tokens=st.prefix_hit_tokens, active_transfers=active,
-            transferred_bytes=nbytes, capacity=self.settings.max_num_seqs,
+            transferred_bytes=nbytes, capacity=self.capacity,
             max_model_len=self.aengine.engine.max_model_len,
             kv_blocks_stranded=self.aengine.stranded())

@@ -17,6 +17,10 @@ import torch
 # engine.kernels. On a GPU machine the kernels compile for real.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The default suite runs on the CPU on any machine: device "auto" would pick a GPU where one
+# is visible (in process and in the workers the tests start). GPU tests name their device,
+# and those of device "auto" remove this variable.
+os.environ.setdefault("PDSERVE_DEVICE", "cpu")
 
 from pdserve.cluster import RedisProcess, free_port, wait_port  # noqa: F401 - re-exported
 

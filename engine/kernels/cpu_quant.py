@@ -16,8 +16,8 @@ Packed layout (row-major; one row = one output feature; K % 32 == 0):
 The extension is compiled with torch.utils.cpp_extension on first use (g++ and ninja needed;
 -O3 -march=native -fopenmp) and cached in torch's extensions directory, under a name that
 includes a hash of the source and of this CPU's flags. If it cannot be built, `available()`
-is False (logged once) and callers keep the dense fp32 path. PDSERVE_CPU_PACKED=off disables
-it; `auto` (default) uses it when it builds.
+is False (logged once) and callers keep the dense fp32 path. The engine setting cpu_packed
+(``PDSERVE_CPU_PACKED=off``) keeps the engine off it; on (default) uses it when it builds.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "enabled", "q4_1_gemv", "q8_0_gemv", "q4_1_gemv_ref", "q8_0_gemv_ref",
+__all__ = ["available", "q4_1_gemv", "q8_0_gemv", "q4_1_gemv_ref", "q8_0_gemv_ref",
            "packed_gemv", "packed_gemv_ref", "pack_q4_1", "pack_q8_0", "dequant_packed",
            "MAX_PACKED_TOKENS"]
 
@@ -59,6 +59,7 @@ def _cpu_tag() -> str:
 def _build():
     from torch.utils.cpp_extension import load
 
+    # CXX: torch.utils.cpp_extension's compiler choice (a standard variable, not a setting)
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
     with open(_SRC, "rb") as f:
@@ -100,19 +101,9 @@ def _get():
     return _ext
 
 
-def enabled() -> bool:
-    """PDSERVE_CPU_PACKED: auto (default) = on when the extension builds; off = never."""
-    mode = os.environ.get("PDSERVE_CPU_PACKED", "auto").strip().lower()
-    if mode in ("off", "0", "false", "no"):
-        return False
-    if mode not in ("auto", "on", "1", "true", "yes", ""):
-        logger.warning("PDSERVE_CPU_PACKED=%r not understood; using auto", mode)
-    return True
-
-
 def available() -> bool:
-    """True when enabled and the extension is built (building it on the first call)."""
-    return enabled() and _get() is not None
+    """True when the extension is built (building it on the first call)."""
+    return _get() is not None
 
 
 # ------------------------------------------------------------------ kernels

@@ -4,17 +4,16 @@ cuBLAS for each one-token projection of a Llama-family model.
 Each candidate is timed as the decode graph runs it: one call per layer (so the weights
 stream from HBM, not L2), captured in a CUDA graph, replayed, timed with CUDA events. The
 cuBLAS side includes the separate row-wise kernel the GEMV prologue would absorb
-(add+rmsnorm before qkv / gate_up, silu_and_mul before down). Environment:
-PDSERVE_GEMV=off disables the GEMV; PDSERVE_GEMV=force takes the fastest Triton config
-even when cuBLAS is faster (for A/B measurements); PDSERVE_GEMV_SPLIT_K=1 adds the split-K
-configs; Triton configs launch with programmatic dependent launch (matvec.gemv's ``pdl``,
-on Hopper and later) unless PDSERVE_GEMV_PDL=0. Every config's output is checked against
-cuBLAS before it is timed.
+(add+rmsnorm before qkv / gate_up, silu_and_mul before down). Settings (engine kernels
+section): gemv=off disables the GEMV; gemv=force takes the fastest Triton config even when
+cuBLAS is faster (for A/B measurements); gemv_split_k adds the split-K configs; Triton
+configs launch with programmatic dependent launch (matvec.gemv's ``pdl``, on Hopper and
+later) unless gemv_pdl is off. Every config's output is checked against cuBLAS before it is
+timed.
 """
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 
 import torch
@@ -27,8 +26,6 @@ logger = logging.getLogger(__name__)
 # block_k * split_k does not divide K is skipped for that role.
 CONFIGS = [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (16, 512, 4, 1), (8, 2048, 8, 1),
            (16, 1024, 8, 1)]
-# Split-K candidates join only with PDSERVE_GEMV_SPLIT_K=1: on Llama-3-8B's shapes the tuner
-# never picked one (one program per few rows already fills the GPU; docs/performance.md).
 SPLIT_K_CONFIGS = [(4, 1024, 4, 2), (8, 1024, 4, 2), (8, 512, 4, 4), (16, 512, 4, 4),
                    (16, 1024, 8, 2)]
 ROUNDS = 5  # candidates are timed in turn, ROUNDS times, so clock drift hits them alike
@@ -87,15 +84,14 @@ def _role_inputs(model, role):
     return lin, norms, pro, k
 
 
-def tune_role(model, role: str, mode: str = "auto"):
+def tune_role(model, role: str, mode: str = "auto", pdl: bool = True, split_k: bool = False):
     """-> (config dict or None for cuBLAS, {"cublas_ms": .., "triton_ms": {cfg: ms}})."""
     from engine.kernels.elementwise import fused_add_rmsnorm, silu_and_mul
     from engine.kernels.matvec import gemv
     lin, norms, pro, k = _role_inputs(model, role)
     w0 = lin[0].weight
-    pdl = os.environ.get("PDSERVE_GEMV_PDL", "1") != "0"
     key = (role, tuple(w0.shape), w0.dtype, lin[0].bias is not None, len(lin), mode,
-           os.environ.get("PDSERVE_GEMV_SPLIT_K"), pdl, torch.cuda.get_device_name(w0.device))
+           split_k, pdl, torch.cuda.get_device_name(w0.device))
     if key in _CACHE:
         return _CACHE[key]
     dev, dt = w0.device, w0.dtype
@@ -131,8 +127,7 @@ def tune_role(model, role: str, mode: str = "auto"):
     want = F.linear(h, w0, lin[0].bias).float()
     tol = 2e-2 * want.abs().max().item() + 1e-3
     fns, rejected = {"cublas": cublas}, {}
-    configs = CONFIGS + (SPLIT_K_CONFIGS if os.environ.get("PDSERVE_GEMV_SPLIT_K") == "1"
-                         else [])
+    configs = CONFIGS + (SPLIT_K_CONFIGS if split_k else [])
     for cfg in configs:
         bn, bk, nw, split = cfg
         if split > 1 and (k // (2 if pro == "silu_mul" else 1)) % (bk * split):
@@ -163,14 +158,13 @@ def tune_role(model, role: str, mode: str = "auto"):
     return plan, table
 
 
-def tune_gemv_plan(model, mode: str | None = None):
+def tune_gemv_plan(model, mode: str = "auto", pdl: bool = True, split_k: bool = False):
     """-> (plan for LlamaForCausalLM.set_gemv_plan or None, timing table per role)."""
-    mode = mode or os.environ.get("PDSERVE_GEMV", "auto")
     if mode == "off":
         return None, {}
     plan, tables = {}, {}
     for role in ("qkv", "o", "gate_up", "down"):
-        plan[role], tables[role] = tune_role(model, role, mode)
+        plan[role], tables[role] = tune_role(model, role, mode, pdl, split_k)
     torch.cuda.synchronize()
     logger.info("gemv plan %s (%s)", plan, tables)
     if all(v is None for v in plan.values()):

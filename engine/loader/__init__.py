@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["LoadedModel", "load_model", "load_config", "load_tokenizer", "resolve_spec",
+           "checkpoint_dtype",
            "smollm2_gguf_path", "Tokenizer", "ByteTokenizer"]
 
 SMOLLM2_SPEC = "smollm2-135m"
@@ -101,6 +102,17 @@ def load_config(spec: str) -> ModelConfig:
     return hf_config(location)
 
 
+def checkpoint_dtype(spec: str) -> str | None:
+    """The dtype a model's weights are stored in, when its files say (a Hugging Face folder's
+    config.json); None for dummy models and GGUF files (quantized blocks: no float dtype)."""
+    kind, location, _ = resolve_spec(spec)
+    if kind != "hf":
+        return None
+    from engine.loader.hf_loader import hf_checkpoint_dtype
+
+    return hf_checkpoint_dtype(location)
+
+
 def load_tokenizer(spec: str) -> Tokenizer | ByteTokenizer:
     kind, location, _ = resolve_spec(spec)
     if kind == "dummy":
@@ -120,7 +132,7 @@ def load_model(spec: str, dtype: "torch.dtype | None" = None, device: str = "cpu
     """Config, weights (in `dtype`, default float32, on `device`), tokenizer and model id.
 
     keep_packed: also keep GGUF Q4_1 / Q8_0 blocks (`LoadedModel.packed`); default: on for
-    a float32 CPU load unless PDSERVE_CPU_PACKED=off."""
+    a float32 CPU load (the engine passes False when its kernels.cpu_packed is off)."""
     import torch
 
     dtype = dtype or torch.float32
@@ -139,9 +151,7 @@ def load_model(spec: str, dtype: "torch.dtype | None" = None, device: str = "cpu
                                                load_gguf_weights)
 
         if keep_packed is None:
-            from engine.kernels.cpu_quant import enabled
-
-            keep_packed = device == "cpu" and dtype == torch.float32 and enabled()
+            keep_packed = device == "cpu" and dtype == torch.float32
         packed = {} if keep_packed else None
         with GGUFFile(location) as g:  # weights own copies of their bytes: safe to close
             config = gguf_config(g)

@@ -105,6 +105,15 @@ def hf_config(path: str) -> ModelConfig:
     return hf_config_from_dict(_read_json(os.path.join(path, "config.json")), generation)
 
 
+def hf_checkpoint_dtype(path: str) -> str | None:
+    """The dtype config.json says the weights are stored in (``torch_dtype``, or ``dtype``
+    in newer exports), as float32 / bfloat16 / float16; None when absent or other."""
+    cfg = _read_json(os.path.join(path, "config.json"))
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "").replace("torch.", "")
+    return {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+            "half": "float16"}.get(name)
+
+
 def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")

@@ -47,54 +47,84 @@ def up_label(cfg: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve bench", description="serving benchmark",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from pdserve.argtypes import Parser, address, int_range, integer, number
+    from services.config import KV_BACKENDS
+    pos, nonneg = integer(1), integer(0)
+    p = Parser(prog="pdserve bench", description="serving benchmark",
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = p.add_argument_group("deployment (one of)")
-    d.add_argument("--address", default=None, help="gateway HOST:PORT")
+    d.add_argument("--address", type=address, default=None, help="gateway HOST:PORT")
     d.add_argument("--up", action="store_true", help="start a LocalCluster for the run")
-    d.add_argument("--compare", nargs=2, metavar="ADDR", help="two gateways, same workload")
+    d.add_argument("--compare", nargs=2, type=address, metavar="ADDR",
+                   help="two gateways, same workload")
     d.add_argument("--compare-up", nargs=2, metavar="CFG",
                    help="two local clusters, e.g. 'prefill=1,decode=1' 'colocated=2'")
-    d.add_argument("--prefill", type=int, default=1)
-    d.add_argument("--decode", type=int, default=1)
-    d.add_argument("--colocated", type=int, default=0)
+    d.add_argument("--prefill", type=nonneg, default=1)
+    d.add_argument("--decode", type=nonneg, default=1)
+    d.add_argument("--colocated", type=nonneg, default=0)
     d.add_argument("--model", default="smollm2-135m")
-    d.add_argument("--kv-backend", default="tcp", choices=["tcp", "shm"])
+    d.add_argument("--kv-backend", default=None, choices=KV_BACKENDS,
+                   help="default: the workers' (tcp on the CPU)")
+    d.add_argument("--device", default=None,
+                   help="--up / --compare-up: every worker's device (cpu, cuda, cuda:N; "
+                        "workers sharing a GPU split its memory); default: the workers'")
     lo = p.add_argument_group("load")
-    lo.add_argument("--rate", type=float, default=None, help="Poisson req/s ('inf': burst)")
-    lo.add_argument("--rates", default=None, help="sweep, e.g. 1,2,4")
-    lo.add_argument("--concurrency", type=int, default=None,
+    lo.add_argument("--rate", type=number(gt=0.0, allow_inf=True), default=None,
+                    help="Poisson req/s ('inf': burst)")
+    lo.add_argument("--rates", type=_rates, default=None, help="sweep, e.g. 1,2,4")
+    lo.add_argument("--concurrency", type=pos, default=None,
                     help="max in flight (alone: closed loop with this many clients)")
-    lo.add_argument("--num-requests", type=int, default=None, help="measured requests [100]")
-    lo.add_argument("--duration", type=float, default=None, help="stop sending after S seconds")
-    lo.add_argument("--warmup", type=int, default=0, help="requests excluded from stats")
-    lo.add_argument("--timeout", type=float, default=300.0, help="per request (s)")
-    lo.add_argument("--temperature", type=float, default=0.0)
+    lo.add_argument("--num-requests", type=pos, default=None, help="measured requests [100]")
+    lo.add_argument("--duration", type=number(gt=0.0), default=None,
+                    help="stop sending after S seconds")
+    lo.add_argument("--warmup", type=nonneg, default=0, help="requests excluded from stats")
+    lo.add_argument("--timeout", type=number(gt=0.0), default=300.0, help="per request (s)")
+    lo.add_argument("--temperature", type=number(0.0), default=0.0)
     w = p.add_argument_group("workload")
     w.add_argument("--workload-kind", default="random",
                    choices=["random", "prefix", "multiturn", "longmix"])
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=nonneg, default=0)
     w.add_argument("--prompt-format", default="text", choices=["text", "tokens"])
-    w.add_argument("--vocab-size", type=int, default=32000, help="for --prompt-format tokens")
-    w.add_argument("--input-len", default="32:128", help="prompt units LO:HI")
-    w.add_argument("--output-len", default="32:32", help="generated tokens LO:HI")
-    w.add_argument("--num-prefixes", type=int, default=4)
-    w.add_argument("--num-users", type=int, default=8)
-    w.add_argument("--prefix-len", type=int, default=256)
-    w.add_argument("--num-turns", type=int, default=4)
-    w.add_argument("--reply-len", type=int, default=32)
-    w.add_argument("--long-frac", type=float, default=0.2)
-    w.add_argument("--long-len", type=int, default=1024)
+    w.add_argument("--vocab-size", type=integer(2), default=32000,
+                   help="for --prompt-format tokens")
+    w.add_argument("--input-len", type=int_range, default="32:128", help="prompt units LO:HI")
+    w.add_argument("--output-len", type=int_range, default="32:32",
+                   help="generated tokens LO:HI")
+    w.add_argument("--num-prefixes", type=pos, default=4)
+    w.add_argument("--num-users", type=pos, default=8)
+    w.add_argument("--prefix-len", type=nonneg, default=256)
+    w.add_argument("--num-turns", type=pos, default=4)
+    w.add_argument("--reply-len", type=pos, default=32)
+    w.add_argument("--long-frac", type=number(0.0, 1.0), default=0.2)
+    w.add_argument("--long-len", type=pos, default=1024)
     w.add_argument("--workload", default=None, help="replay items from a .jsonl")
     w.add_argument("--save-workload", default=None, help="write the items to a .jsonl")
     r = p.add_argument_group("report")
-    r.add_argument("--slo-ttft-ms", type=float, default=None)
-    r.add_argument("--slo-tpot-ms", type=float, default=None)
+    r.add_argument("--slo-ttft-ms", type=number(gt=0.0), default=None)
+    r.add_argument("--slo-tpot-ms", type=number(gt=0.0), default=None)
     r.add_argument("--out", default=None, help="JSON report; PNG plots are written beside it")
     r.add_argument("--no-plots", action="store_true")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--note", default="", help="free text stored in the JSON (machine load, ...)")
     return p
+
+
+def _rates(text: str) -> str:
+    """``1,2,4``: positive rates (inf allowed), kept as the text loads() splits."""
+    from pdserve.argtypes import number
+    parse = number(gt=0.0, allow_inf=True)
+    if not [parse(x) for x in text.split(",")]:
+        raise argparse.ArgumentTypeError(f"expected rates like 1,2,4, got {text!r}")
+    return text
+
+
+def _range(value) -> tuple[int, int]:
+    """``--input-len`` / ``--output-len``: parsed by argparse (argtypes.int_range), or the
+    LO:HI text of a namespace built by hand."""
+    if isinstance(value, tuple):
+        return value
+    from pdserve.argtypes import int_range
+    return int_range(value)
 
 
 def make_items(a) -> tuple[list[workload.Item], dict]:
@@ -104,8 +134,7 @@ def make_items(a) -> tuple[list[workload.Item], dict]:
         return items, {"replayed_from": a.workload, "items": len(items)}
     spec = workload.WorkloadSpec(
         kind=a.workload_kind, num_requests=n + a.warmup, seed=a.seed, fmt=a.prompt_format,
-        vocab_size=a.vocab_size, input_len=workload.parse_range(a.input_len),
-        output_len=workload.parse_range(a.output_len),
+        vocab_size=a.vocab_size, input_len=_range(a.input_len), output_len=_range(a.output_len),
         num_prefixes=a.num_prefixes, num_users=a.num_users, prefix_len=a.prefix_len,
         num_turns=a.num_turns, reply_len=a.reply_len, long_frac=a.long_frac,
         long_len=a.long_len)
@@ -145,7 +174,10 @@ def open_deployment(address, cfg, a):
     from pdserve.cluster import LocalCluster
     print(f"starting a local cluster {cfg} (model {a.model}) ...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    with LocalCluster(a.model, kv_backend=a.kv_backend, **cfg) as cluster:
+    devices = None
+    if getattr(a, "device", None):
+        devices = {role: [a.device] for role in UP_KEYS}
+    with LocalCluster(a.model, kv_backend=a.kv_backend, devices=devices, **cfg) as cluster:
         print(f"up in {time.monotonic() - t0:.0f}s at {cluster.address}", file=sys.stderr)
         yield cluster.address
 
@@ -270,6 +302,12 @@ def main(argv=None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     a.argv = argv
+    if a.device is not None:
+        from engine.config import EngineConfig
+        try:
+            EngineConfig(device=a.device)
+        except ValueError as e:
+            p.error(str(e))
     try:
         items, meta = make_items(a)
         if a.save_workload:

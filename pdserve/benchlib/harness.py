@@ -107,7 +107,8 @@ def command_line(argv: list[str] | None = None, prog: str | None = None) -> str:
 
 def settings_env() -> dict:
     """The environment settings that change what a benchmark measures."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+    from services.config_tree import environ
+    return {k: v for k, v in sorted(environ().items()) if k.startswith(ENV_PREFIXES)}
 
 
 def _versions() -> dict:

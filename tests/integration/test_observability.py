@@ -191,3 +191,23 @@ def test_metrics_count_a_known_workload(traced):
         assert w[("pdserve_queue_depth", ())] == 0
         assert w[("pdserve_kv_blocks_used", ())] == 0
         assert w[("pdserve_kv_blocks_free", ())] > 0
+
+
+def test_every_service_exports_its_resolved_configuration(traced):
+    """pdserve_config_info: one sample whose labels are the settings the service runs with,
+    as resolved at start (a worker's device, dtype, KV blocks, max_model_len)."""
+    cluster, _ = traced
+    infos = {}
+    for svc in (cluster.gateway, *cluster.workers):
+        samples = scrape(svc.metrics_port)
+        (labels, value), = [(dict(k[1]), v) for k, v in samples.items()
+                            if k[0] == "pdserve_config_info"]
+        assert value == 1
+        infos[svc.kind] = labels
+    gw, pre, dec = infos["gateway"], infos["prefill"], infos["decode"]
+    assert gw["model"] == MODEL and gw["static_capacity"] == "64" and "max_num_seqs" not in gw
+    for role, w in (("prefill", pre), ("decode", dec)):
+        assert (w["role"], w["model"], w["device"], w["dtype"]) == (role, MODEL, "cpu", "float32")
+        assert w["kv_backend"] == "tcp" and w["max_num_seqs"] == "64"
+        assert w["max_model_len"] == "2048" and int(w["num_blocks"]) > 0
+        assert w["log_level"] == "INFO"

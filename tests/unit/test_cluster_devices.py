@@ -130,3 +130,45 @@ def test_bad_devices_rejected(devices, worker_args, role_args):
     with pytest.raises(ValueError):
         LocalCluster("dummy:tiny", devices=devices, worker_args=worker_args,
                      role_args=role_args)
+
+
+def test_workers_sharing_a_gpu_split_its_memory(monkeypatch):
+    """pdserve up --device cuda: the prefill and the decode worker share cuda:0, so each may
+    use half of gpu_memory_utilization; a worker alone on its GPU keeps the default, and a
+    worker given its own memory flag keeps it."""
+    from engine.config import CacheConfig
+    half = f"{CacheConfig().gpu_memory_utilization / 2:.4f}"
+    c = LocalCluster("dummy:tiny", prefill=1, decode=1, redis=False,
+                     devices={"prefill": ["cuda"], "decode": ["cuda:0"]})
+    rec = _start_without_processes(c, monkeypatch)
+    shares = [_flag(a, "--gpu-memory-utilization") for k, a in rec.calls if k != "gateway"]
+    assert shares == [half, half] and c.workers_on("cuda") == 2
+    assert all("--kv-backend" not in a for _, a in rec.calls)  # the workers' default (auto)
+    apart = LocalCluster("dummy:tiny", devices={"prefill": ["cuda:0"], "decode": ["cuda:1"]})
+    assert _flag(apart.worker_cmd_args("decode"), "--gpu-memory-utilization") is None
+    own = LocalCluster("dummy:tiny", colocated=2, prefill=0, decode=0,
+                       devices={"colocated": ["cuda:0"]},
+                       worker_args=("--kv-cache-memory-bytes", "8GiB"))
+    assert _flag(own.worker_cmd_args("colocated"), "--gpu-memory-utilization") is None
+    third = LocalCluster("dummy:tiny", prefill=1, decode=2, devices={
+        "prefill": ["cuda:0"], "decode": ["cuda:0", "cuda:1"]})
+    assert _flag(third.worker_cmd_args("prefill"), "--gpu-memory-utilization") == half
+    assert _flag(third.worker_cmd_args("decode", 1), "--gpu-memory-utilization") is None
+    assert LocalCluster("dummy:tiny").workers_on("cpu") == 0
+
+
+def test_up_device_reaches_every_worker(monkeypatch):
+    from pdserve import cli
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_cluster(model, **kw):
+        seen.update(kw)
+        raise Stop
+    monkeypatch.setattr("pdserve.cluster.LocalCluster", fake_cluster)
+    with pytest.raises(Stop):
+        cli.main(["up", "--device", "cuda", "--no-demo"])
+    assert seen["devices"] == {r: ["cuda"] for r in ("prefill", "decode", "colocated")}
+    assert seen["kv_backend"] is None

@@ -137,7 +137,12 @@ def test_model_packed_path_matches_dense():
     assert model.lm_packed is None and layer.mlp.down_proj.packed is None
 
 
-def test_env_off_disables(monkeypatch):
+def test_setting_off_disables(monkeypatch):
+    """cpu_packed off (PDSERVE_CPU_PACKED=off, or the keyword): no packed blocks are kept and
+    no projection reads them."""
+    from engine import LLM
+    assert load_model("smollm2-135m", keep_packed=False).packed is None
     monkeypatch.setenv("PDSERVE_CPU_PACKED", "off")
-    assert not cpu_quant.enabled() and not cpu_quant.available()
-    assert load_model("smollm2-135m").packed is None
+    llm = LLM("smollm2-135m", num_blocks=8)
+    assert llm.engine.config.kernels.cpu_packed is False
+    assert llm.engine.runner.packed_projections == 0

@@ -166,11 +166,8 @@ def test_compose_services_fit_together():
 
 def test_compose_settings_are_real_flags():
     """Every PDSERVE_* variable in the compose file is a setting of the service it is given to."""
-    from dataclasses import fields
-
-    from services.config import GatewaySettings, WorkerSettings
-    names = {"gateway": {f.name for f in fields(GatewaySettings)},
-             "worker": {f.name for f in fields(WorkerSettings)}}
+    from services.config import setting_names
+    names = {"gateway": setting_names("gateway"), "worker": setting_names("worker")}
     for name, svc in _compose()["services"].items():
         kind = "gateway" if name.startswith("gateway") else "worker"
         for var in svc.get("environment", {}):

@@ -141,7 +141,8 @@ def test_short_first_admits_the_fewest_tokens_left_unless_one_waited_too_long():
     def admitted(policy, aged=()):
         bm = BlockManager(64, BS, BlockHasher("t", "m", BS))
         s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64,
-                                      max_model_len=256, policy=policy, max_wait_s=1.0), bm)
+                                      max_model_len=256, schedule_policy=policy,
+                                      schedule_max_wait_s=1.0), bm)
         for rid, n in (("long", 40), ("mid", 12), ("short", 5)):
             q = seq(rid, n, start=len(s.requests) * 100)
             if rid in aged:
@@ -159,13 +160,13 @@ def test_short_first_admits_the_fewest_tokens_left_unless_one_waited_too_long():
     # the long prompt waited past max_wait_s: it goes first, then the rest by size
     assert admitted("short_first", aged=("long",)) == ["long", "short", "mid"]
     with pytest.raises(ValueError, match="policy"):
-        SchedulerConfig(policy="lifo")
+        SchedulerConfig(schedule_policy="lifo")
 
 
 def test_short_first_resumes_a_preempted_request_first():
     bm = BlockManager(4, BS, BlockHasher("t", "m", BS))
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
-                                  policy="short_first"), bm)
+                                  schedule_policy="short_first"), bm)
     s.add(seq("a", 7))
     s.add(seq("b", 7, start=50))
     step(s)

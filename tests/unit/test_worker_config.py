@@ -42,8 +42,8 @@ def test_schedule_policy_reaches_the_engine_and_bad_values_are_refused():
     s = worker_settings(["--schedule-policy", "short_first", "--schedule-max-wait-s", "0.5"],
                         env={})
     sched = engine_config(s).scheduler
-    assert (sched.policy, sched.max_wait_s) == ("short_first", 0.5)
-    assert engine_config(worker_settings([], env={})).scheduler.policy == "fcfs"
+    assert (sched.schedule_policy, sched.schedule_max_wait_s) == ("short_first", 0.5)
+    assert engine_config(worker_settings([], env={})).scheduler.schedule_policy == "fcfs"
     with pytest.raises(ConfigError, match="schedule_policy must be one of"):
         worker_settings(["--schedule-policy", "sjf"], env={})
     with pytest.raises(ConfigError, match="schedule_max_wait_s"):

@@ -1,0 +1,84 @@
+"""Every CLI flag is type- and range-checked: a bad value is one line on stderr and exit
+status 2, never a traceback."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_generate_with_a_negative_max_tokens_is_one_line_and_exit_2():
+    """The issue's example, as a user runs it (a real process, nothing listening)."""
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--max-tokens", "-1",
+                        "x"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "argument --max-tokens: must be in 1..4294967295, got -1" in r.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--max-tokens", "ten", "x"], "--max-tokens: expected an integer, got 'ten'"),
+    (["generate", "--temperature", "-0.5", "x"], "--temperature: must be >= 0, got -0.5"),
+    (["generate", "--temperature", "nan", "x"], "expected a finite number, got 'nan'"),
+    (["generate", "--top-p", "0", "x"], "--top-p: must be > 0, got 0"),
+    (["generate", "--top-p", "1.5", "x"], "--top-p: must be <= 1, got 1.5"),
+    (["generate", "--top-k", "-2", "x"], "--top-k: must be in -1.."),
+    (["generate", "--seed", "-1", "x"], "--seed: must be in 0.."),
+    (["generate", "--timeout", "0", "x"], "--timeout: must be > 0, got 0"),
+    (["generate", "--address", "localhost", "x"], "expected host:port, got 'localhost'"),
+    (["chat", "--max-tokens", "0"], "--max-tokens: must be in 1.."),
+    (["up", "--prefill", "-1"], "--prefill: must be >= 0, got -1"),
+    (["up", "--port", "65536"], "--port: must be in 0..65535, got 65536"),
+    (["up", "--device", "gpu0"], "device must be auto, cpu, cuda or cuda:N"),
+    (["up", "--kv-backend", "carrier-pigeon"], "--kv-backend: invalid choice"),
+    (["up", "--prefill", "1", "--decode", "0"], "need --decode >= 1 with --prefill"),
+    (["run", "--max-tokens", "0", "x"], "--max-tokens: must be >= 1, got 0"),
+    (["run", "--max-num-seq", "2", "x"], "did you mean --max-num-seqs?"),
+    (["bench", "--rate", "-1", "--address", "h:1"], "--rate: must be > 0, got -1"),
+    (["bench", "--rates", "1,x", "--address", "h:1"], "--rates: expected a number, got 'x'"),
+    (["bench", "--concurrency", "0", "--address", "h:1"], "--concurrency: must be >= 1"),
+    (["bench", "--num-requests", "many", "--address", "h:1"], "expected an integer"),
+    (["bench", "--input-len", "9:3", "--address", "h:1"], "expected 1 <= LO <= HI, got '9:3'"),
+    (["bench", "--long-frac", "2", "--address", "h:1"], "--long-frac: must be in 0..1"),
+    (["bench", "--address", "nohost", "--rate", "1"], "expected host:port, got 'nohost'"),
+    (["config", "show", "--role", "router"], "--role: invalid choice"),
+    (["gateway", "--port", "x", "--decode-addrs", "h:1"], "--port: expected an integer"),
+    (["gateway", "--decode-addrs", "h:1", "--queue-factor", "0"], "queue_factor must be > 0"),
+    (["decode", "--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
+    (["decode", "--kv-backend", "nccl"], "nccl cannot move a KV cache on device 'cpu'"),
+    (["prefill", "--gpu-memory-utilization", "2"], "gpu_memory_utilization must be <= 1"),
+    (["colocated", "--enforce-eager=yes"], "ignored explicit argument 'yes'"),
+])
+def test_bad_flags_exit_2_with_one_line(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("PDSERVE_CONFIG", raising=False)
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, (argv, err)
+    assert message in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_unknown_variable_is_refused_by_every_service(capsys, monkeypatch):
+    monkeypatch.setenv("PDSERVE_MAX_NUM_SEQ", "4")
+    for argv in (["decode"], ["gateway", "--decode-addrs", "h:1"]):
+        assert main(argv) == 2
+        assert "unknown variable PDSERVE_MAX_NUM_SEQ (did you mean PDSERVE_MAX_NUM_SEQS?)" in \
+            capsys.readouterr().err
+
+
+def test_run_takes_engine_settings_as_flags(capsys):
+    """pdserve run: the offline engine with any engine setting as a flag."""
+    assert main(["run", "--model", "dummy:tiny", "--num-blocks", "32", "--block-size", "8",
+                 "--max-num-seqs", "2", "--policy", "short_first", "--max-tokens", "3",
+                 "hello", "world"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("[3 tokens, length]") == 2 and "tok/s" in out
