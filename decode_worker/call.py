@@ -147,11 +147,11 @@ class DecodeCall:
                 yield self._final(RequestOutput(self.rid, [], finished=True,
                                                 finish_reason=FinishReason.ABORT))
             finally:
-                await asyncio.shield(self._cleanup())
                 self.env.metrics.requests.labels(self.kind, self.outcome).inc()
                 self.env.metrics.tokens.inc(self.completion)
                 telemetry.end_with_status(self.span, "OK" if self.outcome != "error"
                                           else "CANCELLED")
+                await asyncio.shield(self._cleanup())
 
     def _rpc_done(self, _context) -> None:
         """The RPC ended: whatever path the handler took (or did not take, if its generator

@@ -183,10 +183,15 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(
         outs = run(gen_many(c.address, reqs))
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
         eager = ("pdserve_engine_steps_total", (("path", "eager"),))
-        deadline = time.monotonic() + 5  # engine stats reach /metrics every 0.25 s
+        done = [("pdserve_worker_requests_total", (("kind", k), ("outcome", "ok")))
+                for k in ("decode_local", "decode_remote")]
+        # engine stats reach /metrics every 0.25 s; a worker counts a request once its
+        # stream has ended, just after the client got the last message
+        deadline = time.monotonic() + 5
         while True:
             gw, pre, dec = (scrape(s.metrics_port) for s in (c.gateway, *c.workers))
-            if min(pre.get(eager, 0), dec.get(eager, 0)) > 0 or time.monotonic() > deadline:
+            if (min(pre.get(eager, 0), dec.get(eager, 0)) > 0
+                    and sum(dec.get(k, 0) for k in done) >= 5) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
     assert gw[("pdserve_routing_decisions_total", (("mode", "local_prefill"),))] == 3

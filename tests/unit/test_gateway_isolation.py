@@ -137,14 +137,18 @@ def test_tokenizing_a_huge_prompt_does_not_stall_the_event_loop():
                 lag.append(now - last - 0.005)
                 last = now
         t = asyncio.create_task(ticker())
+        t0 = time.perf_counter()
         ids = await tok.text(big)
+        took = time.perf_counter() - t0
         short = await tok.text("hello")
         t.cancel()
-        return ids, short, max(lag)
+        return ids, short, max(lag), took
 
-    ids, short, worst = asyncio.run(main())
+    ids, short, worst, took = asyncio.run(main())
     assert len(ids) > 100_000 and short
-    assert worst < 0.2, f"event loop stalled {worst:.3f} s"
+    # on the event loop, the stall would be the whole encode; off it, a small part of it
+    # even on a loaded machine (scheduling noise)
+    assert worst < max(0.2, 0.3 * took), f"event loop stalled {worst:.3f} s of {took:.3f} s"
     tok.close()
 
 
