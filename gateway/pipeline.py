@@ -166,7 +166,8 @@ class GatewayRequest:
             self.ids = await self._tokenize()
             if not self.ids:
                 raise InvalidRequest("prompt is empty after tokenization")
-            validation.check_context(len(self.ids), 0, env.router.context_limit())
+            validation.check_context(len(self.ids), 0, env.router.context_limit(),
+                                     "the workers'")
         except InvalidRequest as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, e.message) from None
         self.ticket.spend(len(self.ids))

@@ -88,13 +88,14 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "prompt") -
     return ids
 
 
-def check_context(num_prompt: int, num_output: int, max_model_len: int) -> None:
+def check_context(num_prompt: int, num_output: int, max_model_len: int,
+                  whose: str = "the") -> None:
     """A prompt (plus tokens already generated, for a resumed request) must leave room for at
-    least one new token."""
+    least one new token. ``whose``: the limit's owner, for the message ("the workers'")."""
     n = num_prompt + num_output
     if n >= max_model_len:
-        raise InvalidRequest(f"prompt has {n} tokens; the context limit is {max_model_len} "
-                             f"(prompt + at least one new token)")
+        raise InvalidRequest(f"prompt has {n} tokens; {whose} context limit is "
+                             f"{max_model_len} (prompt + at least one new token)")
 
 
 def check_text(text: str, limits: RequestLimits, what: str = "prompt") -> None:

@@ -149,7 +149,8 @@ def test_the_gateway_knows_the_workers_context_limit(cluster):
     from 4096: the client got the worker's error after routing."""
     over = client.make_request(token_ids=[100 + i % 500 for i in range(CONTEXT)], max_tokens=1)
     code, msg = run(_status(cluster.address, over))
-    assert code == "INVALID_ARGUMENT" and f"context limit is {CONTEXT}" in msg, msg
+    # refused by the gateway itself, before routing (the workers say "the context limit")
+    assert code == "INVALID_ARGUMENT" and f"the workers' context limit is {CONTEXT}" in msg, msg
     fits = client.make_request(token_ids=[100 + i % 500 for i in range(CONTEXT - 8)],
                                max_tokens=4)
     assert run(_status(cluster.address, fits)) == ("OK", "")
