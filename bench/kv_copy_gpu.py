@@ -3,7 +3,7 @@ when its blocks are scattered (issue 5): copy engines (one cuMemcpyDtoDAsync per
 blocks; ONE cuMemcpyBatchAsync call for all runs, CUDA 12.8+, what cuda_ipc does now; the
 first version of this script also spread the per-run calls over 2 / 4 streams, which gained
 nothing: kv_copy_gpu_h200_batch.json) against one Triton kernel on the receiving GPU reading the peer's
-memory (kvtransfer.cuda_copy.kernel_copy_runs, "pull") with various numbers of programs
+memory (kvtransfer.backends.cuda_copy.kernel_copy_runs, "pull") with various numbers of programs
 (CTAs), the same kernel on the SENDING GPU writing into the peer ("push"), and both engines
 at once (``split_kNN``: NN% of the blocks by the pulling kernel, the rest by batched copy
 engine copies on a second stream).
@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from kvtransfer.control import segments
-from kvtransfer.cuda_copy import copy_runs, enable_peer_access, kernel_copy_runs
+from kvtransfer.blocks import segments
+from kvtransfer.backends.cuda_copy import copy_runs, enable_peer_access, kernel_copy_runs
 
-from kvtransfer.cuda_copy import batch_copy_runs
+from kvtransfer.backends.cuda_copy import batch_copy_runs
 
 
 def cut_runs(runs: list[tuple[int, int, int]],

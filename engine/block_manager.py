@@ -222,7 +222,7 @@ class BlockManager:
         in as few runs of consecutive ids as the oldest free blocks allow.
 
         A KV transfer costs one copy / message / descriptor per run that is contiguous in
-        both caches (``kvtransfer.control.segments``), and on two H200s 256 pieces of 2 MiB
+        both caches (``kvtransfer.blocks.segments``), and on two H200s 256 pieces of 2 MiB
         move at 250-295 GB/s where one of 512 MiB moves at 330-385. Taking blocks strictly
         in eviction order fragments a cache once it has been used through: every freed
         sequence goes back tail first, decode steps take blocks one at a time, and a 4096-

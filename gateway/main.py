@@ -6,7 +6,7 @@ import logging
 import sys
 
 from services.config import GatewaySettings
-from services.tasks import cancel_and_wait
+from pdcore.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

@@ -83,12 +83,11 @@ async def serve_worker(settings: WorkerSettings) -> None:
             await s.close()
 
 
-_SOCKET_BACKENDS = ("tcp", "nccl", "cuda_ipc", "nixl")  # data or control over a TCP listener
-
-
 def _receiver_opts(settings: WorkerSettings, backend: str, index: int) -> dict:
     """Listener options of the ``index``-th receiver (a fixed --kv-port counts up)."""
-    if backend not in _SOCKET_BACKENDS:
+    from kvtransfer import registry
+
+    if not registry.spec(backend).listener:  # data or control over a TCP listener
         return {}
     # what prefill workers dial: never a wildcard bind address (compose, Kubernetes)
     return {"host": settings.kv_host or settings.host,

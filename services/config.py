@@ -22,9 +22,6 @@ from engine.config import POLICIES
 S = TypeVar("S")
 
 ROLES = ("prefill", "decode", "colocated")
-KV_BACKENDS = ("tcp", "shm", "nccl", "cuda_ipc", "nixl", "fake")
-_GPU_ONLY_BACKENDS = ("nccl", "cuda_ipc")
-_CPU_ONLY_BACKENDS = ("tcp", "shm")
 LOG_FORMATS = ("json", "text")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
@@ -179,18 +176,19 @@ class WorkerSettings:
         _check_common(self)
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        bad = [b for b in self.kv_backends if b not in KV_BACKENDS]
+        from kvtransfer import registry  # the one list of KV backends and their devices
+
+        known = tuple(registry.backends())
+        bad = [b for b in self.kv_backends if b not in known]
         if bad or not self.kv_backends or len(set(self.kv_backends)) != len(self.kv_backends):
-            raise ValueError(f"kv_backend must be distinct names from {KV_BACKENDS}, "
+            raise ValueError(f"kv_backend must be distinct names from {known}, "
                              f"comma-separated, got {self.kv_backend!r}")
-        on_gpu = self.device.startswith("cuda")
-        wrong = [b for b in self.kv_backends
-                 if (b in _GPU_ONLY_BACKENDS and not on_gpu) or (b in _CPU_ONLY_BACKENDS and on_gpu)]
+        kind = "cuda" if self.device.startswith("cuda") else "cpu"
+        wrong = [b for b in self.kv_backends if not registry.spec(b).serves(kind)]
         if wrong:
             raise ValueError(
                 f"kv_backend {','.join(wrong)} cannot move a KV cache on device {self.device!r}: "
-                f"{'/'.join(_GPU_ONLY_BACKENDS)} need a cuda device, "
-                f"{'/'.join(_CPU_ONLY_BACKENDS)} a cpu one (nixl and fake take either)")
+                f"{registry.device_rules()}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         _check_port("kv_port", self.kv_port)

@@ -60,10 +60,10 @@ async def pair(backend, src, dst, src_layout=LAYOUT):
 
 def test_driver_and_kernel_copies_match_torch_copies_across_gpus_and_within_one():
     """cuda_ipc queues its block runs through cuMemcpyDtoDAsync, or one Triton kernel for
-    many short runs (kvtransfer.cuda_copy): both land exactly what ``copy_`` would, peer to
+    many short runs (kvtransfer.backends.cuda_copy): both land exactly what ``copy_`` would, peer to
     peer and on one GPU, on a side stream ordered after earlier work on it; copy_blocks
     picks the kernel for short runs on one device and the copy engines otherwise."""
-    from kvtransfer import cuda_copy
+    from kvtransfer.backends import cuda_copy
 
     assert cuda_copy._driver_memcpy(), "libcuda's cuMemcpyDtoDAsync_v2 did not load"
     cuda_copy.enable_peer_access(1, 0)  # kernels on cuda:1 read cuda:0 (as an IPC mapping)
@@ -162,14 +162,15 @@ def test_cuda_ipc_sender_that_gives_up_keeps_its_blocks_until_the_copy_stopped(l
         assert torch.equal(dst[50:63].cpu(), src[ids].cpu())
         h = rx.expect("slow", list(range(13)), 30)
         with torch.cuda.device(DST):
-            rx._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(rx._stream):
+            rx.channel.payload._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(rx.channel.payload._stream):
                 torch.cuda._sleep(int(1.5e9))  # ~1 s of cycles: the copies queue behind it
         t0 = time.monotonic()
         res = await tx.send("slow", rx.endpoint, ids, 0.2)
         waited = time.monotonic() - t0
         assert res.state is TransferState.TIMED_OUT, res
-        assert h.state.terminal and rx._stream.query(), "send() returned during the copy"
+        assert h.state.terminal and rx.channel.payload._stream.query(), \
+            "send() returned during the copy"
         assert waited > 0.4, waited
         got = await h.wait()
         assert got.state is TransferState.FAILED and "gave up" in got.error, got
@@ -232,7 +233,7 @@ def test_layered_send_waits_for_each_layers_event(backend):
         opts = {"layers_per_message": 1} if backend == "nccl" else {}
         tx = make_sender(backend, src, LAYOUT, **opts)
         if backend == "nccl":
-            assert tx._groups == [(0, 1), (1, 2), (2, 3), (3, 4)]  # noqa: SLF001
+            assert tx.channel.payload._groups == [(0, 1), (1, 2), (2, 3), (3, 4)]  # noqa: SLF001
         s_ids, d_ids = [5, 6, 7, 8, 30, 2, 41, 40], [0, 1, 2, 3, 60, 10, 11, 12]
         want = cache(len(s_ids), SRC, seed=7)
         torch.cuda.synchronize(SRC)
@@ -271,16 +272,16 @@ def test_nccl_packs_a_written_part_of_scattered_blocks(pack_layers, monkeypatch)
     ``pack_message_bytes`` (1 layer: four messages through two staging buffers per side,
     reused), gathered after the part's event; contiguous blocks, or packing off, move as
     whole messages. The data lands exactly either way."""
-    from kvtransfer.nccl import NcclSender
+    from kvtransfer.backends.nccl import NcclPayloadSender
 
     packed = []
-    real = NcclSender._send_layers
+    real = NcclPayloadSender._send_layers
 
     async def counting(self, sock, comm, part, groups, staged):
         packed.append(len(groups))
         return await real(self, sock, comm, part, groups, staged)
 
-    monkeypatch.setattr(NcclSender, "_send_layers", counting)
+    monkeypatch.setattr(NcclPayloadSender, "_send_layers", counting)
 
     async def main():
         src, dst = cache(96, SRC), cache(96, DST)
@@ -320,7 +321,7 @@ def test_nccl_without_memory_to_pack_moves_whole_messages(short_side, monkeypatc
     """A side that cannot allocate the staging buffers (out of GPU memory) does not pack:
     the receiver declines the offer, or the sender does not make it; the scattered part
     then moves as one message per segment, exactly, and the pair stays usable."""
-    from kvtransfer import nccl
+    from kvtransfer.backends import nccl
 
     real_try, packed = nccl._try_staging, []  # noqa: SLF001
 
@@ -329,14 +330,14 @@ def test_nccl_without_memory_to_pack_moves_whole_messages(short_side, monkeypatc
             return None
         return real_try(layout, num_blocks, groups, comm)
 
-    real_send = nccl.NcclSender._send_layers  # noqa: SLF001
+    real_send = nccl.NcclPayloadSender._send_layers  # noqa: SLF001
 
     async def counting(self, sock, comm, part, groups, staged):
         packed.append(len(groups))
         return await real_send(self, sock, comm, part, groups, staged)
 
     monkeypatch.setattr(nccl, "_try_staging", short_of_memory)
-    monkeypatch.setattr(nccl.NcclSender, "_send_layers", counting)
+    monkeypatch.setattr(nccl.NcclPayloadSender, "_send_layers", counting)
 
     async def main():
         src, dst = cache(64, SRC, seed=31), cache(64, DST)
@@ -441,7 +442,7 @@ if mode == "send":  # argv: endpoint, hang (1: freeze before queueing the data)
     src = src.view(n, 1, 1, 1, 1, 1).expand(n, *layout.block_shape).contiguous()
     tx = make_sender(backend, src, layout)
     if hang:
-        import kvtransfer.nccl as nc
+        import kvtransfer.backends.nccl as nc
         def frozen(self, *a, **k):
             print("FROZEN", flush=True)
             time.sleep(3600)
@@ -504,7 +505,7 @@ def test_nccl_dead_sender_does_not_hang_the_receiver():
         res = await asyncio.wait_for(h.wait(), 10)
         assert res.state is TransferState.FAILED, res
         assert time.monotonic() - t0 < 2.0
-        assert not rx._pairs.comms, "the dead pair's communicator was not dropped"
+        assert not rx.channel.payload._pairs.comms, "the dead pair's communicator was not dropped"
         h = rx.expect("after", list(range(64)), 60)
         proc = _spawn("nccl", "send", rx.endpoint, "0", "after")
         res = await h.wait()

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 
 from engine.loader import load_config
-from kvtransfer.base import KVLayout
+from kvtransfer import KVLayout
 from pdserve.cluster import LocalCluster
 from prefill_worker.servicer import layout_to_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc

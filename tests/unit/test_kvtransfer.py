@@ -20,7 +20,7 @@ from kvtransfer import (
     make_receiver,
     make_sender,
 )
-from kvtransfer.base import TransferStateMachine
+from kvtransfer.lifecycle import TransferStateMachine
 from kvtransfer.blocks import block_runs
 
 from tests.unit.kvtransfer_helpers import (
@@ -487,7 +487,7 @@ def test_sender_process_killed_mid_transfer(backend):
 _CHILD_NIXL_MUTE = """
 import asyncio, sys, torch
 from kvtransfer import KVLayout, make_sender
-from kvtransfer import protocol as proto
+from kvtransfer import wire as proto
 real_expect_ok = proto.expect_ok
 
 async def expect_ok(loop, sock, what):

@@ -51,18 +51,21 @@ import os
 import socket
 import threading
 import uuid
+from dataclasses import dataclass
 
 import torch
 
-from kvtransfer import protocol as proto
-from kvtransfer.base import KVLayout, TransferState, TransferStateMachine
-from kvtransfer.control import (
-    ControlReceiver,
-    ControlSender,
-    await_ack,
-    require_cuda,
-    segments,
+from kvtransfer import wire
+from kvtransfer.api import (
+    BackendSpec,
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    ListenAddress,
+    TransferError,
+    TransferState,
 )
+from kvtransfer.backends import nccl_lib
 from kvtransfer.blocks import (
     check_layer_groups,
     device_index,
@@ -70,10 +73,12 @@ from kvtransfer.blocks import (
     layer_groups,
     pack_groups,
     scatter_layers,
+    segments,
     staging_view,
 )
+from kvtransfer.control import await_ack, control_receiver, control_sender, require_cuda
+from kvtransfer.lifecycle import ExpectedTransfer, TransferStateMachine
 from kvtransfer.stream import BlockStream, Part
-from kvtransfer.tracking import ExpectedTransfer, TransferError
 from kvtransfer.waits import poll_in_thread, wait_event
 
 logger = logging.getLogger(__name__)
@@ -128,11 +133,9 @@ class _Comm:
         self.state()
 
     async def wait_idle(self, watch: socket.socket | None, what: str) -> None:
-        from kvtransfer.nccl_lib import IN_PROGRESS
-
         # enqueueing a group takes a few hundred microseconds: poll at most 50 us apart
-        await poll_in_thread(lambda: self.state() != IN_PROGRESS, max_interval_s=0.00005,
-                             watch=watch, what=what)
+        await poll_in_thread(lambda: self.state() != nccl_lib.IN_PROGRESS,
+                             max_interval_s=0.00005, watch=watch, what=what)
 
     def post(self, ops: list[tuple[str, int, int]], peer: int) -> None:
         """Start queueing ``ops`` as one group. On a pair's first transfer the group stays
@@ -190,8 +193,6 @@ class _Pairs:
 
 
 def _lib():
-    from kvtransfer import nccl_lib
-
     try:
         return nccl_lib.lib()
     except (OSError, RuntimeError) as exc:
@@ -200,12 +201,39 @@ def _lib():
 
 def _checked(fn, *args):
     """Call into NCCL; its errors fail the transfer (TransferError), they never escape."""
-    from kvtransfer.nccl_lib import NcclError
-
     try:
         return fn(*args)
-    except NcclError as exc:
+    except nccl_lib.NcclError as exc:
         raise TransferError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class _PartMeta:
+    """A part's BLOB as the receiver reads it: who sends, the source ids, the unique id of a
+    new communicator, and the layer groups it is sent in (``groups``) or may be packed in
+    (``pack``)."""
+
+    sender: str
+    src: list[int]
+    uid: bytes
+    groups: list[tuple[int, int]] | None
+    pack: list[tuple[int, int]] | None
+
+    @classmethod
+    def parse(cls, data: bytes, layout: KVLayout, first: bool) -> _PartMeta:
+        """TransferError for anything malformed (a new communicator is only allowed with a
+        transfer's ``first`` part)."""
+        try:
+            meta = json.loads(data)
+            uid = base64.b64decode(meta["uid"]) if meta.get("uid") else b""
+            if uid and not first:
+                raise ValueError("a new communicator in the middle of a transfer")
+            layers = layout.num_layers
+            return cls(str(meta["sender"]), [int(i) for i in meta["src"]], uid,
+                       check_layer_groups(meta["layers"], layers) if meta.get("layers") else None,
+                       check_layer_groups(meta["pack"], layers) if meta.get("pack") else None)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TransferError(f"bad nccl transfer metadata: {exc}") from None
 
 
 def _ops(cache: torch.Tensor, layout: KVLayout, segs, op: str, side: int):
@@ -213,14 +241,20 @@ def _ops(cache: torch.Tensor, layout: KVLayout, segs, op: str, side: int):
     return [(op, base + seg[side] * bb, seg[2] * bb) for seg in segs]
 
 
-class NcclReceiver(ControlReceiver):
-    scheme = "nccl"
-    kind = proto.KIND_NCCL
+class NcclPayloadReceiver:
+    """Posts each part's receives on the pair's communicator (one per segment, or one per
+    layer group into staging buffers) and waits for the last one."""
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout, **opts) -> None:
-        require_cuda(cache, "nccl")
-        super().__init__(cache, layout, **opts)
+    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+        self._cache = cache
+        self._layout = layout
         self._pairs = _Pairs()  # by sender id
+
+    async def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._pairs.close()
 
     def _settle(self, key: str, comm: _Comm, entry: ExpectedTransfer) -> None:
         """When a transfer ends other than DONE (timeout, cancel, failure), abort the pair's
@@ -230,59 +264,29 @@ class NcclReceiver(ControlReceiver):
             self._pairs.drop(key, comm)
             comm.drain()
 
-    async def _receive_payload(self, loop, conn: socket.socket,
-                               entry: ExpectedTransfer) -> None:
+    async def receive(self, loop, conn: socket.socket, entry: ExpectedTransfer) -> None:
         dst, got = entry.dst_block_ids, 0
         key, comm, event = "", None, None
         try:
             while got < len(dst):  # one BLOB per part the sender's stream handed over
-                try:
-                    meta = json.loads(await proto.read_blob(loop, conn))
-                    entry.mark("blob")
-                    src = [int(i) for i in meta["src"]]
-                    uid = base64.b64decode(meta["uid"]) if meta.get("uid") else b""
-                    if comm is None:
-                        key = str(meta["sender"])
-                    elif uid:
-                        raise ValueError("a new communicator in the middle of a transfer")
-                    groups = check_layer_groups(meta["layers"], self._layout.num_layers) \
-                        if meta.get("layers") else None
-                    segs = segments(src, dst[got:got + len(src)])
-                    entry.add_pieces(len(segs))
-                    pack = None  # taken when the segments are short (scattered blocks)
-                    if groups is None and meta.get("pack") and len(segs) > 1 and \
-                            len(src) * self._layout.block_bytes < PACK_BELOW_BYTES * len(segs):
-                        pack = check_layer_groups(meta["pack"], self._layout.num_layers)
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise TransferError(f"bad nccl transfer metadata: {exc}") from None
-                if not src or got + len(src) > len(dst):
-                    raise TransferError(f"nccl sender sent {got + len(src)} of {len(dst)} blocks")
+                part = _PartMeta.parse(await wire.read_blob(loop, conn), self._layout,
+                                       first=comm is None)
+                entry.mark("blob")
+                if not part.src or got + len(part.src) > len(dst):
+                    raise TransferError(f"nccl sender sent {got + len(part.src)} of "
+                                        f"{len(dst)} blocks")
+                key = part.sender if comm is None else key
+                part_dst = dst[got:got + len(part.src)]
                 async with self._pairs.lock(key):
                     if comm is None:
-                        comm = await self._join(key, uid, conn)
+                        comm = await self._join(key, part.uid, conn)
                         pair = comm
                         entry.on_end(lambda: self._settle(key, pair, entry))
                     elif self._pairs.comms.get(key) is not comm or comm.aborted:
                         raise TransferError("NCCL communicator was replaced mid-transfer")
-                    staged = None
-                    if groups or pack:
-                        staged = _try_staging(self._layout, len(src), groups or pack, comm)
-                        if staged is None and groups:
-                            raise TransferError("no GPU memory for the layer groups' staging "
-                                                "buffers")
-                    if staged is not None:  # else no memory to pack: whole messages
-                        event = await self._receive_layers(loop, conn, comm,
-                                                           dst[got:got + len(src)],
-                                                           groups or pack, staged)
-                    else:
-                        comm.post(_ops(self._cache, self._layout, segs, "recv", 1), peer=0)
-                        # receives posted: the sender cuts its blocks into the same messages
-                        counts = ",".join(str(n) for _, _, n in segs)
-                        await loop.sock_sendall(conn, proto.encode_reply(proto.OK, len(segs),
-                                                                         counts))
-                        event = await comm.queued(watch=conn)
+                    event = await self._post_part(loop, conn, comm, entry, part, part_dst)
                 entry.mark("queued")
-                got += len(src)
+                got += len(part.src)
             await wait_event(event, watch=conn, what="NCCL receive", mark=entry.mark)
             entry.mark("received")
             comm.check()
@@ -291,6 +295,30 @@ class NcclReceiver(ControlReceiver):
             if comm is not None:
                 self._pairs.drop(key, comm)
             raise
+
+    async def _post_part(self, loop, conn: socket.socket, comm: _Comm, entry: ExpectedTransfer,
+                         part: _PartMeta, dst: list[int]) -> torch.cuda.Event:
+        """Post one part's receives and tell the sender how to cut its messages (OK with the
+        segment counts, or LAYERED); returns an event completing with the receives."""
+        segs = segments(part.src, dst)
+        entry.add_pieces(len(segs))
+        pack = None  # taken when the segments are short (scattered blocks)
+        if part.groups is None and part.pack and len(segs) > 1 and \
+                len(part.src) * self._layout.block_bytes < PACK_BELOW_BYTES * len(segs):
+            pack = part.pack
+        groups = part.groups or pack
+        staged = None
+        if groups:
+            staged = _try_staging(self._layout, len(part.src), groups, comm)
+            if staged is None and part.groups:
+                raise TransferError("no GPU memory for the layer groups' staging buffers")
+        if staged is not None:  # else no memory to pack: whole messages
+            return await self._receive_layers(loop, conn, comm, dst, groups, staged)
+        comm.post(_ops(self._cache, self._layout, segs, "recv", 1), peer=0)
+        # receives posted: the sender cuts its blocks into the same messages
+        counts = ",".join(str(n) for _, _, n in segs)
+        await loop.sock_sendall(conn, wire.encode_reply(wire.OK, len(segs), counts))
+        return await comm.queued(watch=conn)
 
     async def _receive_layers(self, loop, conn: socket.socket, comm: _Comm, dst: list[int],
                               groups: list[tuple[int, int]],
@@ -312,7 +340,7 @@ class NcclReceiver(ControlReceiver):
             staging = staging_view(bufs[slot], len(dst), hi - lo, per_layer)
             comm.post([("recv", staging.data_ptr(), staging.nbytes)], peer=0)
             if k == 0:  # posted: the sender may start (a new pair's set-up needs both sides)
-                await loop.sock_sendall(conn, proto.encode_reply(proto.OK, len(groups),
+                await loop.sock_sendall(conn, wire.encode_reply(wire.OK, len(groups),
                                                                  LAYERED))
             received = await comm.queued(watch=conn)
             with torch.cuda.device(comm.device), torch.cuda.stream(comm.copy_stream):
@@ -339,13 +367,11 @@ class NcclReceiver(ControlReceiver):
                                 "(receiver restarted?); the next transfer creates one")
         return comm
 
-    def _close_backend(self) -> None:
-        self._pairs.close()
+class NcclPayloadSender:
+    """Queues each part's sends on the pair's communicator, as one message per segment or
+    per layer group (gathered into staging buffers), behind the part's events."""
 
-
-class NcclSender(ControlSender):
-    scheme = "nccl"
-    kind = proto.KIND_NCCL
+    eager = False
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout,
                  layers_per_message: int | None = None,
@@ -357,8 +383,8 @@ class NcclSender(ControlSender):
         ``pack_message_bytes``: a written part of scattered blocks moves packed, in
         messages of about this size (0: never). Default: ``PDSERVE_NCCL_PACK_MESSAGE_BYTES``,
         else PACK_MESSAGE_BYTES."""
-        require_cuda(cache, "nccl")
-        super().__init__(cache, layout)
+        self._cache = cache
+        self._layout = layout
         self._id = uuid.uuid4().hex
         self._pairs = _Pairs()  # by receiver endpoint
         if layers_per_message is None:
@@ -374,45 +400,20 @@ class NcclSender(ControlSender):
             raise ValueError(f"pack_message_bytes must be >= 0, got {pack_message_bytes}")
         self._pack_bytes = pack_message_bytes
 
-    async def _send_payload(self, loop, sock: socket.socket, endpoint: str,
-                            sm: TransferStateMachine, blocks: BlockStream) -> None:
+    def close(self) -> None:
+        self._pairs.close()
+
+    async def send(self, loop, sock: socket.socket, endpoint: str, sm: TransferStateMachine,
+                   blocks: BlockStream) -> None:
         comm: _Comm | None = None
         timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # whole-part sends
         last = None  # completes with the last send queued
         try:
             async for part in blocks.layered_parts():
                 sm.mark("part")
-                groups = self._groups if part.layers is not None and \
-                    len(part.layers) == self._layout.num_layers else None
                 async with self._pairs.lock(endpoint):
-                    comm, uid = self._pair_for(endpoint, comm)
-                    meta = {"sender": self._id, "src": part.ids,
-                            "uid": base64.b64encode(uid).decode() if uid else ""}
-                    staged = None  # staging buffers for a packed part
-                    if groups:
-                        meta["layers"] = groups
-                    elif self._pack_bytes > 0:  # the receiver packs it if its blocks scatter
-                        pack = pack_groups(self._layout.num_layers,
-                                           len(part.ids) * self._layout.block_bytes,
-                                           self._pack_bytes)
-                        staged = _try_staging(self._layout, len(part.ids), pack, comm)
-                        if staged is not None:  # offered only when there is memory for it
-                            meta["pack"] = pack
-                    await loop.sock_sendall(sock, proto.encode_blob(json.dumps(meta).encode()))
-                    # the receiver answers once its receives are queued (after joining the
-                    # comm), with the message sizes it posted (runs contiguous in both caches)
-                    status, nsegs, text = await proto.read_reply(loop, sock)
-                    sm.mark("reply")
-                    if status == proto.ERROR:
-                        raise TransferError(f"receiver could not post the receives: {text}")
-                    if groups is None and staged is not None and text == LAYERED:
-                        groups = meta["pack"]  # the receiver took the part packed
-                    if groups:
-                        if status != proto.OK or nsegs != len(groups) or text != LAYERED:
-                            raise TransferError("protocol error: receiver did not post the "
-                                                f"layer groups ({text[:80]!r})")
-                    else:
-                        segs = _source_segments(part.ids, status, nsegs, text)
+                    comm, groups, segs, staged = await self._offer(loop, sock, endpoint, sm,
+                                                                   comm, part)
                     if not comm.ready:
                         await comm.wait_idle(sock, "NCCL communicator init")
                         comm.ready = True
@@ -442,6 +443,41 @@ class NcclSender(ControlSender):
                 self._pairs.drop(endpoint, comm)  # frees the source blocks when send() returns
                 comm.drain()
             raise
+
+    async def _offer(self, loop, sock: socket.socket, endpoint: str, sm: TransferStateMachine,
+                     comm: _Comm | None, part: Part):
+        """Offer one part (BLOB) and read how the receiver posted its receives. Returns the
+        communicator, the layer groups to send (None: whole segments), the segments and the
+        staging buffers already taken for a packed part."""
+        groups = self._groups if part.layers is not None and \
+            len(part.layers) == self._layout.num_layers else None
+        comm, uid = self._pair_for(endpoint, comm)
+        meta = {"sender": self._id, "src": part.ids,
+                "uid": base64.b64encode(uid).decode() if uid else ""}
+        staged = None  # staging buffers for a packed part
+        if groups:
+            meta["layers"] = groups
+        elif self._pack_bytes > 0:  # the receiver packs it if its blocks scatter
+            pack = pack_groups(self._layout.num_layers, len(part.ids) * self._layout.block_bytes,
+                               self._pack_bytes)
+            staged = _try_staging(self._layout, len(part.ids), pack, comm)
+            if staged is not None:  # offered only when there is memory for it
+                meta["pack"] = pack
+        await loop.sock_sendall(sock, wire.encode_blob(json.dumps(meta).encode()))
+        # the receiver answers once its receives are queued (after joining the comm), with
+        # the message sizes it posted (runs contiguous in both caches)
+        status, nsegs, text = await wire.read_reply(loop, sock)
+        sm.mark("reply")
+        if status == wire.ERROR:
+            raise TransferError(f"receiver could not post the receives: {text}")
+        if groups is None and staged is not None and text == LAYERED:
+            groups = meta["pack"]  # the receiver took the part packed
+        if groups:
+            if status != wire.OK or nsegs != len(groups) or text != LAYERED:
+                raise TransferError("protocol error: receiver did not post the "
+                                    f"layer groups ({text[:80]!r})")
+            return comm, groups, None, staged
+        return comm, None, _source_segments(part.ids, status, nsegs, text), staged
 
     async def _send_layers(self, sock: socket.socket, comm: _Comm, part: Part,
                            groups: list[tuple[int, int]], staged: list[torch.Tensor] | None
@@ -500,8 +536,6 @@ class NcclSender(ControlSender):
         self._pairs.comms[endpoint] = comm
         return comm, uid
 
-    def _close_backend(self) -> None:
-        self._pairs.close()
 
 
 def _per_layer(layout: KVLayout) -> int:
@@ -543,7 +577,7 @@ def _source_segments(ids: list[int], status: int, nsegs: int,
         counts = [int(c) for c in text.split(",")] if text else []
     except ValueError:
         counts = []
-    if status != proto.OK or len(counts) != nsegs or sum(counts) != len(ids) or \
+    if status != wire.OK or len(counts) != nsegs or sum(counts) != len(ids) or \
             any(c <= 0 for c in counts):
         raise TransferError(f"protocol error: bad segment list from receiver ({text[:80]!r})")
     segs, pos = [], 0
@@ -554,3 +588,23 @@ def _source_segments(ids: list[int], status: int, nsegs: int,
         segs.append((run[0], 0, n))
         pos += n
     return segs
+
+
+def make_sender(cache: torch.Tensor, layout: KVLayout, layers_per_message: int | None = None,
+                pack_message_bytes: int | None = None) -> KVSender:
+    require_cuda(cache, "nccl")
+    layout.validate(cache)
+    payload = NcclPayloadSender(cache, layout, layers_per_message, pack_message_bytes)
+    return control_sender(cache, layout, "nccl", wire.KIND_NCCL, payload)
+
+
+def make_receiver(cache: torch.Tensor, layout: KVLayout,
+                  listen: ListenAddress | None = None) -> KVReceiver:
+    require_cuda(cache, "nccl")
+    layout.validate(cache)
+    return control_receiver(cache, layout, "nccl", wire.KIND_NCCL,
+                            NcclPayloadReceiver(cache, layout), listen)
+
+
+BACKEND = BackendSpec(name="nccl", devices=("cuda",), listener=True,
+                      sender=make_sender, receiver=make_receiver)

@@ -29,22 +29,19 @@ import uuid
 
 import torch
 
-from kvtransfer import protocol as proto
-from kvtransfer.base import (
-    KVLayout,
-    TransferState,
+from kvtransfer import wire
+from kvtransfer.api import BackendSpec, KVLayout, KVReceiver, KVSender, TransferError
+from kvtransfer.api import TransferState
+from kvtransfer.blocks import gather, scatter
+from kvtransfer.control import Listener
+from kvtransfer.lifecycle import (
+    ExpectedTransfer,
+    Receiver,
+    ReceiverTracker,
+    Sender,
     TransferStateMachine,
 )
-from kvtransfer.blocks import gather, scatter
 from kvtransfer.stream import BlockStream
-from kvtransfer.tracking import (
-    TrackedReceiver,
-    ExpectedTransfer,
-    ReceiverTracker,
-    RunnerSender,
-    TransferError,
-)
-from services.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -79,73 +76,56 @@ class _Ring:
             logger.warning("shm ring still referenced; unmapped later")
 
 
-class ShmReceiver(TrackedReceiver):
-    def __init__(self, cache: torch.Tensor, layout: KVLayout, name: str | None = None) -> None:
-        layout.validate(cache)
+class ShmServer:
+    """A receiver's channel: a unix socket listener; one transfer per connection, its
+    payload read out of the sender's ring."""
+
+    def __init__(self, tracker: ReceiverTracker, cache: torch.Tensor, layout: KVLayout,
+                 name: str | None = None) -> None:
+        self._tracker = tracker
         self._cache = cache
         self._layout = layout
         self._name = name or f"pdkv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self._tracker = ReceiverTracker(cache.shape[0], layout.block_bytes)
-        self._listener: socket.socket | None = None
-        self._accept_task: asyncio.Task | None = None
-        self._conns: set[asyncio.Task] = set()
+        self.listener: Listener | None = None
 
     async def start(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(_address(self._name))
         sock.listen(128)
-        sock.setblocking(False)
-        self._listener = sock
-        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+        self.listener = Listener(sock, self._serve, "shm", lambda c: c.setblocking(False))
+        self.listener.start()
         logger.debug("shm receiver listening on %s", self.endpoint)
 
     @property
     def endpoint(self) -> str:
-        if self._listener is None:
+        if self.listener is None:
             raise RuntimeError("receiver not started")
         return f"shm://{self._name}"
 
     async def close(self) -> None:
-        self._tracker.close()
-        tasks = [t for t in (self._accept_task, *self._conns) if t is not None]
-        await cancel_and_wait(tasks)
-        if self._listener is not None:
-            self._listener.close()
+        if self.listener is not None:
+            await self.listener.close()
+            self.listener = None
             if self._name.startswith("/"):
                 try:
                     os.unlink(self._name)
                 except FileNotFoundError:
                     pass
-        self._accept_task = None
 
-    async def _accept_loop(self) -> None:
+    async def _read_hello(self, conn: socket.socket) -> tuple[wire.Hello, int | None]:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _ = await loop.sock_accept(self._listener)
-            except OSError as exc:
-                logger.warning("shm receiver accept failed: %s", exc)
-                await asyncio.sleep(0.05)
-                continue
-            conn.setblocking(False)
-            task = loop.create_task(self._serve(conn))
-            self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
-
-    async def _read_hello(self, conn: socket.socket) -> tuple[proto.Hello, int | None]:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                head, fds, _, _ = socket.recv_fds(conn, proto.HELLO_SIZE, 1)
+                head, fds, _, _ = socket.recv_fds(conn, wire.HELLO_SIZE, 1)
                 break
             except BlockingIOError:
-                await proto.wait_readable(loop, conn)
+                await wire.wait_readable(loop, conn)
         fd = fds[0] if fds else None
         try:
             if not head:
-                raise proto.PeerClosed("peer closed the connection before HELLO")
-            head += await proto.recv_exact(loop, conn, proto.HELLO_SIZE - len(head))
-            return await proto.read_hello(loop, conn, head), fd
+                raise wire.PeerClosed("peer closed the connection before HELLO")
+            head += await wire.recv_exact(loop, conn, wire.HELLO_SIZE - len(head))
+            return await wire.read_hello(loop, conn, head), fd
         except BaseException:
             if fd is not None:
                 os.close(fd)
@@ -155,50 +135,19 @@ class ShmReceiver(TrackedReceiver):
         loop = asyncio.get_running_loop()
         entry: ExpectedTransfer | None = None
         ring: _Ring | None = None
-        fd: int | None = None
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
                 hello, fd = await self._read_hello(conn)
-            try:
-                error = proto.layout_error(hello, self._layout)
-                if error is None and (fd is None or hello.kind != proto.KIND_SHM):
-                    error = "shm HELLO without a shared memory descriptor"
-                if error is None and not (0 < hello.chunk_blocks and 0 < hello.num_slots):
-                    error = f"bad ring geometry {hello.chunk_blocks}x{hello.num_slots}"
-                entry = self._tracker.claim(hello.transfer_id, hello.num_blocks, error,
-                                            owner=asyncio.current_task())
-                ring = _Ring(fd, self._layout, hello.chunk_blocks, hello.num_slots)
-            except (TransferError, OSError, ValueError) as exc:
-                if entry is not None:
-                    entry.finish(TransferState.FAILED, str(exc))
-                await loop.sock_sendall(conn, proto.encode_reply(proto.ERROR, 0, str(exc)))
+            entry, ring = await self._accept(loop, conn, hello, fd)
+            if entry is None:
                 return
-            finally:
-                if fd is not None:
-                    os.close(fd)  # the mapping (if any) keeps the memory alive
-            await loop.sock_sendall(conn, proto.encode_reply(proto.OK))
-            ids = await entry.destination()
-            cb, slots = hello.chunk_blocks, hello.num_slots
-            num_chunks = -(-len(ids) // cb)
-            for c in range(num_chunks):
-                try:
-                    (index,) = _READY.unpack(await proto.recv_exact(loop, conn, _READY.size))
-                except proto.PeerClosed:
-                    raise proto.PeerClosed(
-                        f"sender closed the connection after {c} of {num_chunks} chunks") from None
-                if index != c:
-                    raise TransferError(f"protocol error: chunk {index} arrived, expected {c}")
-                chunk_ids = ids[c * cb:(c + 1) * cb]
-                scatter(self._cache, chunk_ids, ring.slots[c % slots, :len(chunk_ids)])
-                entry.add_bytes(len(chunk_ids) * self._layout.block_bytes)
-                if c + slots < num_chunks:
-                    await loop.sock_sendall(conn, proto.encode_reply(proto.FREED, c))
+            await self._receive_chunks(loop, conn, entry, ring, hello)
             entry.finish(TransferState.DONE)
-            await loop.sock_sendall(conn, proto.encode_reply(proto.OK))
+            await loop.sock_sendall(conn, wire.encode_reply(wire.OK))
         except asyncio.CancelledError:
             if entry is not None:
-                proto.try_send_error(conn, f"transfer {entry.transfer_id} {entry.state.value} "
-                                           "on receiver")
+                wire.try_send_error(conn, f"transfer {entry.transfer_id} {entry.state.value} "
+                                          "on receiver")
         except (OSError, EOFError, TransferError) as exc:
             if entry is not None:
                 entry.finish(TransferState.FAILED, f"{type(exc).__name__}: {exc}")
@@ -213,18 +162,68 @@ class ShmReceiver(TrackedReceiver):
                 ring.close()
             conn.close()
 
+    async def _accept(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                      hello: wire.Hello, fd: int | None
+                      ) -> tuple[ExpectedTransfer | None, _Ring | None]:
+        """Claim the transfer and map the sender's ring, then answer OK; (None, None) after
+        rejecting it with an ERROR. Closes ``fd`` either way (a mapping keeps the memory)."""
+        entry = None
+        try:
+            error = wire.layout_error(hello, self._layout)
+            if error is None and (fd is None or hello.kind != wire.KIND_SHM):
+                error = "shm HELLO without a shared memory descriptor"
+            if error is None and not (0 < hello.chunk_blocks and 0 < hello.num_slots):
+                error = f"bad ring geometry {hello.chunk_blocks}x{hello.num_slots}"
+            entry = self._tracker.claim(hello.transfer_id, hello.num_blocks, error,
+                                        owner=asyncio.current_task())
+            ring = _Ring(fd, self._layout, hello.chunk_blocks, hello.num_slots)
+        except (TransferError, OSError, ValueError) as exc:
+            if entry is not None:
+                entry.finish(TransferState.FAILED, str(exc))
+            await loop.sock_sendall(conn, wire.encode_reply(wire.ERROR, 0, str(exc)))
+            return None, None
+        finally:
+            if fd is not None:
+                os.close(fd)
+        await loop.sock_sendall(conn, wire.encode_reply(wire.OK))
+        return entry, ring
 
-class ShmSender(RunnerSender):
+    async def _receive_chunks(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                              entry: ExpectedTransfer, ring: _Ring, hello: wire.Hello) -> None:
+        """Scatter each chunk the sender says is READY out of its slot; FREED the slot."""
+        ids = await entry.destination()
+        cb, slots = hello.chunk_blocks, hello.num_slots
+        num_chunks = -(-len(ids) // cb)
+        for c in range(num_chunks):
+            try:
+                (index,) = _READY.unpack(await wire.recv_exact(loop, conn, _READY.size))
+            except wire.PeerClosed:
+                raise wire.PeerClosed(
+                    f"sender closed the connection after {c} of {num_chunks} chunks") from None
+            if index != c:
+                raise TransferError(f"protocol error: chunk {index} arrived, expected {c}")
+            chunk_ids = ids[c * cb:(c + 1) * cb]
+            scatter(self._cache, chunk_ids, ring.slots[c % slots, :len(chunk_ids)])
+            entry.add_bytes(len(chunk_ids) * self._layout.block_bytes)
+            if c + slots < num_chunks:
+                await loop.sock_sendall(conn, wire.encode_reply(wire.FREED, c))
+
+
+class ShmClient:
+    """A sender's channel: gathers each chunk into a slot of a memfd ring it shares with
+    the receiver (rings of DONE transfers are kept for the next one)."""
+
     def __init__(self, cache: torch.Tensor, layout: KVLayout, chunk_bytes: int = 8 << 20,
                  num_slots: int = 4) -> None:
-        super().__init__(cache, layout)
         if chunk_bytes <= 0 or num_slots <= 0:
             raise ValueError("chunk_bytes and num_slots must be positive")
+        self._cache = cache
+        self._layout = layout
         self._chunk_blocks = max(1, chunk_bytes // layout.block_bytes)
         self._num_slots = num_slots
         self._idle: list[tuple[int, _Ring]] = []  # (memfd, mapping) kept for reuse
 
-    def _close_backend(self) -> None:
+    async def close(self) -> None:
         for fd, ring in self._idle:
             ring.close()
             os.close(fd)
@@ -243,9 +242,9 @@ class ShmSender(RunnerSender):
             os.close(fd)
             raise
 
-    async def _send(self, sm: TransferStateMachine, endpoint: str, blocks: BlockStream) -> int:
+    async def send(self, sm: TransferStateMachine, endpoint: str, blocks: BlockStream) -> int:
         loop = asyncio.get_running_loop()
-        name = proto.parse_endpoint(endpoint, "shm")
+        name = wire.parse_endpoint(endpoint, "shm")
         bb = self._layout.block_bytes
         total = blocks.total
         cb = min(self._chunk_blocks, total)
@@ -258,33 +257,17 @@ class ShmSender(RunnerSender):
             sock.setblocking(False)
             await loop.sock_connect(sock, _address(name))
             ring = self._take_ring(cb, slots)
-            fd, slot_tensor = ring[0], ring[1].slots
-            hello = proto.encode_hello(proto.KIND_SHM, self._layout, sm.transfer_id, total,
-                                       cb, slots)
-            await _send_with_fd(loop, sock, hello, fd)
-            await proto.expect_ok(loop, sock, "rejected the transfer")
+            hello = wire.encode_hello(wire.KIND_SHM, self._layout, sm.transfer_id, total,
+                                      cb, slots)
+            await _send_with_fd(loop, sock, hello, ring[0])
+            await wire.expect_ok(loop, sock, "rejected the transfer")
             sm.advance(TransferState.TRANSFERRING)
-            ids: list[int] = []  # handed over so far (the stream may still be computing)
-            parts = blocks.ready_parts(watch=sock)
-            for c in range(num_chunks):
-                while len(ids) < min((c + 1) * cb, total):
-                    ids.extend(await anext(parts))
-                if c >= slots:  # wait until the receiver has emptied this slot
-                    status, value, message = await proto.read_reply(loop, sock)
-                    if status == proto.ERROR:
-                        raise TransferError(f"receiver aborted the transfer: {message}")
-                    if status != proto.FREED or value != c - slots:
-                        raise TransferError(f"protocol error: reply {status}/{value}")
-                chunk_ids = ids[c * cb:(c + 1) * cb]
-                gather(self._cache, chunk_ids, slot_tensor[c % slots, :len(chunk_ids)])
-                await loop.sock_sendall(sock, _READY.pack(c))
-                sm.num_bytes += len(chunk_ids) * bb
-            await proto.expect_ok(loop, sock, "failed the transfer")
+            await self._send_chunks(loop, sock, sm, blocks, ring[1], cb, slots)
+            await wire.expect_ok(loop, sock, "failed the transfer")
             done = True
             return total * bb
         finally:
             sock.close()
-            slot_tensor = None
             if ring is not None:
                 # reuse only after DONE: then the receiver has finished reading every slot
                 if done and len(self._idle) < MAX_IDLE_RINGS:
@@ -292,6 +275,28 @@ class ShmSender(RunnerSender):
                 else:
                     ring[1].close()
                     os.close(ring[0])
+
+    async def _send_chunks(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                           sm: TransferStateMachine, blocks: BlockStream, ring: _Ring,
+                           cb: int, slots: int) -> None:
+        """Gather chunk ``c`` into slot ``c % slots`` once its blocks are ready and the slot
+        was FREED, then say READY ``c``."""
+        total = blocks.total
+        ids: list[int] = []  # handed over so far (the stream may still be computing)
+        parts = blocks.ready_parts(watch=sock)
+        for c in range(-(-total // cb)):
+            while len(ids) < min((c + 1) * cb, total):
+                ids.extend(await anext(parts))
+            if c >= slots:  # wait until the receiver has emptied this slot
+                status, value, message = await wire.read_reply(loop, sock)
+                if status == wire.ERROR:
+                    raise TransferError(f"receiver aborted the transfer: {message}")
+                if status != wire.FREED or value != c - slots:
+                    raise TransferError(f"protocol error: reply {status}/{value}")
+            chunk_ids = ids[c * cb:(c + 1) * cb]
+            gather(self._cache, chunk_ids, ring.slots[c % slots, :len(chunk_ids)])
+            await loop.sock_sendall(sock, _READY.pack(c))
+            sm.num_bytes += len(chunk_ids) * self._layout.block_bytes
 
 
 async def _send_with_fd(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes,
@@ -305,3 +310,20 @@ async def _send_with_fd(loop: asyncio.AbstractEventLoop, sock: socket.socket, da
             await asyncio.sleep(0.001)
     if sent < len(data):
         await loop.sock_sendall(sock, data[sent:])
+
+
+def make_sender(cache: torch.Tensor, layout: KVLayout, chunk_bytes: int = 8 << 20,
+                num_slots: int = 4) -> KVSender:
+    layout.validate(cache)
+    return Sender(cache, layout, ShmClient(cache, layout, chunk_bytes, num_slots))
+
+
+def make_receiver(cache: torch.Tensor, layout: KVLayout, listen=None, *,
+                  name: str | None = None) -> KVReceiver:
+    layout.validate(cache)
+    tracker = ReceiverTracker(cache.shape[0], layout.block_bytes)
+    return Receiver(tracker, ShmServer(tracker, cache, layout, name))
+
+
+BACKEND = BackendSpec(name="shm", devices=("cpu",), listener=False,
+                      sender=make_sender, receiver=make_receiver)

@@ -1,4 +1,4 @@
-"""Wire format shared by the socket backends (tcp, shm) and async socket helpers.
+"""The control wire: messages every socket-connected backend exchanges, and socket helpers.
 
 Sender -> receiver, once per transfer (a connection carries transfers one after another)::
 
@@ -27,8 +27,7 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from kvtransfer.base import KVLayout
-from kvtransfer.tracking import TransferError
+from kvtransfer.api import KVLayout, TransferError
 
 MAGIC = b"PDKV"
 VERSION = 1
@@ -197,3 +196,24 @@ def parse_endpoint(endpoint: str, scheme: str) -> str:
     if not endpoint.startswith(prefix):
         raise TransferError(f"endpoint {endpoint!r} is not a {scheme}:// endpoint")
     return endpoint[len(prefix):]
+
+
+def peer_failed(sock: socket.socket) -> bool:
+    """Peek at a control socket: closed, reset or an ERROR reply next."""
+    try:
+        head = sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return head == b"" or head[0] == ERROR
+
+
+async def peer_reason(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> str:
+    """The reason a peer gave up (its ERROR's message), or "connection closed"."""
+    try:
+        async with asyncio.timeout(0.2):
+            status, _, message = await read_reply(loop, sock)
+        return message if status == ERROR else f"unexpected reply {status}"
+    except (OSError, EOFError, TransferError, TimeoutError):
+        return "connection closed"

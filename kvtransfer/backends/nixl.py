@@ -55,16 +55,19 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from kvtransfer import protocol as proto
-from kvtransfer.base import KVLayout, TransferStateMachine
-from kvtransfer.control import (
-    ControlReceiver,
-    ControlSender,
-    await_ack,
-    segments,
+from kvtransfer import wire
+from kvtransfer.api import (
+    BackendSpec,
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    ListenAddress,
+    TransferError,
 )
+from kvtransfer.blocks import segments
+from kvtransfer.control import await_ack, control_receiver, control_sender, hold_lease
+from kvtransfer.lifecycle import ExpectedTransfer, TransferStateMachine
 from kvtransfer.stream import BlockStream
-from kvtransfer.tracking import ExpectedTransfer, TransferError
 from kvtransfer.waits import poll_in_thread
 
 logger = logging.getLogger(__name__)
@@ -342,28 +345,28 @@ class _Remote:
         self.broken = False
 
 
-class NixlReceiver(ControlReceiver):
+class NixlPayloadReceiver:
     """Decode side: READs each transfer's blocks from the sender's registered cache."""
 
-    scheme = "nixl"
-    kind = proto.KIND_NIXL
-
-    def __init__(self, cache: torch.Tensor, layout: KVLayout, host: str = "127.0.0.1",
-                 port: int = 0, advertise_host: str | None = None) -> None:
-        super().__init__(cache, layout, host, port, advertise_host)
+    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+        self._cache = cache
+        self._layout = layout
         limit = int(os.environ.get("PDSERVE_NIXL_MAX_DESCRIPTOR_BYTES", MAX_DESCRIPTOR_BYTES))
         self._max_blocks = max(1, limit // layout.block_bytes) if limit > 0 else 0
         self._nixl = _Agent("rx", cache)
         self._remotes: OrderedDict[str, _Remote] = OrderedDict()
 
-    def _close_backend(self) -> None:
+    async def start(self) -> None:
+        pass
+
+    def close(self) -> None:
         for name in list(self._remotes):
             self._drop_remote(name)
         self._nixl.close()
 
-    async def _receive_payload(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
-                               entry: ExpectedTransfer) -> str:
-        offer = _Offer.decode(await proto.read_blob(loop, conn))
+    async def receive(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                      entry: ExpectedTransfer) -> str:
+        offer = _Offer.decode(await wire.read_blob(loop, conn))
         bb = self._layout.block_bytes
         if offer.block_bytes != bb:
             raise TransferError(f"nixl offer has {offer.block_bytes}-byte blocks, not {bb}")
@@ -395,7 +398,7 @@ class NixlReceiver(ControlReceiver):
             seconds = time.perf_counter() - t_post
             read.abort()  # done: just releases the handle
             entry.add_bytes(len(entry.dst_block_ids) * bb)
-            return proto.data_seconds_message("read done", seconds)
+            return wire.data_seconds_message("read done", seconds)
         finally:
             read.abort()
             remote_state.broken |= read.broken
@@ -475,23 +478,21 @@ class NixlReceiver(ControlReceiver):
             logger.debug("nixl: removing remote agent %s failed", name, exc_info=True)
 
 
-class NixlSender(ControlSender):
+class NixlPayloadSender:
     """Prefill side: offers its registered blocks; the receiver READs them."""
 
-    scheme = "nixl"
-    kind = proto.KIND_NIXL
-    eager_payload = True
+    eager = True
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
-        super().__init__(cache, layout)
+        self._cache = cache
+        self._layout = layout
         self._nixl = _Agent("tx", cache)
 
-    def _close_backend(self) -> None:
+    def close(self) -> None:
         self._nixl.close()
 
-    async def _send_payload(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                            endpoint: str, sm: TransferStateMachine,
-                            blocks: BlockStream) -> None:
+    async def send(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, endpoint: str,
+                   sm: TransferStateMachine, blocks: BlockStream) -> None:
         # one READ per transfer: the handshake overlapped the prompt's forward pass, the
         # blocks move once all of them are computed
         ids = await blocks.all(watch=sock)
@@ -501,12 +502,12 @@ class NixlSender(ControlSender):
         offer = _Offer(nixl.name, nixl.metadata, nixl.mem, nixl.dev, nixl.base,
                        self._layout.block_bytes, self._cache.shape[0], np.asarray(ids))
         try:
-            await loop.sock_sendall(sock, proto.encode_blob(offer.encode()))
+            await loop.sock_sendall(sock, wire.encode_blob(offer.encode()))
             done = await await_ack(loop, sock, sm)  # the READ is done and so is the transfer
         except BaseException as exc:  # the receiver may be reading: keep the blocks leased
-            await self._hold_lease(loop, sock, sm, exc)
+            await hold_lease(loop, sock, sm, exc)
             raise
-        sm.data_seconds = proto.parse_data_seconds(done)
+        sm.data_seconds = wire.parse_data_seconds(done)
 
 
 def split_pieces(pieces: list[tuple[int, int, int]],
@@ -522,3 +523,19 @@ def split_pieces(pieces: list[tuple[int, int, int]],
         for k in range(0, n, max_blocks):
             out.append((s + k, d + k, min(max_blocks, n - k)))
     return out
+
+
+def make_sender(cache: torch.Tensor, layout: KVLayout) -> KVSender:
+    layout.validate(cache)
+    return control_sender(cache, layout, "nixl", wire.KIND_NIXL, NixlPayloadSender(cache, layout))
+
+
+def make_receiver(cache: torch.Tensor, layout: KVLayout,
+                  listen: ListenAddress | None = None) -> KVReceiver:
+    layout.validate(cache)
+    return control_receiver(cache, layout, "nixl", wire.KIND_NIXL,
+                            NixlPayloadReceiver(cache, layout), listen)
+
+
+BACKEND = BackendSpec(name="nixl", devices=("cpu", "cuda"), listener=True,
+                      sender=make_sender, receiver=make_receiver, available=nixl_available)

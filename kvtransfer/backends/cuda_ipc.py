@@ -7,7 +7,7 @@ the part's KV is written. The receiver maps the sender's cache once per sender (
 queues the copies of each part as it arrives (so the blocks of finished prefill chunks move
 while the next chunk computes): segments (runs contiguous in both caches), copied by the
 copy engines, or, when they are many short runs (scattered blocks), by one kernel on our GPU
-reading the mapping (:mod:`kvtransfer.cuda_copy`; ``copy_lanes`` > 1 spreads copy-engine
+reading the mapping (:mod:`kvtransfer.backends.cuda_copy`; ``copy_lanes`` > 1 spreads copy-engine
 copies over several streams instead), then waits for the copies' event, counts the transfer
 DONE and acks; the sender's ``send`` returns.
 
@@ -44,18 +44,26 @@ import uuid
 
 import torch
 
-from kvtransfer import protocol as proto
-from kvtransfer.base import KVLayout, TransferStateMachine
-from kvtransfer.cuda_copy import copy_blocks, copy_runs
-from kvtransfer.control import (
-    ControlReceiver,
-    ControlSender,
-    await_ack,
-    require_cuda,
-    segments,
+from kvtransfer import wire
+from kvtransfer.api import (
+    BackendSpec,
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    ListenAddress,
+    TransferError,
 )
+from kvtransfer.backends.cuda_copy import copy_blocks, copy_runs
+from kvtransfer.blocks import segments
+from kvtransfer.control import (
+    await_ack,
+    control_receiver,
+    control_sender,
+    hold_lease,
+    require_cuda,
+)
+from kvtransfer.lifecycle import ExpectedTransfer, TransferStateMachine
 from kvtransfer.stream import BlockStream
-from kvtransfer.tracking import ExpectedTransfer, TransferError
 from kvtransfer.waits import wait_event
 
 logger = logging.getLogger(__name__)
@@ -73,14 +81,12 @@ def _b64(x) -> str:
     return base64.b64encode(x if isinstance(x, bytes) else bytes(x)).decode()
 
 
-class CudaIpcSender(ControlSender):
-    scheme = "cuda_ipc"
-    kind = proto.KIND_CUDA_IPC
-    eager_payload = True
+class CudaIpcPayloadSender:
+    """Exports the cache once; per transfer sends the export, then each ready part's ids."""
+
+    eager = True
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
-        require_cuda(cache, "cuda_ipc")
-        super().__init__(cache, layout)
         self._id = uuid.uuid4().hex
         _LOCAL_CACHES[self._id] = cache
         storage = cache.untyped_storage()
@@ -96,38 +102,37 @@ class CudaIpcSender(ControlSender):
             "cache_bytes": cache.numel() * cache.element_size(),
         }
 
-    async def _send_payload(self, loop, sock: socket.socket, endpoint: str,
-                            sm: TransferStateMachine, blocks: BlockStream) -> None:
+    async def send(self, loop, sock: socket.socket, endpoint: str, sm: TransferStateMachine,
+                   blocks: BlockStream) -> None:
         # the export first: the receiver maps our cache while the prompt still computes
-        await loop.sock_sendall(sock, proto.encode_blob(json.dumps(self._export).encode()))
+        await loop.sock_sendall(sock, wire.encode_blob(json.dumps(self._export).encode()))
         reading = False  # the receiver may be copying out of our blocks
         try:
             async for ids in blocks.ready_parts(watch=sock):  # each once its KV is written
                 reading = True
-                await loop.sock_sendall(sock, proto.encode_blob(
+                await loop.sock_sendall(sock, wire.encode_blob(
                     json.dumps({"src": ids}).encode()))
                 sm.mark("part")
             done = await await_ack(loop, sock, sm)  # copies complete, transfer DONE over there
         except BaseException as exc:
             if reading:  # keep the blocks leased until the receiver stopped copying
-                await self._hold_lease(loop, sock, sm, exc)
+                await hold_lease(loop, sock, sm, exc)
             raise
-        sm.data_seconds = proto.parse_data_seconds(done)
+        sm.data_seconds = wire.parse_data_seconds(done)
 
-    def _close_backend(self) -> None:
+    def close(self) -> None:
         _LOCAL_CACHES.pop(self._id, None)
 
 
-class CudaIpcReceiver(ControlReceiver):
-    scheme = "cuda_ipc"
-    kind = proto.KIND_CUDA_IPC
+class CudaIpcPayloadReceiver:
+    """Maps each sender's cache once and copies each part out of it as it arrives."""
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout, copy_lanes: int | None = None,
-                 **opts) -> None:
+    def __init__(self, cache: torch.Tensor, layout: KVLayout,
+                 copy_lanes: int | None = None) -> None:
         """``copy_lanes``: streams a transfer's copies are spread over (default: the
         ``PDSERVE_CUDA_IPC_LANES`` environment variable, else COPY_LANES)."""
-        require_cuda(cache, "cuda_ipc")
-        super().__init__(cache, layout, **opts)
+        self._cache = cache
+        self._layout = layout
         lanes = int(os.environ.get("PDSERVE_CUDA_IPC_LANES", COPY_LANES)) \
             if copy_lanes is None else copy_lanes
         if lanes < 1:
@@ -139,7 +144,6 @@ class CudaIpcReceiver(ControlReceiver):
         self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> None:
-        await super().start()
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
 
     async def _sweep_loop(self) -> None:
@@ -193,10 +197,9 @@ class CudaIpcReceiver(ControlReceiver):
             except PermissionError:
                 pass
 
-    async def _receive_payload(self, loop, conn: socket.socket,
-                               entry: ExpectedTransfer) -> str:
+    async def receive(self, loop, conn: socket.socket, entry: ExpectedTransfer) -> str:
         try:
-            peer = self._peer_cache(json.loads(await proto.read_blob(loop, conn)))
+            peer = self._peer_cache(json.loads(await wire.read_blob(loop, conn)))
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise TransferError(f"cuda_ipc: cannot map the sender's cache: {exc}") from None
         dst_ids, got = entry.dst_block_ids, 0
@@ -204,7 +207,7 @@ class CudaIpcReceiver(ControlReceiver):
         copies: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         while got < len(dst_ids):  # one BLOB per part of the sender's stream
             try:
-                src = [int(i) for i in json.loads(await proto.read_blob(loop, conn))["src"]]
+                src = [int(i) for i in json.loads(await wire.read_blob(loop, conn))["src"]]
                 entry.mark("part")
                 if not src or got + len(src) > len(dst_ids):
                     raise ValueError(f"sender sent {got + len(src)} of {len(dst_ids)} blocks")
@@ -232,11 +235,11 @@ class CudaIpcReceiver(ControlReceiver):
         entry.mark("copied")
         entry.add_bytes(len(dst_ids) * self._layout.block_bytes)
         seconds = sum(a.elapsed_time(b) for a, b in copies) / 1000.0
-        return proto.data_seconds_message("copied", seconds)
+        return wire.data_seconds_message("copied", seconds)
 
     def _copy(self, dst: torch.Tensor, peer: torch.Tensor,
               segs: list[tuple[int, int, int]]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        """Queue one part's copies (one lane: :func:`~kvtransfer.cuda_copy.copy_blocks`
+        """Queue one part's copies (one lane: :func:`~kvtransfer.backends.cuda_copy.copy_blocks`
         picks a kernel or the copy engines; more: copy engines spread over the lanes);
         events around all of them."""
         main = self._stream
@@ -259,7 +262,7 @@ class CudaIpcReceiver(ControlReceiver):
             event.record(main)
         return start, event
 
-    def _close_backend(self) -> None:
+    def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
@@ -286,3 +289,22 @@ def lane_shares(segs: list[tuple[int, int, int]], lanes: int) -> list[list[tuple
             quota[k] -= take
             s, d, n = s + take, d + take, n - take
     return [share for share in out if share]
+
+
+def make_sender(cache: torch.Tensor, layout: KVLayout) -> KVSender:
+    require_cuda(cache, "cuda_ipc")
+    layout.validate(cache)
+    return control_sender(cache, layout, "cuda_ipc", wire.KIND_CUDA_IPC,
+                          CudaIpcPayloadSender(cache, layout))
+
+
+def make_receiver(cache: torch.Tensor, layout: KVLayout, listen: ListenAddress | None = None,
+                  *, copy_lanes: int | None = None) -> KVReceiver:
+    require_cuda(cache, "cuda_ipc")
+    layout.validate(cache)
+    return control_receiver(cache, layout, "cuda_ipc", wire.KIND_CUDA_IPC,
+                            CudaIpcPayloadReceiver(cache, layout, copy_lanes), listen)
+
+
+BACKEND = BackendSpec(name="cuda_ipc", devices=("cuda",), listener=True,
+                      sender=make_sender, receiver=make_receiver)

@@ -15,35 +15,34 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from kvtransfer.base import (
-    KVLayout,
-    TransferState,
+from kvtransfer.api import BackendSpec, KVLayout, KVReceiver, KVSender, TransferError
+from kvtransfer.api import TransferState
+from kvtransfer.blocks import block_runs, scatter
+from kvtransfer.lifecycle import (
+    ExpectedTransfer,
+    Receiver,
+    ReceiverTracker,
+    Sender,
     TransferStateMachine,
 )
-from kvtransfer.blocks import block_runs, scatter
 from kvtransfer.stream import BlockStream
-from kvtransfer.tracking import (
-    TrackedReceiver,
-    ExpectedTransfer,
-    ReceiverTracker,
-    RunnerSender,
-    TransferError,
-)
-from services.tasks import cancel_and_wait
+from pdcore.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
-_ENDPOINTS: dict[str, FakeReceiver] = {}
+_ENDPOINTS: dict[str, FakeServer] = {}
 _NEXT = itertools.count()
 
 
-class FakeReceiver(TrackedReceiver):
-    def __init__(self, cache: torch.Tensor, layout: KVLayout, stall: bool = False) -> None:
-        layout.validate(cache)
+class FakeServer:
+    """A receiver's channel: registered under ``fake://<n>`` while started."""
+
+    def __init__(self, tracker: ReceiverTracker, cache: torch.Tensor, layout: KVLayout,
+                 stall: bool = False) -> None:
+        self._tracker = tracker
         self._cache = cache
         self._layout = layout
         self._stall = stall
-        self._tracker = ReceiverTracker(cache.shape[0], layout.block_bytes)
         self._endpoint: str | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -60,11 +59,10 @@ class FakeReceiver(TrackedReceiver):
     async def close(self) -> None:
         if self._endpoint is not None:
             _ENDPOINTS.pop(self._endpoint, None)
-        self._tracker.close()
         await cancel_and_wait(list(self._tasks))
 
-    async def _deliver(self, transfer_id: str, layout: KVLayout, total: int,
-                       source: Callable[[], Awaitable[torch.Tensor]]) -> None:
+    async def deliver(self, transfer_id: str, layout: KVLayout, total: int,
+                      source: Callable[[], Awaitable[torch.Tensor]]) -> None:
         """Runs as its own task; raises TransferError when the transfer is rejected/failed.
         Claims the transfer at once (the "handshake"), then awaits the sender's blocks."""
         error = None if layout == self._layout else (
@@ -88,15 +86,21 @@ class FakeReceiver(TrackedReceiver):
                 entry.finish(TransferState.FAILED, "sender cancelled the transfer")
             raise
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
 
-class FakeSender(RunnerSender):
-    async def _send(self, sm: TransferStateMachine, endpoint: str, stream: BlockStream) -> int:
+class FakeClient:
+    """A sender's channel: hands a copy of the blocks to the receiver registered there."""
+
+    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+        self._cache = cache
+        self._layout = layout
+
+    async def send(self, sm: TransferStateMachine, endpoint: str, stream: BlockStream) -> int:
         receiver = _ENDPOINTS.get(endpoint)
         if receiver is None:
             raise TransferError(f"no fake receiver at {endpoint!r}")
@@ -106,8 +110,8 @@ class FakeSender(RunnerSender):
             ids = await stream.all()
             return torch.cat([self._cache[r.start:r.start + r.count] for r in block_runs(ids)])
 
-        task = receiver._spawn(
-            receiver._deliver(sm.transfer_id, self._layout, stream.total, source))
+        task = receiver.spawn(receiver.deliver(sm.transfer_id, self._layout, stream.total,
+                                               source))
         try:
             await task
         except asyncio.CancelledError:
@@ -117,3 +121,21 @@ class FakeSender(RunnerSender):
             task.cancel()  # we were cancelled: the receiver must not wait for our blocks
             raise
         return stream.total * self._layout.block_bytes
+
+    async def close(self) -> None:
+        pass
+
+
+def make_sender(cache: torch.Tensor, layout: KVLayout) -> KVSender:
+    return Sender(cache, layout, FakeClient(cache, layout))
+
+
+def make_receiver(cache: torch.Tensor, layout: KVLayout, listen=None, *,
+                  stall: bool = False) -> KVReceiver:
+    layout.validate(cache)
+    tracker = ReceiverTracker(cache.shape[0], layout.block_bytes)
+    return Receiver(tracker, FakeServer(tracker, cache, layout, stall))
+
+
+BACKEND = BackendSpec(name="fake", devices=("cpu", "cuda"), listener=False,
+                      sender=make_sender, receiver=make_receiver)
