@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvtransfer import KVLayout, make_receiver, make_sender  # noqa: E402
+from kvtransfer.registry import options_from_env  # noqa: E402
 from kvtransfer.stream import BlockStream  # noqa: E402
 from services.grpc_server import run as run_on_service_loop  # noqa: E402  (uvloop, as workers)
 
@@ -95,7 +96,8 @@ async def receiver_main(args: argparse.Namespace) -> None:
     n = -(-args.tokens // args.block_size)
     cache = torch.zeros(2 * n, *layout.block_shape, dtype=layout.torch_dtype,
                         device=args.dst_device)
-    rx = make_receiver(args.backend, cache, layout)
+    shared, opts = options_from_env(os.environ)  # PDSERVE_* sweeps (bench/gpu_suite.sh)
+    rx = make_receiver(args.backend, cache, layout, opts[args.backend], shared=shared)
     await rx.start()
     print(rx.endpoint, flush=True)
     loop = asyncio.get_running_loop()
@@ -126,7 +128,8 @@ async def bench_backend(args: argparse.Namespace, backend: str) -> dict:
         opts["chunk_bytes"] = int(args.shm_chunk_mb * 2**20)
     if backend == "shm" and args.shm_slots:
         opts["num_slots"] = args.shm_slots
-    tx = make_sender(backend, src, layout, **opts)
+    shared, env_opts = options_from_env(os.environ)  # PDSERVE_* sweeps (bench/gpu_suite.sh)
+    tx = make_sender(backend, src, layout, env_opts[backend], shared=shared, **opts)
     child = subprocess.Popen(
         [sys.executable, __file__, "--role", "receiver", "--backend", backend,
          "--tokens", str(args.tokens), "--layers", str(args.layers), "--kv-heads",

@@ -32,7 +32,8 @@ import abc
 import asyncio
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -264,6 +265,43 @@ class KVSender(abc.ABC):
     async def close(self) -> None: ...
 
 
+def option(default: Any, help: str, *, minimum: int | None = None,
+           maximum: int | None = None) -> Any:
+    """A field of an options dataclass: its default, a help line and, for numbers, a range
+    (checked by :func:`check_options`)."""
+    return field(default=default, metadata={"help": help, "min": minimum, "max": maximum})
+
+
+def check_options(options: Any) -> None:
+    """Validate an options dataclass (call from its ``__post_init__``): each field holds a
+    value of its default's type (an int is no bool) within its declared range; ValueError
+    naming the field otherwise."""
+    for f in fields(options):
+        value = getattr(options, f.name)
+        kind = type(f.default)
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)) or \
+                kind is not int and not isinstance(value, kind):
+            raise ValueError(f"{type(options).__name__}.{f.name} must be of type "
+                             f"{kind.__name__}, got {value!r}")
+        low, high = f.metadata.get("min"), f.metadata.get("max")
+        if low is not None and value < low or high is not None and value > high:
+            bounds = f">= {low}" if high is None else f"in {low}..{high}"
+            raise ValueError(f"{type(options).__name__}.{f.name} must be {bounds}, "
+                             f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class KVTransferOptions:
+    """Options every backend honours (each backend's own are in its module)."""
+
+    timeline: bool = option(False, "log, when each transfer ends, the time of each phase its "
+                                   "backend marked (ms since it began, per side): where a "
+                                   "transfer's time goes")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
 @dataclass(frozen=True)
 class ListenAddress:
     """Where a receiver of a TCP-listening backend (``BackendSpec.listener``) listens, and
@@ -283,14 +321,17 @@ class BackendSpec:
     """What a backend module declares about itself (its module-level ``BACKEND``); the
     registry lists the modules, everything else about a backend is read from here.
 
-    ``sender(cache, layout)`` / ``receiver(cache, layout, listen)`` build its sender and
-    receiver (``listen`` is a :class:`ListenAddress` for ``listener`` backends, else None).
-    ``available()`` says whether it can be built here at all (nixl: the package imports).
+    ``sender(cache, layout, options, shared)`` / ``receiver(cache, layout, options, shared,
+    listen)`` build its sender and receiver: ``options`` is an instance of ``options`` (the
+    backend's frozen options dataclass), ``shared`` a :class:`KVTransferOptions`, ``listen``
+    a :class:`ListenAddress` for ``listener`` backends, else None. ``available()`` says
+    whether it can be built here at all (nixl: the package imports).
     """
 
     name: str
     devices: tuple[str, ...]  # cache device types it moves blocks of: "cpu", "cuda"
     listener: bool  # its receiver listens on a TCP port (host / port / advertise host)
+    options: type  # its options dataclass (all fields with defaults)
     sender: Callable[..., KVSender]
     receiver: Callable[..., KVReceiver]
     available: Callable[[], bool] = lambda: True

@@ -48,7 +48,13 @@ from typing import Protocol
 import torch
 
 from kvtransfer import wire
-from kvtransfer.api import KVLayout, ListenAddress, TransferError, TransferState
+from kvtransfer.api import (
+    KVLayout,
+    KVTransferOptions,
+    ListenAddress,
+    TransferError,
+    TransferState,
+)
 from kvtransfer.lifecycle import (
     ExpectedTransfer,
     Receiver,
@@ -135,19 +141,20 @@ class PayloadReceiver(Protocol):
 
 
 def control_sender(cache: torch.Tensor, layout: KVLayout, scheme: str, kind: int,
-                   payload: PayloadSender,
+                   payload: PayloadSender, shared: KVTransferOptions,
                    tune: Callable[[socket.socket], None] = tune_socket) -> Sender:
     """A sender whose transfers run over control connections to ``scheme://`` endpoints."""
-    return Sender(cache, layout, ControlClient(layout, scheme, kind, payload, tune))
+    return Sender(cache, layout, ControlClient(layout, scheme, kind, payload, tune), shared)
 
 
 def control_receiver(cache: torch.Tensor, layout: KVLayout, scheme: str, kind: int,
-                     payload: PayloadReceiver, listen: ListenAddress | None,
+                     payload: PayloadReceiver, shared: KVTransferOptions,
+                     listen: ListenAddress | None,
                      tune: Callable[[socket.socket], None] = tune_socket) -> Receiver:
     """A receiver listening for control connections at ``listen`` (default: localhost, any
     port)."""
     layout.validate(cache)
-    tracker = ReceiverTracker(cache.shape[0], layout.block_bytes)
+    tracker = ReceiverTracker(cache.shape[0], layout.block_bytes, shared)
     server = ControlServer(tracker, layout, scheme, kind, payload,
                            listen or ListenAddress(), tune)
     return Receiver(tracker, server)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -35,6 +34,7 @@ from kvtransfer.api import (
     KVLayout,
     KVReceiver,
     KVSender,
+    KVTransferOptions,
     ReceiverStats,
     TransferError,
     TransferHandle,
@@ -46,28 +46,27 @@ from pdcore.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
-# PDSERVE_KV_TIMELINE=1: every transfer logs, when it ends, the time of each phase its
-# backend marked (ms since the transfer began, per side): where a transfer's time goes
-TIMELINE = os.environ.get("PDSERVE_KV_TIMELINE", "") not in ("", "0")
-
-
 class TransferStateMachine:
-    """The state of one transfer; every change is checked and logged with the transfer id."""
+    """The state of one transfer; every change is checked and logged with the transfer id.
 
-    def __init__(self, transfer_id: str, side: str) -> None:
+    With ``timeline`` (:attr:`KVTransferOptions.timeline`) the phases a backend marks are
+    kept and logged when the transfer ends."""
+
+    def __init__(self, transfer_id: str, side: str, timeline: bool = False) -> None:
         self.transfer_id = transfer_id
         self.side = side
         self.state = TransferState.PENDING
         self.num_bytes = 0  # payload bytes moved so far
         self.data_seconds: float | None = None  # the data movement alone, where measured
-        self._t0 = time.perf_counter() if TIMELINE else 0.0
+        self._timeline = timeline
+        self._t0 = time.perf_counter() if timeline else 0.0
         self._marks: list[tuple[str, float]] = []
         self.accepted: asyncio.Event | None = None  # set on TRANSFERRING (sender side)
         logger.debug("%s transfer %s: pending", side, transfer_id)
 
     def mark(self, what: str) -> None:
-        """Note that phase ``what`` was reached now (kept only with PDSERVE_KV_TIMELINE)."""
-        if TIMELINE:
+        """Note that phase ``what`` was reached now (kept only with a timeline)."""
+        if self._timeline:
             self._marks.append((what, time.perf_counter()))
 
     def advance(self, new: TransferState, reason: str | None = None) -> None:
@@ -82,7 +81,7 @@ class TransferStateMachine:
         self.state = new
         if new is TransferState.TRANSFERRING and self.accepted is not None:
             self.accepted.set()
-        if TIMELINE and new.terminal:
+        if self._timeline and new.terminal:
             logger.info("kv timeline %s %s %s: %s", self.side, self.transfer_id, new.value,
                         " ".join(f"{w}={1000 * (t - self._t0):.3f}" for w, t in self._marks))
 
@@ -119,7 +118,7 @@ class ExpectedTransfer(TransferHandle):
         self.num_bytes = 0
         self.num_pieces = 0  # contiguous-in-both-caches pieces (backends that count them)
         self._tracker = tracker
-        self._sm = TransferStateMachine(transfer_id, "recv")
+        self._sm = TransferStateMachine(transfer_id, "recv", tracker.options.timeline)
         self._t0 = time.monotonic()
         self._future: asyncio.Future[TransferResult] = loop.create_future()
         self._timer = loop.call_later(timeout_s, self._on_timeout, timeout_s)
@@ -201,9 +200,11 @@ class ExpectedTransfer(TransferHandle):
 class ReceiverTracker:
     """The receiver's table of expected transfers, keyed by transfer id."""
 
-    def __init__(self, num_blocks: int, block_bytes: int) -> None:
+    def __init__(self, num_blocks: int, block_bytes: int,
+                 options: KVTransferOptions | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
+        self.options = options or KVTransferOptions()
         self.bytes_received = 0
         self._active: dict[str, ExpectedTransfer] = {}
         self._done = 0
@@ -281,7 +282,8 @@ class SendRunner:
     TRANSFERRING once the receiver accepted the transfer.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, options: KVTransferOptions | None = None) -> None:
+        self.options = options or KVTransferOptions()
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: set[str] = set()
 
@@ -291,7 +293,7 @@ class SendRunner:
             raise ValueError(f"transfer {transfer_id} is already being sent")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        sm = TransferStateMachine(transfer_id, "send")
+        sm = TransferStateMachine(transfer_id, "send", self.options.timeline)
         sm.accepted = accepted
         t0 = time.monotonic()
         task = asyncio.create_task(self._guarded(sm, timeout_s, body))
@@ -369,12 +371,13 @@ class ReceiveChannel(Protocol):
 class Sender(KVSender):
     """The sender: source-block checks, a :class:`SendRunner` and a backend's channel."""
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout, channel: SendChannel) -> None:
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, channel: SendChannel,
+                 options: KVTransferOptions | None = None) -> None:
         layout.validate(cache)
         self.cache = cache
         self.layout = layout
         self.channel = channel
-        self._runner = SendRunner()
+        self._runner = SendRunner(options)
 
     async def send(self, transfer_id: str, endpoint: str, src_block_ids,
                    timeout_s: float, accepted: asyncio.Event | None = None) -> TransferResult:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from services.config import WorkerSettings
@@ -17,15 +18,19 @@ from services.worker_runtime import WorkerRuntime, engine_config
 logger = logging.getLogger(__name__)
 
 
-async def serve_worker(settings: WorkerSettings) -> None:
+async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
+    """``kv_options``: :func:`kvtransfer.registry.options_from_env`'s pair (default: read
+    from this process's environment)."""
     from decode_worker.servicer import DecodeServicer
     from engine.async_engine import AsyncEngine
     from engine.engine import LLMEngine
     from kvtransfer import KVLayout, make_receiver, make_sender
+    from kvtransfer.registry import options_from_env
     from prefill_worker.servicer import PrefillServicer
     from protos.pdserve.v1 import worker_pb2_grpc
 
     role = settings.role
+    shared, kv_opts = kv_options or options_from_env(os.environ)
     engine = LLMEngine(engine_config(settings))
     aengine = AsyncEngine(engine)
     await aengine.start()
@@ -40,7 +45,8 @@ async def serve_worker(settings: WorkerSettings) -> None:
     decode = None
     if role in ("decode", "colocated"):
         for i, backend in enumerate(settings.kv_backends):
-            receiver = make_receiver(backend, cache, layout, **_receiver_opts(settings, backend, i))
+            receiver = make_receiver(backend, cache, layout, kv_opts[backend], shared=shared,
+                                     listen=_listen_address(settings, backend, i))
             await receiver.start()
             receivers.append((backend, receiver))
         decode = DecodeServicer(aengine, runtime, receivers, layout,
@@ -48,7 +54,8 @@ async def serve_worker(settings: WorkerSettings) -> None:
         services.append(DECODE_SERVICE)
     if role in ("prefill", "colocated"):
         for backend in settings.kv_backends:
-            senders[backend] = make_sender(backend, cache, layout)
+            senders[backend] = make_sender(backend, cache, layout, kv_opts[backend],
+                                           shared=shared)
         services.append(PREFILL_SERVICE)
 
     srv = GrpcServer(services, host=settings.host, port=settings.port,
@@ -83,16 +90,17 @@ async def serve_worker(settings: WorkerSettings) -> None:
             await s.close()
 
 
-def _receiver_opts(settings: WorkerSettings, backend: str, index: int) -> dict:
-    """Listener options of the ``index``-th receiver (a fixed --kv-port counts up)."""
-    from kvtransfer import registry
+def _listen_address(settings: WorkerSettings, backend: str, index: int):
+    """Where the ``index``-th receiver listens (a fixed --kv-port counts up); None for a
+    backend that listens on no TCP port."""
+    from kvtransfer import ListenAddress, registry
 
     if not registry.spec(backend).listener:  # data or control over a TCP listener
-        return {}
+        return None
     # what prefill workers dial: never a wildcard bind address (compose, Kubernetes)
-    return {"host": settings.kv_host or settings.host,
-            "port": settings.kv_port + index if settings.kv_port else 0,
-            "advertise_host": settings.advertise_address(1).rpartition(":")[0]}
+    return ListenAddress(settings.kv_host or settings.host,
+                         settings.kv_port + index if settings.kv_port else 0,
+                         settings.advertise_address(1).rpartition(":")[0])
 
 
 def main(argv=None, role: str = "colocated") -> int:
@@ -100,15 +108,17 @@ def main(argv=None, role: str = "colocated") -> int:
     from services.grpc_server import run
     from services.logging_setup import setup_logging
     from services.telemetry import setup_tracing, shutdown_tracing
+    from kvtransfer.registry import options_from_env
     try:
         settings = worker_settings(argv, role=role)
-    except ConfigError as e:
+        kv_options = options_from_env(os.environ)
+    except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging(f"{settings.role}-worker", settings.log_level, settings.log_format)
     setup_tracing(settings.role)
     try:
-        run(serve_worker(settings))
+        run(serve_worker(settings, kv_options))
     finally:
         shutdown_tracing()
     return 0

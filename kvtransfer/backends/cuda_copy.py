@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import os
 import threading
 
 import numpy as np
@@ -46,19 +45,15 @@ def _driver_memcpy():
     if _memcpy is None:
         with _lock:
             if _memcpy is None:
-                if os.environ.get("PDSERVE_DRIVER_COPY", "1") == "0":
+                try:
+                    fn = ctypes.CDLL("libcuda.so.1").cuMemcpyDtoDAsync_v2
+                    fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
+                                   ctypes.c_void_p]
+                    fn.restype = ctypes.c_int
+                    _memcpy = fn
+                except (OSError, AttributeError) as exc:
+                    logger.info("CUDA driver copies unavailable (%s): using Tensor.copy_", exc)
                     _memcpy = False
-                else:
-                    try:
-                        fn = ctypes.CDLL("libcuda.so.1").cuMemcpyDtoDAsync_v2
-                        fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
-                                       ctypes.c_void_p]
-                        fn.restype = ctypes.c_int
-                        _memcpy = fn
-                    except (OSError, AttributeError) as exc:
-                        logger.info("CUDA driver copies unavailable (%s): using Tensor.copy_",
-                                    exc)
-                        _memcpy = False
     return _memcpy
 
 
@@ -67,28 +62,24 @@ KERNEL_PROGRAMS = 32  # CTAs of the copy kernel: 32 already fill NVLink on H200 
 
 
 def copy_blocks(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
-                stream: torch.cuda.Stream, kernel_below: int | None = None) -> str:
+                stream: torch.cuda.Stream, kernel_below: int = KERNEL_BELOW_RUN_BYTES,
+                batch: bool = True, driver: bool = True) -> str:
     """Queue the copies of ``runs`` (see :func:`copy_runs`) the fastest way. Several runs go
     to the copy engines in ONE batched call where the driver has one
-    (:func:`batch_copy_runs`). Without it, runs averaging under ``kernel_below`` bytes
-    (default ``PDSERVE_KERNEL_COPY_BELOW_BYTES``, else KERNEL_BELOW_RUN_BYTES; 0: never)
-    take one kernel launch when ``src`` is mapped into ``dst``'s device (a CUDA IPC
-    mapping; another GPU's tensor of this process may not be addressable by kernels), else
-    one copy-engine call per run (``PDSERVE_BATCH_COPY=0`` turns the batched call off).
-    Returns which ("batch", "kernel", "copy_engine")."""
-    if len(runs) > 1 and os.environ.get("PDSERVE_BATCH_COPY", "1") != "0" and \
-            batch_copy_runs(dst, src, runs, stream):
+    (:func:`batch_copy_runs`; ``batch=False`` turns it off). Without it, runs averaging
+    under ``kernel_below`` bytes (0: never) take one kernel launch when ``src`` is mapped
+    into ``dst``'s device (a CUDA IPC mapping; another GPU's tensor of this process may not
+    be addressable by kernels), else one copy-engine call per run (``driver``: see
+    :func:`copy_runs`). Returns which ("batch", "kernel", "copy_engine")."""
+    if len(runs) > 1 and batch and batch_copy_runs(dst, src, runs, stream):
         return "batch"
-    if kernel_below is None:
-        kernel_below = int(os.environ.get("PDSERVE_KERNEL_COPY_BELOW_BYTES",
-                                          KERNEL_BELOW_RUN_BYTES))
     bb = dst.stride(0)
     blocks = sum(n for _, _, n in runs)
     if (kernel_below > 0 and runs and blocks * bb < kernel_below * len(runs)
             and dst.is_cuda and src.device == dst.device and _tile_bytes(bb, src, dst)):
         kernel_copy_runs(dst, src, runs, stream)
         return "kernel"
-    copy_runs(dst, src, runs, stream)
+    copy_runs(dst, src, runs, stream, driver)
     return "copy_engine"
 
 
@@ -106,12 +97,14 @@ def _tile_bytes(bb: int, *tensors: torch.Tensor, most: int = 32768, least: int =
 
 
 def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
-              stream: torch.cuda.Stream) -> None:
+              stream: torch.cuda.Stream, driver: bool = True) -> None:
     """Queue ``dst[d:d+n] = src[s:s+n]`` for each ``(s, d, n)`` of ``runs`` on ``stream``
     (``dst`` / ``src``: contiguous ``[num_blocks, block_bytes]`` uint8 views of two caches,
     ``dst`` on the stream's device). Asynchronous, like ``copy_(non_blocking=True)``; the
-    caller keeps both tensors alive until the stream passed the copies."""
-    fn = _driver_memcpy()
+    caller keeps both tensors alive until the stream passed the copies. One
+    ``cuMemcpyDtoDAsync`` call per run where the driver library loads (``driver=False``:
+    ``Tensor.copy_`` instead)."""
+    fn = driver and _driver_memcpy()
     if not (fn and dst.is_cuda and src.is_cuda):
         _torch_copy(dst, src, runs, stream)
         return

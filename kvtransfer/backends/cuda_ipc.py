@@ -7,9 +7,9 @@ the part's KV is written. The receiver maps the sender's cache once per sender (
 queues the copies of each part as it arrives (so the blocks of finished prefill chunks move
 while the next chunk computes): segments (runs contiguous in both caches), copied by the
 copy engines, or, when they are many short runs (scattered blocks), by one kernel on our GPU
-reading the mapping (:mod:`kvtransfer.backends.cuda_copy`; ``copy_lanes`` > 1 spreads copy-engine
-copies over several streams instead), then waits for the copies' event, counts the transfer
-DONE and acks; the sender's ``send`` returns.
+reading the mapping (:mod:`kvtransfer.backends.cuda_copy`; ``copy_lanes`` > 1 spreads
+copy-engine copies over several streams instead), then waits for the copies' event, counts
+the transfer DONE and acks; the sender's ``send`` returns.
 
 The copy is one-sided: the receiver reads the sender's blocks, which the sender's caller
 may reuse once ``send()`` returned. So a send that fails after its first part went out
@@ -41,6 +41,7 @@ import logging
 import os
 import socket
 import uuid
+from dataclasses import dataclass
 
 import torch
 
@@ -50,10 +51,13 @@ from kvtransfer.api import (
     KVLayout,
     KVReceiver,
     KVSender,
+    KVTransferOptions,
     ListenAddress,
     TransferError,
+    check_options,
+    option,
 )
-from kvtransfer.backends.cuda_copy import copy_blocks, copy_runs
+from kvtransfer.backends.cuda_copy import KERNEL_BELOW_RUN_BYTES, copy_blocks, copy_runs
 from kvtransfer.blocks import segments
 from kvtransfer.control import (
     await_ack,
@@ -68,9 +72,25 @@ from kvtransfer.waits import wait_event
 
 logger = logging.getLogger(__name__)
 
-COPY_LANES = 1  # default streams a transfer's copies are spread over (PDSERVE_CUDA_IPC_LANES)
 SWEEP_INTERVAL_S = 5.0  # how often mappings of exited senders are dropped
 _LOCAL_CACHES: dict[str, torch.Tensor] = {}  # sender id -> cache, for a same-process receiver
+
+
+@dataclass(frozen=True)
+class CudaIpcOptions:
+    copy_lanes: int = option(1, "receiver: streams one transfer's copy-engine copies are "
+                                "spread over", minimum=1, maximum=64)
+    batch_copy: bool = option(True, "receiver: scattered runs go to the copy engines in one "
+                                    "cuMemcpyBatchAsync call where the driver has it")
+    driver_copy: bool = option(True, "receiver: one cuMemcpyDtoDAsync per run (off: "
+                                     "Tensor.copy_, ~10 us more host time per run)")
+    kernel_copy_below_bytes: int = option(
+        KERNEL_BELOW_RUN_BYTES, "receiver, without the batched call: runs averaging under "
+                                "this many bytes are copied by one kernel on the decode GPU "
+                                "(0: never)", minimum=0)
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 def _uuid(index: int) -> str:
@@ -127,16 +147,11 @@ class CudaIpcPayloadSender:
 class CudaIpcPayloadReceiver:
     """Maps each sender's cache once and copies each part out of it as it arrives."""
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout,
-                 copy_lanes: int | None = None) -> None:
-        """``copy_lanes``: streams a transfer's copies are spread over (default: the
-        ``PDSERVE_CUDA_IPC_LANES`` environment variable, else COPY_LANES)."""
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, options: CudaIpcOptions) -> None:
         self._cache = cache
         self._layout = layout
-        lanes = int(os.environ.get("PDSERVE_CUDA_IPC_LANES", COPY_LANES)) \
-            if copy_lanes is None else copy_lanes
-        if lanes < 1:
-            raise ValueError(f"copy_lanes must be >= 1, got {lanes}")
+        self._options = options
+        lanes = options.copy_lanes
         self._stream = torch.cuda.Stream(cache.device)  # orders the lanes; the timing events
         self._lanes = [self._stream] + [torch.cuda.Stream(cache.device)
                                         for _ in range(lanes - 1)]
@@ -248,12 +263,14 @@ class CudaIpcPayloadReceiver:
             start.record(main)
             shares = lane_shares(segs, len(self._lanes))
             if len(shares) == 1:
-                copy_blocks(dst, peer, segs, main)
+                opts = self._options
+                copy_blocks(dst, peer, segs, main, opts.kernel_copy_below_bytes,
+                            opts.batch_copy, opts.driver_copy)
                 shares = []
             for lane, share in zip(self._lanes, shares):
                 if lane is not main:
                     lane.wait_event(start)
-                copy_runs(dst, peer, share, lane)
+                copy_runs(dst, peer, share, lane, self._options.driver_copy)
                 if lane is not main:
                     joined = torch.cuda.Event()
                     joined.record(lane)
@@ -291,20 +308,21 @@ def lane_shares(segs: list[tuple[int, int, int]], lanes: int) -> list[list[tuple
     return [share for share in out if share]
 
 
-def make_sender(cache: torch.Tensor, layout: KVLayout) -> KVSender:
+def make_sender(cache: torch.Tensor, layout: KVLayout, options: CudaIpcOptions,
+                shared: KVTransferOptions) -> KVSender:
     require_cuda(cache, "cuda_ipc")
     layout.validate(cache)
     return control_sender(cache, layout, "cuda_ipc", wire.KIND_CUDA_IPC,
-                          CudaIpcPayloadSender(cache, layout))
+                          CudaIpcPayloadSender(cache, layout), shared)
 
 
-def make_receiver(cache: torch.Tensor, layout: KVLayout, listen: ListenAddress | None = None,
-                  *, copy_lanes: int | None = None) -> KVReceiver:
+def make_receiver(cache: torch.Tensor, layout: KVLayout, options: CudaIpcOptions,
+                  shared: KVTransferOptions, listen: ListenAddress | None) -> KVReceiver:
     require_cuda(cache, "cuda_ipc")
     layout.validate(cache)
     return control_receiver(cache, layout, "cuda_ipc", wire.KIND_CUDA_IPC,
-                            CudaIpcPayloadReceiver(cache, layout, copy_lanes), listen)
+                            CudaIpcPayloadReceiver(cache, layout, options), shared, listen)
 
 
 BACKEND = BackendSpec(name="cuda_ipc", devices=("cuda",), listener=True,
-                      sender=make_sender, receiver=make_receiver)
+                      options=CudaIpcOptions, sender=make_sender, receiver=make_receiver)

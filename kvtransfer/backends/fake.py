@@ -12,11 +12,21 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.api import BackendSpec, KVLayout, KVReceiver, KVSender, TransferError
-from kvtransfer.api import TransferState
+from kvtransfer.api import (
+    BackendSpec,
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    KVTransferOptions,
+    TransferError,
+    TransferState,
+    check_options,
+    option,
+)
 from kvtransfer.blocks import block_runs, scatter
 from kvtransfer.lifecycle import (
     ExpectedTransfer,
@@ -29,6 +39,16 @@ from kvtransfer.stream import BlockStream
 from pdcore.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FakeOptions:
+    stall: bool = option(False, "tests: the receiver accepts transfers but never "
+                                "acknowledges them (sender timeouts)")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
 
 _ENDPOINTS: dict[str, FakeServer] = {}
 _NEXT = itertools.count()
@@ -126,16 +146,17 @@ class FakeClient:
         pass
 
 
-def make_sender(cache: torch.Tensor, layout: KVLayout) -> KVSender:
-    return Sender(cache, layout, FakeClient(cache, layout))
+def make_sender(cache: torch.Tensor, layout: KVLayout, options: FakeOptions,
+                shared: KVTransferOptions) -> KVSender:
+    return Sender(cache, layout, FakeClient(cache, layout), shared)
 
 
-def make_receiver(cache: torch.Tensor, layout: KVLayout, listen=None, *,
-                  stall: bool = False) -> KVReceiver:
+def make_receiver(cache: torch.Tensor, layout: KVLayout, options: FakeOptions,
+                  shared: KVTransferOptions, listen: None) -> KVReceiver:
     layout.validate(cache)
-    tracker = ReceiverTracker(cache.shape[0], layout.block_bytes)
-    return Receiver(tracker, FakeServer(tracker, cache, layout, stall))
+    tracker = ReceiverTracker(cache.shape[0], layout.block_bytes, shared)
+    return Receiver(tracker, FakeServer(tracker, cache, layout, options.stall))
 
 
 BACKEND = BackendSpec(name="fake", devices=("cpu", "cuda"), listener=False,
-                      sender=make_sender, receiver=make_receiver)
+                      options=FakeOptions, sender=make_sender, receiver=make_receiver)

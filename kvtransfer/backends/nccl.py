@@ -34,10 +34,10 @@ in the same order on both sides: the sender holds a per-pair lock from its BLOB 
 sends are queued, and the receiver queues its receives before it answers, so at most one
 transfer per pair is between those two points.
 
-Communicators are non-blocking: nothing here waits on a peer except through ``poll_in_thread`` /
-``wait_event``, which the transfer's timeout / cancellation interrupts. Any failure after a
-communicator was touched aborts it (ending queued kernels, so a dead peer never wedges the GPU stream) and
-drops it; the next transfer to that peer creates a new one.
+Communicators are non-blocking: nothing here waits on a peer except through
+``poll_in_thread`` / ``wait_event``, which the transfer's timeout / cancellation interrupts.
+Any failure after a communicator was touched aborts it (ending queued kernels, so a dead peer
+never wedges the GPU stream) and drops it; the next transfer to that peer creates a new one.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import base64
 import contextlib
 import json
 import logging
-import os
 import socket
 import threading
 import uuid
@@ -61,9 +60,12 @@ from kvtransfer.api import (
     KVLayout,
     KVReceiver,
     KVSender,
+    KVTransferOptions,
     ListenAddress,
     TransferError,
     TransferState,
+    check_options,
+    option,
 )
 from kvtransfer.backends import nccl_lib
 from kvtransfer.blocks import (
@@ -93,11 +95,27 @@ PACK_BELOW_BYTES = 32 << 20
 PACK_MESSAGE_BYTES = 128 << 20
 
 
+@dataclass(frozen=True)
+class NcclOptions:
+    layers_per_message: int = option(
+        4, "sender: a part handed over with per-layer events (a prefill chunk still "
+           "computing) moves as one message per this many layers, each sent as soon as its "
+           "layers are written; 0 sends whole parts only", minimum=0)
+    pack_message_bytes: int = option(
+        PACK_MESSAGE_BYTES, "sender: a written part of scattered blocks moves packed, in "
+                            "layer-group messages of about this size; 0: never", minimum=0)
+    library: str = option("", "path of libnccl to load; empty: the one PyTorch loaded, else "
+                              "the nvidia-nccl wheel's")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
 class _Comm:
     """One pair's communicator, its stream and its device."""
 
-    def __init__(self, device: torch.device, uid: bytes, rank: int) -> None:
-        self.lib = _lib()
+    def __init__(self, device: torch.device, uid: bytes, rank: int, library: str) -> None:
+        self.lib = _lib(library)
         self.device = device
         self.ready = False
         self.aborted = False
@@ -192,9 +210,9 @@ class _Pairs:
             self.drop(peer, comm)
 
 
-def _lib():
+def _lib(library: str):
     try:
-        return nccl_lib.lib()
+        return nccl_lib.lib(library)
     except (OSError, RuntimeError) as exc:
         raise TransferError(f"NCCL unavailable: {exc}") from None
 
@@ -245,9 +263,10 @@ class NcclPayloadReceiver:
     """Posts each part's receives on the pair's communicator (one per segment, or one per
     layer group into staging buffers) and waits for the last one."""
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, options: NcclOptions) -> None:
         self._cache = cache
         self._layout = layout
+        self._library = options.library
         self._pairs = _Pairs()  # by sender id
 
     async def start(self) -> None:
@@ -358,7 +377,7 @@ class NcclPayloadReceiver:
         if uid:
             if comm is not None:  # the sender started over (it aborted its side)
                 self._pairs.drop(key, comm)
-            comm = _Comm(self._cache.device, uid, rank=1)
+            comm = _Comm(self._cache.device, uid, rank=1, library=self._library)
             self._pairs.comms[key] = comm
             await comm.wait_idle(conn, "NCCL communicator init")
             comm.ready = True
@@ -373,32 +392,16 @@ class NcclPayloadSender:
 
     eager = False
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout,
-                 layers_per_message: int | None = None,
-                 pack_message_bytes: int | None = None) -> None:
-        """``layers_per_message``: a part handed over with per-layer events (a prefill
-        chunk still computing) moves as one message per this many layers, each sent as
-        soon as its layers are written; 0 sends whole parts only. Default: the
-        ``PDSERVE_NCCL_LAYERS_PER_MESSAGE`` environment variable, else 4.
-        ``pack_message_bytes``: a written part of scattered blocks moves packed, in
-        messages of about this size (0: never). Default: ``PDSERVE_NCCL_PACK_MESSAGE_BYTES``,
-        else PACK_MESSAGE_BYTES."""
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, options: NcclOptions) -> None:
         self._cache = cache
         self._layout = layout
+        self._library = options.library
         self._id = uuid.uuid4().hex
         self._pairs = _Pairs()  # by receiver endpoint
-        if layers_per_message is None:
-            layers_per_message = int(os.environ.get("PDSERVE_NCCL_LAYERS_PER_MESSAGE", "4"))
-        if layers_per_message < 0:
-            raise ValueError(f"layers_per_message must be >= 0, got {layers_per_message}")
-        self._groups = layer_groups(layout.num_layers, layers_per_message) \
-            if 0 < layers_per_message < layout.num_layers else None
-        if pack_message_bytes is None:
-            pack_message_bytes = int(os.environ.get("PDSERVE_NCCL_PACK_MESSAGE_BYTES",
-                                                    PACK_MESSAGE_BYTES))
-        if pack_message_bytes < 0:
-            raise ValueError(f"pack_message_bytes must be >= 0, got {pack_message_bytes}")
-        self._pack_bytes = pack_message_bytes
+        per = options.layers_per_message
+        self._groups = layer_groups(layout.num_layers, per) if 0 < per < layout.num_layers \
+            else None
+        self._pack_bytes = options.pack_message_bytes
 
     def close(self) -> None:
         self._pairs.close()
@@ -531,8 +534,8 @@ class NcclPayloadSender:
             return current, b""
         if comm is not None:
             return comm, b""
-        uid = _checked(_lib().unique_id)
-        comm = _Comm(self._cache.device, uid, rank=0)
+        uid = _checked(_lib(self._library).unique_id)
+        comm = _Comm(self._cache.device, uid, rank=0, library=self._library)
         self._pairs.comms[endpoint] = comm
         return comm, uid
 
@@ -590,21 +593,21 @@ def _source_segments(ids: list[int], status: int, nsegs: int,
     return segs
 
 
-def make_sender(cache: torch.Tensor, layout: KVLayout, layers_per_message: int | None = None,
-                pack_message_bytes: int | None = None) -> KVSender:
+def make_sender(cache: torch.Tensor, layout: KVLayout, options: NcclOptions,
+                shared: KVTransferOptions) -> KVSender:
     require_cuda(cache, "nccl")
     layout.validate(cache)
-    payload = NcclPayloadSender(cache, layout, layers_per_message, pack_message_bytes)
-    return control_sender(cache, layout, "nccl", wire.KIND_NCCL, payload)
+    return control_sender(cache, layout, "nccl", wire.KIND_NCCL,
+                          NcclPayloadSender(cache, layout, options), shared)
 
 
-def make_receiver(cache: torch.Tensor, layout: KVLayout,
-                  listen: ListenAddress | None = None) -> KVReceiver:
+def make_receiver(cache: torch.Tensor, layout: KVLayout, options: NcclOptions,
+                  shared: KVTransferOptions, listen: ListenAddress | None) -> KVReceiver:
     require_cuda(cache, "nccl")
     layout.validate(cache)
     return control_receiver(cache, layout, "nccl", wire.KIND_NCCL,
-                            NcclPayloadReceiver(cache, layout), listen)
+                            NcclPayloadReceiver(cache, layout, options), shared, listen)
 
 
-BACKEND = BackendSpec(name="nccl", devices=("cuda",), listener=True,
+BACKEND = BackendSpec(name="nccl", devices=("cuda",), listener=True, options=NcclOptions,
                       sender=make_sender, receiver=make_receiver)

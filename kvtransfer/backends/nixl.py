@@ -51,6 +51,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -61,8 +62,11 @@ from kvtransfer.api import (
     KVLayout,
     KVReceiver,
     KVSender,
+    KVTransferOptions,
     ListenAddress,
     TransferError,
+    check_options,
+    option,
 )
 from kvtransfer.blocks import segments
 from kvtransfer.control import await_ack, control_receiver, control_sender, hold_lease
@@ -81,9 +85,19 @@ DRAIN_TIMEOUT_S = 1.0  # most the end of a transfer waits (blocking) for a READ 
 SETTLE_TIMEOUT_S = 2.0  # most a failed transfer waits (not blocking) for its READ to stop
 MAX_REMOTE_AGENTS = 64  # sender agents a receiver keeps loaded (idle ones are evicted)
 OFFER_VERSION = 1
-# descriptors are cut to at most this many bytes (0: one per segment), so UCX can move
-# the pieces of one large segment concurrently (PDSERVE_NIXL_MAX_DESCRIPTOR_BYTES)
-MAX_DESCRIPTOR_BYTES = 0
+
+
+@dataclass(frozen=True)
+class NixlOptions:
+    max_descriptor_bytes: int = option(
+        0, "receiver: descriptors are cut to at most this many bytes, so UCX can move the "
+           "pieces of one large segment concurrently; 0: one descriptor per segment",
+        minimum=0)
+    verbose_logs: bool = option(False, "keep nixl's INFO logs (it logs every agent creation "
+                                       "on stdout); off: its Python logger is kept at WARNING")
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 _OFFER_HEAD = struct.Struct("!I")
 _nixl_module = None
@@ -103,9 +117,6 @@ def _import_nixl():
             f"(import nixl_cu13 failed: {type(exc).__name__}: {exc})") from exc
     finally:
         logging.raiseExceptions = saved
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        # nixl logs every agent creation at INFO on stdout; keep warnings and errors
-        logging.getLogger("nixl").setLevel(logging.WARNING)
     _nixl_module = nixl_cu13
     return nixl_cu13
 
@@ -148,8 +159,10 @@ def _new_agent(nixl, name: str):
 class _Agent:
     """One nixl agent with the whole cache tensor registered once."""
 
-    def __init__(self, role: str, cache: torch.Tensor) -> None:
+    def __init__(self, role: str, cache: torch.Tensor, verbose_logs: bool = False) -> None:
         nixl = _import_nixl()
+        if not verbose_logs:  # nixl logs every agent creation at INFO on stdout
+            logging.getLogger("nixl").setLevel(logging.WARNING)
         if not cache.is_contiguous():
             raise ValueError("the nixl backend needs a contiguous cache tensor")
         if cache.device.type == "cuda":
@@ -348,12 +361,12 @@ class _Remote:
 class NixlPayloadReceiver:
     """Decode side: READs each transfer's blocks from the sender's registered cache."""
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, options: NixlOptions) -> None:
         self._cache = cache
         self._layout = layout
-        limit = int(os.environ.get("PDSERVE_NIXL_MAX_DESCRIPTOR_BYTES", MAX_DESCRIPTOR_BYTES))
+        limit = options.max_descriptor_bytes
         self._max_blocks = max(1, limit // layout.block_bytes) if limit > 0 else 0
-        self._nixl = _Agent("rx", cache)
+        self._nixl = _Agent("rx", cache, options.verbose_logs)
         self._remotes: OrderedDict[str, _Remote] = OrderedDict()
 
     async def start(self) -> None:
@@ -483,10 +496,10 @@ class NixlPayloadSender:
 
     eager = True
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, options: NixlOptions) -> None:
         self._cache = cache
         self._layout = layout
-        self._nixl = _Agent("tx", cache)
+        self._nixl = _Agent("tx", cache, options.verbose_logs)
 
     def close(self) -> None:
         self._nixl.close()
@@ -525,17 +538,20 @@ def split_pieces(pieces: list[tuple[int, int, int]],
     return out
 
 
-def make_sender(cache: torch.Tensor, layout: KVLayout) -> KVSender:
+def make_sender(cache: torch.Tensor, layout: KVLayout, options: NixlOptions,
+                shared: KVTransferOptions) -> KVSender:
     layout.validate(cache)
-    return control_sender(cache, layout, "nixl", wire.KIND_NIXL, NixlPayloadSender(cache, layout))
+    return control_sender(cache, layout, "nixl", wire.KIND_NIXL,
+                          NixlPayloadSender(cache, layout, options), shared)
 
 
-def make_receiver(cache: torch.Tensor, layout: KVLayout,
-                  listen: ListenAddress | None = None) -> KVReceiver:
+def make_receiver(cache: torch.Tensor, layout: KVLayout, options: NixlOptions,
+                  shared: KVTransferOptions, listen: ListenAddress | None) -> KVReceiver:
     layout.validate(cache)
     return control_receiver(cache, layout, "nixl", wire.KIND_NIXL,
-                            NixlPayloadReceiver(cache, layout), listen)
+                            NixlPayloadReceiver(cache, layout, options), shared, listen)
 
 
 BACKEND = BackendSpec(name="nixl", devices=("cpu", "cuda"), listener=True,
-                      sender=make_sender, receiver=make_receiver, available=nixl_available)
+                      options=NixlOptions, sender=make_sender, receiver=make_receiver,
+                      available=nixl_available)

@@ -26,12 +26,22 @@ import os
 import socket
 import struct
 import uuid
+from dataclasses import dataclass
 
 import torch
 
 from kvtransfer import wire
-from kvtransfer.api import BackendSpec, KVLayout, KVReceiver, KVSender, TransferError
-from kvtransfer.api import TransferState
+from kvtransfer.api import (
+    BackendSpec,
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    KVTransferOptions,
+    TransferError,
+    TransferState,
+    check_options,
+    option,
+)
 from kvtransfer.blocks import gather, scatter
 from kvtransfer.control import Listener
 from kvtransfer.lifecycle import (
@@ -49,6 +59,19 @@ HELLO_TIMEOUT_S = 30.0
 _READY = struct.Struct("!I")
 MAX_RING_BYTES = 1 << 30
 MAX_IDLE_RINGS = 2  # per sender; an idle ring is mapped memory, so keep few
+
+
+@dataclass(frozen=True)
+class ShmOptions:
+    chunk_bytes: int = option(8 << 20, "sender: bytes per ring slot (whole blocks, at least "
+                                       "one)", minimum=1)
+    num_slots: int = option(4, "sender: ring slots, so gathering a chunk overlaps the "
+                               "receiver's scatter of the last", minimum=1)
+    socket_name: str = option("", "receiver: its unix socket (abstract, or a file when it "
+                                  "starts with '/'); empty: a unique abstract name")
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 def _address(name: str) -> str:
@@ -213,14 +236,11 @@ class ShmClient:
     """A sender's channel: gathers each chunk into a slot of a memfd ring it shares with
     the receiver (rings of DONE transfers are kept for the next one)."""
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout, chunk_bytes: int = 8 << 20,
-                 num_slots: int = 4) -> None:
-        if chunk_bytes <= 0 or num_slots <= 0:
-            raise ValueError("chunk_bytes and num_slots must be positive")
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, options: ShmOptions) -> None:
         self._cache = cache
         self._layout = layout
-        self._chunk_blocks = max(1, chunk_bytes // layout.block_bytes)
-        self._num_slots = num_slots
+        self._chunk_blocks = max(1, options.chunk_bytes // layout.block_bytes)
+        self._num_slots = options.num_slots
         self._idle: list[tuple[int, _Ring]] = []  # (memfd, mapping) kept for reuse
 
     async def close(self) -> None:
@@ -312,18 +332,18 @@ async def _send_with_fd(loop: asyncio.AbstractEventLoop, sock: socket.socket, da
         await loop.sock_sendall(sock, data[sent:])
 
 
-def make_sender(cache: torch.Tensor, layout: KVLayout, chunk_bytes: int = 8 << 20,
-                num_slots: int = 4) -> KVSender:
+def make_sender(cache: torch.Tensor, layout: KVLayout, options: ShmOptions,
+                shared: KVTransferOptions) -> KVSender:
     layout.validate(cache)
-    return Sender(cache, layout, ShmClient(cache, layout, chunk_bytes, num_slots))
+    return Sender(cache, layout, ShmClient(cache, layout, options), shared)
 
 
-def make_receiver(cache: torch.Tensor, layout: KVLayout, listen=None, *,
-                  name: str | None = None) -> KVReceiver:
+def make_receiver(cache: torch.Tensor, layout: KVLayout, options: ShmOptions,
+                  shared: KVTransferOptions, listen: None) -> KVReceiver:
     layout.validate(cache)
-    tracker = ReceiverTracker(cache.shape[0], layout.block_bytes)
-    return Receiver(tracker, ShmServer(tracker, cache, layout, name))
+    tracker = ReceiverTracker(cache.shape[0], layout.block_bytes, shared)
+    return Receiver(tracker, ShmServer(tracker, cache, layout, options.socket_name or None))
 
 
-BACKEND = BackendSpec(name="shm", devices=("cpu",), listener=False,
+BACKEND = BackendSpec(name="shm", devices=("cpu",), listener=False, options=ShmOptions,
                       sender=make_sender, receiver=make_receiver)

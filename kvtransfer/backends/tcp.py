@@ -12,28 +12,48 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from dataclasses import dataclass
 
 import torch
 
 from kvtransfer import wire
-from kvtransfer.api import BackendSpec, KVLayout, KVReceiver, KVSender, ListenAddress
-from kvtransfer.api import TransferError
+from kvtransfer.api import (
+    BackendSpec,
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    KVTransferOptions,
+    ListenAddress,
+    TransferError,
+    check_options,
+    option,
+)
 from kvtransfer.blocks import block_runs, byte_view
 from kvtransfer.control import await_ack, control_receiver, control_sender, tune_socket
 from kvtransfer.lifecycle import ExpectedTransfer, TransferStateMachine
 from kvtransfer.stream import BlockStream
 
 SCHEME = "tcp"
-SOCK_BUF_BYTES = 8 << 20
 
 
-def _tune(sock: socket.socket) -> None:
-    tune_socket(sock)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF_BYTES)
-        except OSError:
-            pass
+@dataclass(frozen=True)
+class TcpOptions:
+    socket_buffer_bytes: int = option(8 << 20, "send and receive buffer of each connection "
+                                               "(SO_SNDBUF / SO_RCVBUF)", minimum=4096)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+def _tuner(options: TcpOptions):
+    def tune(sock: socket.socket) -> None:
+        tune_socket(sock)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, options.socket_buffer_bytes)
+            except OSError:
+                pass
+    return tune
 
 
 class TcpPayloadSender:
@@ -103,18 +123,20 @@ async def _peer_reason(loop: asyncio.AbstractEventLoop, sock: socket.socket,
     return f"connection lost while sending: {type(exc).__name__}: {exc}"
 
 
-def make_sender(cache: torch.Tensor, layout: KVLayout) -> KVSender:
+def make_sender(cache: torch.Tensor, layout: KVLayout, options: TcpOptions,
+                shared: KVTransferOptions) -> KVSender:
     layout.validate(cache, need_contiguous_cpu=True)
     return control_sender(cache, layout, SCHEME, wire.KIND_TCP,
-                          TcpPayloadSender(cache, layout), _tune)
+                          TcpPayloadSender(cache, layout), shared, _tuner(options))
 
 
-def make_receiver(cache: torch.Tensor, layout: KVLayout,
-                  listen: ListenAddress | None = None) -> KVReceiver:
+def make_receiver(cache: torch.Tensor, layout: KVLayout, options: TcpOptions,
+                  shared: KVTransferOptions, listen: ListenAddress | None) -> KVReceiver:
     layout.validate(cache, need_contiguous_cpu=True)
     return control_receiver(cache, layout, SCHEME, wire.KIND_TCP,
-                            TcpPayloadReceiver(cache, layout), listen, _tune)
+                            TcpPayloadReceiver(cache, layout), shared, listen,
+                            _tuner(options))
 
 
-BACKEND = BackendSpec(name=SCHEME, devices=("cpu",), listener=True,
+BACKEND = BackendSpec(name=SCHEME, devices=("cpu",), listener=True, options=TcpOptions,
                       sender=make_sender, receiver=make_receiver)

@@ -83,14 +83,11 @@ def test_driver_and_kernel_copies_match_torch_copies_across_gpus_and_within_one(
             assert torch.equal(dst, want), (src_dev, how)
             if how == "copy_blocks":  # several runs: one batched copy-engine call
                 assert picked == "batch"
-                os.environ["PDSERVE_BATCH_COPY"] = "0"  # without it: 32 KiB blocks are short
-                try:  # runs, a kernel on one device only
-                    assert cuda_copy.copy_blocks(dst, src, runs, stream) == \
-                        ("kernel" if src_dev == DST else "copy_engine")
-                    stream.synchronize()
-                    assert torch.equal(dst, want), (src_dev, how, "without batch")
-                finally:
-                    del os.environ["PDSERVE_BATCH_COPY"]
+                # without it: 32 KiB blocks are short runs, a kernel on one device only
+                assert cuda_copy.copy_blocks(dst, src, runs, stream, batch=False) == \
+                    ("kernel" if src_dev == DST else "copy_engine")
+                stream.synchronize()
+                assert torch.equal(dst, want), (src_dev, how, "without batch")
             if how == "batch_copy_runs":
                 assert picked is True, "cuMemcpyBatchAsync unavailable or refused"
 

@@ -17,7 +17,7 @@ import torch
 
 from kvtransfer import KVLayout, TransferState, make_receiver, make_sender
 from kvtransfer import wire as proto
-from kvtransfer.api import TransferError
+from kvtransfer.api import KVTransferOptions, TransferError
 from kvtransfer.blocks import segments
 from kvtransfer.control import (
     await_ack,
@@ -107,15 +107,16 @@ class OneSidedLoopbackPush(LoopbackPush):
 
 
 def loopback_sender(cache, layout, payload=LoopbackPush, **kw) -> Sender:
-    return control_sender(cache, layout, "loop", 99, payload(cache, **kw))
+    return control_sender(cache, layout, "loop", 99, payload(cache, **kw), KVTransferOptions())
 
 
 def one_sided_loopback_sender(cache, layout, payload=OneSidedLoopbackPush) -> Sender:
-    return control_sender(cache, layout, "loop", 99, payload(cache))
+    return control_sender(cache, layout, "loop", 99, payload(cache), KVTransferOptions())
 
 
 def loopback_receiver(cache, layout) -> Receiver:
-    return control_receiver(cache, layout, "loop", 99, LoopbackPull(cache, layout), None)
+    return control_receiver(cache, layout, "loop", 99, LoopbackPull(cache, layout),
+                            KVTransferOptions(), None)
 
 
 def cache(n, seed=None):

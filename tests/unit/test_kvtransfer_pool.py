@@ -13,14 +13,14 @@ import time
 import pytest
 import torch
 
-from kvtransfer import TransferState, control, make_receiver, make_sender
+from kvtransfer import ListenAddress, TransferState, control, make_receiver, make_sender
 from kvtransfer.control import ConnectionPool
 
 from tests.unit.kvtransfer_helpers import SMALL, cache, run
 
 
 async def _tcp_pair(src, dst, port: int = 0):
-    rx = make_receiver("tcp", dst, SMALL, port=port)
+    rx = make_receiver("tcp", dst, SMALL, listen=ListenAddress(port=port))
     await rx.start()
     return rx, make_sender("tcp", src, SMALL)
 
@@ -103,7 +103,7 @@ def test_a_restarted_receiver_gets_a_new_connection():
         await _round_trip(rx, tx, "before", src, dst, [1], [2])
         await rx.close()
         await asyncio.sleep(0.05)  # the receiver's FIN reaches the pooled socket
-        rx2 = make_receiver("tcp", dst, SMALL, port=port)
+        rx2 = make_receiver("tcp", dst, SMALL, listen=ListenAddress(port=port))
         await rx2.start()
         await _round_trip(rx2, tx, "after", src, dst, [3, 4], [5, 6])
         assert rx2.channel.connections_accepted == 1
