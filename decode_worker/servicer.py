@@ -32,13 +32,13 @@ import grpc
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import telemetry
 from services.grpc_server import ChannelPool
+from services.kv_proto import layout_to_proto
 from services.logging_setup import request_context
 from services.metrics import WorkerMetrics
 from services.protocol import (check_request_id, response_from_output, sampling_from_proto,
                                sampling_to_proto)
 
 from engine.request import RequestOutput
-from prefill_worker.servicer import layout_to_proto
 
 logger = logging.getLogger(__name__)
 

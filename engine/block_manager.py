@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 from engine.sequence import Sequence
-from services.block_hash import BlockHasher
+from pdcore.block_hash import BlockHasher
 
 logger = logging.getLogger(__name__)
 # _take_free_runs: how far past strict eviction order a multi-block allocation may look

@@ -17,7 +17,7 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     from gateway.server import GatewayServicer
     from protos.pdserve.v1 import gateway_pb2_grpc
     from services.auth import ApiKeyInterceptor, load_api_keys
-    from services.block_hash import BlockHasher
+    from pdcore.block_hash import BlockHasher
     from services.grpc_server import GATEWAY_SERVICE, GrpcServer
     from services.metrics import GatewayMetrics, serve_metrics
     from services.prefix_index import PrefixIndex

@@ -15,7 +15,7 @@ import grpc
 from gateway.router import NoWorkers, OverCapacity, Router
 from protos.pdserve.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services import telemetry
-from services.block_hash import BlockHasher
+from pdcore.block_hash import BlockHasher
 from services.grpc_server import ChannelPool
 from services.logging_setup import request_context
 from services.metrics import GatewayMetrics, RequestTimer, route_mode

@@ -22,6 +22,7 @@ from kvtransfer import KVLayout, TransferState
 from kvtransfer.stream import BlockStream
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services import telemetry
+from services.kv_proto import layout_from_proto
 from services.logging_setup import request_context
 from services.metrics import WorkerMetrics
 from services.protocol import check_request_id, sampling_from_proto
@@ -36,16 +37,6 @@ STATE_PB = {
     TransferState.TIMED_OUT: common_pb2.TRANSFER_STATE_TIMED_OUT,
     TransferState.CANCELLED: common_pb2.TRANSFER_STATE_ABORTED,
 }
-
-
-def layout_from_proto(pb: common_pb2.KVLayout) -> KVLayout:
-    return KVLayout(pb.num_layers, pb.num_kv_heads, pb.head_dim, pb.block_size, pb.dtype)
-
-
-def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
-    return common_pb2.KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                               head_dim=layout.head_dim, block_size=layout.block_size,
-                               dtype=layout.dtype)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):

@@ -4,7 +4,7 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.request import SamplingParams
 from engine.sequence import Sequence
-from services.block_hash import BlockHasher
+from pdcore.block_hash import BlockHasher
 
 BS = 4
 

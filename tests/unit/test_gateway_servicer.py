@@ -9,7 +9,7 @@ import grpc
 from gateway.router import Router
 from gateway.server import GatewayServicer
 from protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2_grpc
-from services.block_hash import BlockHasher
+from pdcore.block_hash import BlockHasher
 
 PREFILL = "127.0.0.1:1"  # never dialled: the scripted decode worker ignores it
 
