@@ -297,6 +297,15 @@ class KVTransferOptions:
     timeline: bool = option(False, "log, when each transfer ends, the time of each phase its "
                                    "backend marked (ms since it began, per side): where a "
                                    "transfer's time goes")
+    checksums: bool = option(True, "send a checksum of every block with the data and verify "
+                                   "it on arrival (a mismatch fails the transfer); both "
+                                   "sides must agree")
+    corrupt_every: int = option(
+        0, "fault injection, for tests and the chaos kit: flip one byte of the data of every "
+           "N-th transfer on its way (0: never). The side that moves the data does it: the "
+           "sender for tcp, shm, fake and nccl, the receiver for cuda_ipc and nixl (they "
+           "read the sender's memory); the receiver's checksums then fail the transfer",
+        minimum=0)
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -305,7 +305,8 @@ class ControlServer:
             if hello.kind != self.kind:
                 raise TransferError(f"{self.scheme} receiver got a kind {hello.kind} sender")
             return self.tracker.claim(hello.transfer_id, hello.num_blocks,
-                                      wire.layout_error(hello, self.layout),
+                                      wire.layout_error(hello, self.layout,
+                                                        self.tracker.options.checksums),
                                       owner=asyncio.current_task())
         except TransferError as exc:
             await loop.sock_sendall(conn, wire.encode_reply(wire.ERROR, 0, str(exc)))
@@ -426,8 +427,8 @@ class ControlClient:
                 self._tune(sock)
                 await loop.sock_connect(sock, (host, port))
                 sm.mark("connected")
-            await loop.sock_sendall(sock, wire.encode_hello(self.kind, self.layout,
-                                                            sm.transfer_id, blocks.total))
+            await loop.sock_sendall(sock, wire.encode_hello(
+                self.kind, self.layout, sm.transfer_id, blocks.total, checksums=sm.checksums))
             if not (self.payload.eager and blocks.ready()):
                 await _accepted(loop, sock, sm)
             # else the blocks are all readable already (a retry, a fully cached prompt): the

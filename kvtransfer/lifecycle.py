@@ -59,6 +59,8 @@ class TransferStateMachine:
         self.num_bytes = 0  # payload bytes moved so far
         self.data_seconds: float | None = None  # the data movement alone, where measured
         self._timeline = timeline
+        self.checksums = True  # send checksums with the data (KVTransferOptions.checksums)
+        self.corrupt = False  # fault injection: damage this transfer's data on its way
         self._t0 = time.perf_counter() if timeline else 0.0
         self._marks: list[tuple[str, float]] = []
         self.accepted: asyncio.Event | None = None  # set on TRANSFERRING (sender side)
@@ -84,6 +86,20 @@ class TransferStateMachine:
         if self._timeline and new.terminal:
             logger.info("kv timeline %s %s %s: %s", self.side, self.transfer_id, new.value,
                         " ".join(f"{w}={1000 * (t - self._t0):.3f}" for w, t in self._marks))
+
+
+class FaultInjector:
+    """``KVTransferOptions.corrupt_every``: says yes for every ``every``-th transfer."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._count = 0
+
+    def next(self) -> bool:
+        if self.every <= 0:
+            return False
+        self._count += 1
+        return self._count % self.every == 0
 
 
 def check_block_ids(ids: list[int], num_blocks: int, *, unique: bool) -> list[int]:
@@ -117,6 +133,8 @@ class ExpectedTransfer(TransferHandle):
             self._assigned.set()
         self.num_bytes = 0
         self.num_pieces = 0  # contiguous-in-both-caches pieces (backends that count them)
+        self.checksums = tracker.options.checksums  # verify the sender's block checksums
+        self.corrupt = False  # fault injection (pull backends): damage the data that lands
         self._tracker = tracker
         self._sm = TransferStateMachine(transfer_id, "recv", tracker.options.timeline)
         self._t0 = time.monotonic()
@@ -205,6 +223,7 @@ class ReceiverTracker:
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.options = options or KVTransferOptions()
+        self._faults = FaultInjector(self.options.corrupt_every)
         self.bytes_received = 0
         self._active: dict[str, ExpectedTransfer] = {}
         self._done = 0
@@ -249,6 +268,7 @@ class ReceiverTracker:
         if error is not None:
             entry.finish(TransferState.FAILED, error)
             raise TransferError(error)
+        entry.corrupt = self._faults.next()
         entry.start(owner)
         return entry
 
@@ -284,6 +304,7 @@ class SendRunner:
 
     def __init__(self, options: KVTransferOptions | None = None) -> None:
         self.options = options or KVTransferOptions()
+        self._faults = FaultInjector(self.options.corrupt_every)
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: set[str] = set()
 
@@ -295,6 +316,8 @@ class SendRunner:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         sm = TransferStateMachine(transfer_id, "send", self.options.timeline)
         sm.accepted = accepted
+        sm.checksums = self.options.checksums
+        sm.corrupt = self._faults.next()
         t0 = time.monotonic()
         task = asyncio.create_task(self._guarded(sm, timeout_s, body))
         self._tasks[transfer_id] = task

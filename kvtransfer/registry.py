@@ -114,6 +114,8 @@ def _options(found: BackendSpec, options, fields: dict):
 # only: nothing in kvtransfer reads the environment itself.
 ENV_OPTIONS: dict[str, tuple[str | None, str]] = {
     "PDSERVE_KV_TIMELINE": (None, "timeline"),
+    "PDSERVE_KV_CHECKSUMS": (None, "checksums"),
+    "PDSERVE_KV_CORRUPT_EVERY": (None, "corrupt_every"),  # fault injection (chaos runs)
     "PDSERVE_NCCL_LAYERS_PER_MESSAGE": ("nccl", "layers_per_message"),
     "PDSERVE_NCCL_PACK_MESSAGE_BYTES": ("nccl", "pack_message_bytes"),
     "PDSERVE_NCCL_LIB": ("nccl", "library"),

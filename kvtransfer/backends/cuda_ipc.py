@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer import wire
+from kvtransfer import checksum, wire
 from kvtransfer.api import (
     BackendSpec,
     KVLayout,
@@ -107,6 +107,8 @@ class CudaIpcPayloadSender:
     eager = True
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+        self._cache = cache
+        self._sums_stream = torch.cuda.Stream(cache.device)  # the source blocks' checksums
         self._id = uuid.uuid4().hex
         _LOCAL_CACHES[self._id] = cache
         storage = cache.untyped_storage()
@@ -127,12 +129,17 @@ class CudaIpcPayloadSender:
         # the export first: the receiver maps our cache while the prompt still computes
         await loop.sock_sendall(sock, wire.encode_blob(json.dumps(self._export).encode()))
         reading = False  # the receiver may be copying out of our blocks
+        sums = checksum.SourceSums(self._cache, self._sums_stream)
         try:
             async for ids in blocks.ready_parts(watch=sock):  # each once its KV is written
                 reading = True
                 await loop.sock_sendall(sock, wire.encode_blob(
                     json.dumps({"src": ids}).encode()))
                 sm.mark("part")
+                if sm.checksums:  # computed while the receiver copies
+                    sums.add(ids)
+            if sm.checksums:
+                await checksum.send_checksums(loop, sock, await sums.collect(watch=sock))
             done = await await_ack(loop, sock, sm)  # copies complete, transfer DONE over there
         except BaseException as exc:
             if reading:  # keep the blocks leased until the receiver stopped copying
@@ -217,6 +224,32 @@ class CudaIpcPayloadReceiver:
             peer = self._peer_cache(json.loads(await wire.read_blob(loop, conn)))
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise TransferError(f"cuda_ipc: cannot map the sender's cache: {exc}") from None
+        copies = await self._copy_parts(loop, conn, entry, peer)
+        dst_ids = entry.dst_block_ids
+        mine = None
+        with torch.cuda.device(self._cache.device), torch.cuda.stream(self._stream):
+            if entry.corrupt:  # fault injection: as if a copy had damaged the first block
+                checksum.corrupt_first_byte(self._cache, dst_ids[0], entry.transfer_id)
+            if entry.checksums:  # on the copies' stream, before the one wait below
+                mine = torch.empty(len(dst_ids), dtype=torch.int64, pin_memory=True)
+                mine.copy_(checksum.block_checksums(self._cache, dst_ids), non_blocking=True)
+            # a default-flag event: its synchronize() spins in the driver (no GIL held) for
+            # the few milliseconds the copies take, where the blocking timing event would
+            # sleep and wake the waiting thread ~0.1-0.3 ms late
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        await wait_event(copied, watch=conn, what="CUDA IPC copy", mark=entry.mark)
+        entry.mark("copied")
+        if mine is not None:
+            theirs = checksum.decode(await wire.read_blob(loop, conn), len(dst_ids))
+            checksum.verify(theirs, mine.numpy(), dst_ids)
+        entry.add_bytes(len(dst_ids) * self._layout.block_bytes)
+        seconds = sum(a.elapsed_time(b) for a, b in copies) / 1000.0
+        return wire.data_seconds_message("copied", seconds)
+
+    async def _copy_parts(self, loop, conn: socket.socket, entry: ExpectedTransfer,
+                          peer: torch.Tensor) -> list[tuple[torch.cuda.Event, torch.cuda.Event]]:
+        """Queue each part's copies as its BLOB arrives; events around each part's."""
         dst_ids, got = entry.dst_block_ids, 0
         dst = self._cache.reshape(-1).view(torch.uint8).view(-1, self._layout.block_bytes)
         copies: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -241,16 +274,7 @@ class CudaIpcPayloadReceiver:
                 entry.on_end(lambda: copies[-1][1].synchronize())
             copies.append((start, event))
             got += len(src)
-        # a default-flag event: its synchronize() spins in the driver (no GIL held) for the
-        # few milliseconds the copies take, where the blocking timing event would sleep and
-        # wake the waiting thread ~0.1-0.3 ms late
-        copied = torch.cuda.Event()
-        copied.record(self._stream)
-        await wait_event(copied, watch=conn, what="CUDA IPC copy", mark=entry.mark)
-        entry.mark("copied")
-        entry.add_bytes(len(dst_ids) * self._layout.block_bytes)
-        seconds = sum(a.elapsed_time(b) for a, b in copies) / 1000.0
-        return wire.data_seconds_message("copied", seconds)
+        return copies
 
     def _copy(self, dst: torch.Tensor, peer: torch.Tensor,
               segs: list[tuple[int, int, int]]) -> tuple[torch.cuda.Event, torch.cuda.Event]:

@@ -14,8 +14,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from kvtransfer import checksum, wire
 from kvtransfer.api import (
     BackendSpec,
     KVLayout,
@@ -81,25 +83,36 @@ class FakeServer:
             _ENDPOINTS.pop(self._endpoint, None)
         await cancel_and_wait(list(self._tasks))
 
-    async def deliver(self, transfer_id: str, layout: KVLayout, total: int,
-                      source: Callable[[], Awaitable[torch.Tensor]]) -> None:
+    async def deliver(self, transfer_id: str, layout: KVLayout, total: int, checksums: bool,
+                      source: Callable[[], Awaitable[tuple[torch.Tensor, np.ndarray | None]]]
+                      ) -> None:
         """Runs as its own task; raises TransferError when the transfer is rejected/failed.
-        Claims the transfer at once (the "handshake"), then awaits the sender's blocks."""
+        Claims the transfer at once (the "handshake"), then awaits the sender's blocks (and
+        their checksums, with ``checksums``)."""
         error = None if layout == self._layout else (
             f"layout mismatch: sender {layout} != receiver {self._layout}")
+        if error is None:
+            error = wire.checksum_setting_error(checksums, self._tracker.options.checksums)
         entry: ExpectedTransfer = self._tracker.claim(
             transfer_id, total, error, owner=asyncio.current_task())
         try:
             try:
-                blocks = await source()
+                blocks, sums = await source()
             except TransferError as exc:
                 entry.finish(TransferState.FAILED, f"sender failed: {exc}")
                 raise
             if self._stall:
                 await asyncio.Event().wait()  # never acks; ends by timeout or cancel
             await asyncio.sleep(0)  # a transfer takes at least one loop turn, like a real one
-            scatter(self._cache, await entry.destination(), blocks.to(self._cache.device))
+            dst = await entry.destination()
+            scatter(self._cache, dst, blocks.to(self._cache.device))
             entry.add_bytes(blocks.numel() * blocks.element_size())
+            if entry.checksums:
+                try:
+                    checksum.verify(sums, await checksum.host_checksums(self._cache, dst), dst)
+                except TransferError as exc:
+                    entry.finish(TransferState.FAILED, str(exc))
+                    raise
             entry.finish(TransferState.DONE)
         except asyncio.CancelledError:
             if not entry.state.terminal:  # the sender went away
@@ -125,13 +138,17 @@ class FakeClient:
         if receiver is None:
             raise TransferError(f"no fake receiver at {endpoint!r}")
 
-        async def source() -> torch.Tensor:
+        async def source() -> tuple[torch.Tensor, np.ndarray | None]:
             sm.advance(TransferState.TRANSFERRING)  # the receiver claimed the transfer
             ids = await stream.all()
-            return torch.cat([self._cache[r.start:r.start + r.count] for r in block_runs(ids)])
+            blocks = torch.cat([self._cache[r.start:r.start + r.count] for r in block_runs(ids)])
+            sums = await checksum.host_checksums(self._cache, ids) if sm.checksums else None
+            if sm.corrupt:  # the copy is what travels
+                checksum.corrupt_first_byte(blocks, 0, sm.transfer_id)
+            return blocks, sums
 
         task = receiver.spawn(receiver.deliver(sm.transfer_id, self._layout, stream.total,
-                                               source))
+                                               sm.checksums, source))
         try:
             await task
         except asyncio.CancelledError:

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer import wire
+from kvtransfer import checksum, wire
 from kvtransfer.api import (
     BackendSpec,
     KVLayout,
@@ -286,6 +286,7 @@ class NcclPayloadReceiver:
     async def receive(self, loop, conn: socket.socket, entry: ExpectedTransfer) -> None:
         dst, got = entry.dst_block_ids, 0
         key, comm, event = "", None, None
+        verifier: _Verifier | None = None
         try:
             while got < len(dst):  # one BLOB per part the sender's stream handed over
                 part = _PartMeta.parse(await wire.read_blob(loop, conn), self._layout,
@@ -304,11 +305,18 @@ class NcclPayloadReceiver:
                     elif self._pairs.comms.get(key) is not comm or comm.aborted:
                         raise TransferError("NCCL communicator was replaced mid-transfer")
                     event = await self._post_part(loop, conn, comm, entry, part, part_dst)
+                    if entry.checksums:
+                        verifier = verifier or _Verifier(self._cache, comm, len(dst))
+                        event = await verifier.part(conn, part_dst, got, event)
                 entry.mark("queued")
                 got += len(part.src)
+            if verifier is not None:
+                event = verifier.finish()
             await wait_event(event, watch=conn, what="NCCL receive", mark=entry.mark)
             entry.mark("received")
             comm.check()
+            if verifier is not None:
+                verifier.verdict(dst)
             entry.add_bytes(len(dst) * self._layout.block_bytes)
         except BaseException:
             if comm is not None:
@@ -409,8 +417,9 @@ class NcclPayloadSender:
     async def send(self, loop, sock: socket.socket, endpoint: str, sm: TransferStateMachine,
                    blocks: BlockStream) -> None:
         comm: _Comm | None = None
-        timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # whole-part sends
-        last = None  # completes with the last send queued
+        timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # written-part sends
+        last = None  # completes with the last send queued (the lease: nothing reads after)
+        keep: list[torch.Tensor] = []  # buffers the queued sends read
         try:
             async for part in blocks.layered_parts():
                 sm.mark("part")
@@ -420,21 +429,21 @@ class NcclPayloadSender:
                     if not comm.ready:
                         await comm.wait_idle(sock, "NCCL communicator init")
                         comm.ready = True
+                    # fault injection damages the first part only
+                    corrupt = sm.transfer_id if sm.corrupt else None
+                    sm.corrupt = False
                     if groups:
                         first, last = await self._send_layers(sock, comm, part, groups,
-                                                              staged)
-                        sm.mark("queued")
+                                                              staged, corrupt)
                         if part.layers is None:  # packed: the data was ready, time it
                             timings.append((first, last))
-                        continue
-                    if part.event is not None:  # the part's KV is written once the prefill's
-                        comm.stream.wait_event(part.event)  # event completes: the GPU waits
-                    start = torch.cuda.Event(enable_timing=True)
-                    start.record(comm.stream)
-                    comm.post(_ops(self._cache, self._layout, segs, "send", 0), peer=1)
-                    last = await comm.queued(watch=sock)
+                    else:
+                        first, last = await self._send_segments(sock, comm, part, segs,
+                                                                corrupt, keep)
+                        timings.append((first, last))
                     sm.mark("queued")
-                    timings.append((start, last))
+                    if sm.checksums:
+                        last = await self._send_checksums(sock, comm, part, keep)
             await await_ack(loop, sock, sm)
             sm.mark("ack")
             await wait_event(last, what="NCCL send")
@@ -446,6 +455,42 @@ class NcclPayloadSender:
                 self._pairs.drop(endpoint, comm)  # frees the source blocks when send() returns
                 comm.drain()
             raise
+
+    async def _send_segments(self, sock: socket.socket, comm: _Comm, part: Part, segs,
+                             corrupt: str | None, keep: list[torch.Tensor]):
+        """Queue one message per segment, behind the part's event (the GPU waits for the
+        prefill's kernels, not the host); events before and after them. ``corrupt``: the
+        transfer id, to damage (fault injection)."""
+        if part.event is not None:  # the part's KV is written once the prefill's event
+            comm.stream.wait_event(part.event)  # completes
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(comm.stream)
+        ops = _ops(self._cache, self._layout, segs, "send", 0)
+        if corrupt:  # fault injection: the first segment goes out of a damaged copy
+            s0, _, n0 = segs[0]
+            with comm.current():
+                bad = self._cache[s0:s0 + n0].clone()
+                checksum.corrupt_first_byte(bad, 0, corrupt)
+            keep.append(bad)
+            ops[0] = ("send", bad.data_ptr(), ops[0][2])
+        comm.post(ops, peer=1)
+        return start, await comm.queued(watch=sock)
+
+    async def _send_checksums(self, sock: socket.socket, comm: _Comm, part: Part,
+                              keep: list[torch.Tensor]) -> torch.cuda.Event:
+        """One more message after the part's data: its blocks' checksums, computed on the
+        pair's copy stream once the part is written (overlapping the data messages)."""
+        with torch.cuda.device(comm.device), torch.cuda.stream(comm.copy_stream):
+            if part.event is not None:  # layered parts too: it completes after every layer
+                comm.copy_stream.wait_event(part.event)
+            sums = checksum.block_checksums(self._cache, part.ids)
+            ready = torch.cuda.Event()
+            ready.record(comm.copy_stream)
+        sums.record_stream(comm.stream)
+        keep.append(sums)
+        comm.stream.wait_event(ready)
+        comm.post([("send", sums.data_ptr(), sums.nbytes)], peer=1)
+        return await comm.queued(watch=sock)
 
     async def _offer(self, loop, sock: socket.socket, endpoint: str, sm: TransferStateMachine,
                      comm: _Comm | None, part: Part):
@@ -483,7 +528,8 @@ class NcclPayloadSender:
         return comm, None, _source_segments(part.ids, status, nsegs, text), staged
 
     async def _send_layers(self, sock: socket.socket, comm: _Comm, part: Part,
-                           groups: list[tuple[int, int]], staged: list[torch.Tensor] | None
+                           groups: list[tuple[int, int]], staged: list[torch.Tensor] | None,
+                           corrupt: str | None = None
                            ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         """Queue one message per layer group: on the pair's copy stream, each group's layers
         of the part's blocks are gathered into one of two staging buffers (behind the event
@@ -491,7 +537,7 @@ class NcclPayloadSender:
         event), and sent from it while the next group is gathered into the other buffer (a
         buffer is reused once its message left; ``staged``: buffers already taken, else
         they are allocated here). Returns events at the first gather and after the last
-        send."""
+        send. ``corrupt``: the transfer id, to damage its first message (fault injection)."""
         bufs = staged or _staging_buffers(self._layout, len(part.ids), groups, comm)
         with comm.current():
             idx = device_index(part.ids, comm.device)
@@ -515,6 +561,8 @@ class NcclPayloadSender:
                 if sent[slot] is not None:
                     copy.wait_event(sent[slot])
                 staging = gather_layers(self._cache, idx, lo, hi, out=bufs[slot])
+                if corrupt and k == 0:
+                    checksum.corrupt_first_byte(staging, 0, corrupt)
                 gathered = torch.cuda.Event()
                 gathered.record(copy)
             comm.stream.wait_event(gathered)
@@ -539,6 +587,56 @@ class NcclPayloadSender:
         self._pairs.comms[endpoint] = comm
         return comm, uid
 
+
+
+class _Verifier:
+    """The receiving side of a transfer's checksums: after each part's data one more
+    message (the sender's checksums of that part), compared on the pair's copy stream with
+    the landed blocks' own into per-block flags; the flags reach the host with the final
+    event the receive waits for anyway (no extra sync)."""
+
+    def __init__(self, cache: torch.Tensor, comm: _Comm, num_blocks: int) -> None:
+        self._cache = cache
+        self._comm = comm
+        with torch.cuda.device(comm.device), torch.cuda.stream(comm.copy_stream):
+            self._bad = torch.zeros(num_blocks, dtype=torch.bool, device=comm.device)
+        self._host: torch.Tensor | None = None
+        self._keep: list[torch.Tensor] = []
+
+    async def part(self, conn: socket.socket, dst: list[int], offset: int,
+                   landed: torch.cuda.Event) -> torch.cuda.Event:
+        """Post the receive of the part's checksums (right behind its data, under the pair's
+        lock) and queue the comparison; returns an event completing with it."""
+        comm = self._comm
+        with comm.current():
+            theirs = torch.empty(len(dst), dtype=torch.int64, device=comm.device)
+        theirs.record_stream(comm.copy_stream)
+        self._keep.append(theirs)
+        comm.post([("recv", theirs.data_ptr(), theirs.nbytes)], peer=0)
+        arrived = await comm.queued(watch=conn)
+        with torch.cuda.device(comm.device), torch.cuda.stream(comm.copy_stream):
+            comm.copy_stream.wait_event(landed)  # the data (scattered, when layered)
+            comm.copy_stream.wait_event(arrived)
+            mine = checksum.block_checksums(self._cache, dst)
+            self._bad[offset:offset + len(dst)] = mine != theirs
+            compared = torch.cuda.Event(blocking=True)
+            compared.record(comm.copy_stream)
+        return compared
+
+    def finish(self) -> torch.cuda.Event:
+        """Queue the flags' copy to the host; the event completes once every part was
+        compared and the flags are there."""
+        comm = self._comm
+        with torch.cuda.device(comm.device), torch.cuda.stream(comm.copy_stream):
+            self._host = torch.empty(len(self._bad), dtype=torch.bool, pin_memory=True)
+            self._host.copy_(self._bad, non_blocking=True)
+            done = torch.cuda.Event(blocking=True)
+            done.record(comm.copy_stream)
+        return done
+
+    def verdict(self, dst: list[int]) -> None:
+        """After :meth:`finish`'s event: TransferError naming the first corrupted block."""
+        checksum.verify_flags(self._host.numpy(), dst)
 
 
 def _per_layer(layout: KVLayout) -> int:

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransfer import wire
+from kvtransfer import checksum, wire
 from kvtransfer.api import (
     BackendSpec,
     KVLayout,
@@ -410,12 +410,22 @@ class NixlPayloadReceiver:
                 raise
             seconds = time.perf_counter() - t_post
             read.abort()  # done: just releases the handle
+            await self._verify(loop, conn, entry)
             entry.add_bytes(len(entry.dst_block_ids) * bb)
             return wire.data_seconds_message("read done", seconds)
         finally:
             read.abort()
             remote_state.broken |= read.broken
             self._unuse_remote(offer.agent, remote_state)
+
+    async def _verify(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                      entry: ExpectedTransfer) -> None:
+        """After the READ: the blocks against the sender's checksums (fault injection first
+        damages one, as a READ gone wrong would)."""
+        if entry.corrupt:
+            checksum.corrupt_first_byte(self._cache, entry.dst_block_ids[0], entry.transfer_id)
+        if entry.checksums:
+            await checksum.check_arrived(loop, conn, self._cache, entry.dst_block_ids)
 
     def _descriptors(self, offer: _Offer, dst_ids: list[int]):
         """Local and remote nixl descriptor lists: one ``(address, length, device)`` row per
@@ -500,6 +510,8 @@ class NixlPayloadSender:
         self._cache = cache
         self._layout = layout
         self._nixl = _Agent("tx", cache, options.verbose_logs)
+        # the source blocks' checksums (a GPU cache's, on a stream of their own)
+        self._sums_stream = torch.cuda.Stream(cache.device) if cache.is_cuda else None
 
     def close(self) -> None:
         self._nixl.close()
@@ -516,6 +528,10 @@ class NixlPayloadSender:
                        self._layout.block_bytes, self._cache.shape[0], np.asarray(ids))
         try:
             await loop.sock_sendall(sock, wire.encode_blob(offer.encode()))
+            if sm.checksums:  # computed while the receiver READs
+                sums = checksum.SourceSums(self._cache, self._sums_stream)
+                sums.add(ids)
+                await checksum.send_checksums(loop, sock, await sums.collect(watch=sock))
             done = await await_ack(loop, sock, sm)  # the READ is done and so is the transfer
         except BaseException as exc:  # the receiver may be reading: keep the blocks leased
             await hold_lease(loop, sock, sm, exc)

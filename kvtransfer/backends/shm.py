@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer import wire
+from kvtransfer import checksum, wire
 from kvtransfer.api import (
     BackendSpec,
     KVLayout,
@@ -164,7 +164,10 @@ class ShmServer:
             entry, ring = await self._accept(loop, conn, hello, fd)
             if entry is None:
                 return
-            await self._receive_chunks(loop, conn, entry, ring, hello)
+            landing = await self._receive_chunks(loop, conn, entry, ring, hello)
+            if landing is not None:
+                await checksum.check_arrived(loop, conn, self._cache, entry.dst_block_ids,
+                                             landing=landing)
             entry.finish(TransferState.DONE)
             await loop.sock_sendall(conn, wire.encode_reply(wire.OK))
         except asyncio.CancelledError:
@@ -173,7 +176,8 @@ class ShmServer:
                                           "on receiver")
         except (OSError, EOFError, TransferError) as exc:
             if entry is not None:
-                entry.finish(TransferState.FAILED, f"{type(exc).__name__}: {exc}")
+                if entry.finish(TransferState.FAILED, f"{type(exc).__name__}: {exc}"):
+                    wire.try_send_error(conn, str(exc))
             else:
                 logger.debug("shm receiver dropped a connection: %s", exc)
         except Exception as exc:  # noqa: BLE001 - never leave a transfer hanging on a bug
@@ -192,7 +196,7 @@ class ShmServer:
         rejecting it with an ERROR. Closes ``fd`` either way (a mapping keeps the memory)."""
         entry = None
         try:
-            error = wire.layout_error(hello, self._layout)
+            error = wire.layout_error(hello, self._layout, self._tracker.options.checksums)
             if error is None and (fd is None or hello.kind != wire.KIND_SHM):
                 error = "shm HELLO without a shared memory descriptor"
             if error is None and not (0 < hello.chunk_blocks and 0 < hello.num_slots):
@@ -212,9 +216,12 @@ class ShmServer:
         return entry, ring
 
     async def _receive_chunks(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
-                              entry: ExpectedTransfer, ring: _Ring, hello: wire.Hello) -> None:
-        """Scatter each chunk the sender says is READY out of its slot; FREED the slot."""
+                              entry: ExpectedTransfer, ring: _Ring, hello: wire.Hello
+                              ) -> checksum.LandingSums | None:
+        """Scatter each chunk the sender says is READY out of its slot; FREED the slot.
+        Returns the landed blocks' checksums (being computed), with ``entry.checksums``."""
         ids = await entry.destination()
+        landing = checksum.LandingSums(self._cache, ids) if entry.checksums else None
         cb, slots = hello.chunk_blocks, hello.num_slots
         num_chunks = -(-len(ids) // cb)
         for c in range(num_chunks):
@@ -228,8 +235,11 @@ class ShmServer:
             chunk_ids = ids[c * cb:(c + 1) * cb]
             scatter(self._cache, chunk_ids, ring.slots[c % slots, :len(chunk_ids)])
             entry.add_bytes(len(chunk_ids) * self._layout.block_bytes)
+            if landing is not None:
+                landing.landed(c * cb + len(chunk_ids))
             if c + slots < num_chunks:
                 await loop.sock_sendall(conn, wire.encode_reply(wire.FREED, c))
+        return landing
 
 
 class ShmClient:
@@ -278,11 +288,13 @@ class ShmClient:
             await loop.sock_connect(sock, _address(name))
             ring = self._take_ring(cb, slots)
             hello = wire.encode_hello(wire.KIND_SHM, self._layout, sm.transfer_id, total,
-                                      cb, slots)
+                                      cb, slots, sm.checksums)
             await _send_with_fd(loop, sock, hello, ring[0])
             await wire.expect_ok(loop, sock, "rejected the transfer")
             sm.advance(TransferState.TRANSFERRING)
-            await self._send_chunks(loop, sock, sm, blocks, ring[1], cb, slots)
+            sums = await self._send_chunks(loop, sock, sm, blocks, ring[1], cb, slots)
+            if sm.checksums:
+                await checksum.send_checksums(loop, sock, await sums.collect(watch=sock))
             await wire.expect_ok(loop, sock, "failed the transfer")
             done = True
             return total * bb
@@ -298,10 +310,11 @@ class ShmClient:
 
     async def _send_chunks(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
                            sm: TransferStateMachine, blocks: BlockStream, ring: _Ring,
-                           cb: int, slots: int) -> None:
+                           cb: int, slots: int) -> checksum.SourceSums:
         """Gather chunk ``c`` into slot ``c % slots`` once its blocks are ready and the slot
-        was FREED, then say READY ``c``."""
+        was FREED, then say READY ``c``; returns the blocks' checksums, to collect."""
         total = blocks.total
+        sums = checksum.SourceSums(self._cache)
         ids: list[int] = []  # handed over so far (the stream may still be computing)
         parts = blocks.ready_parts(watch=sock)
         for c in range(-(-total // cb)):
@@ -315,8 +328,13 @@ class ShmClient:
                     raise TransferError(f"protocol error: reply {status}/{value}")
             chunk_ids = ids[c * cb:(c + 1) * cb]
             gather(self._cache, chunk_ids, ring.slots[c % slots, :len(chunk_ids)])
+            if sm.corrupt and c == 0:
+                checksum.corrupt_first_byte(ring.slots[0], 0, sm.transfer_id)
+            if sm.checksums:
+                sums.add(chunk_ids)
             await loop.sock_sendall(sock, _READY.pack(c))
             sm.num_bytes += len(chunk_ids) * self._layout.block_bytes
+        return sums
 
 
 async def _send_with_fd(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer import wire
+from kvtransfer import checksum, wire
 from kvtransfer.api import (
     BackendSpec,
     KVLayout,
@@ -62,18 +62,26 @@ class TcpPayloadSender:
     eager = False
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+        self._cache = cache
         self._view = byte_view(cache)
         self._layout = layout
 
     async def send(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, endpoint: str,
                    sm: TransferStateMachine, blocks: BlockStream) -> None:
         bb = self._layout.block_bytes
+        sums = checksum.SourceSums(self._cache)
         try:
             async for ids in blocks.ready_parts(watch=sock):  # the receiver reads in order
+                if sm.checksums:
+                    sums.add(ids)  # in a helper thread while the data goes out
                 for run in block_runs(ids):
-                    await loop.sock_sendall(
-                        sock, self._view[run.start * bb:(run.start + run.count) * bb])
+                    data = self._view[run.start * bb:(run.start + run.count) * bb]
+                    if sm.corrupt and sm.num_bytes == 0:
+                        data = _flipped(data, sm.transfer_id)
+                    await loop.sock_sendall(sock, data)
                     sm.num_bytes += run.count * bb
+            if sm.checksums:
+                await checksum.send_checksums(loop, sock, await sums.collect(watch=sock))
         except OSError as exc:  # the receiver hung up; it may have said why
             raise TransferError(await _peer_reason(loop, sock, exc)) from exc
         await await_ack(loop, sock, sm)
@@ -86,6 +94,7 @@ class TcpPayloadReceiver:
     """Receives the payload straight into the destination blocks, run by run."""
 
     def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+        self._cache = cache
         self._view = byte_view(cache)
         self._layout = layout
 
@@ -95,6 +104,8 @@ class TcpPayloadReceiver:
     async def receive(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
                       entry: ExpectedTransfer) -> None:
         bb = self._layout.block_bytes
+        landing = checksum.LandingSums(self._cache, entry.dst_block_ids) \
+            if entry.checksums else None
         for run in block_runs(entry.dst_block_ids):
             region = self._view[run.start * bb:(run.start + run.count) * bb]
             got = 0
@@ -106,9 +117,22 @@ class TcpPayloadReceiver:
                         f"{entry.num_bytes + got} of {len(entry.dst_block_ids) * bb} bytes")
                 got += n
                 entry.add_bytes(n)
+                if landing is not None:
+                    landing.landed(run.pos + got // bb)
+        if landing is not None:
+            await checksum.check_arrived(loop, conn, self._cache, entry.dst_block_ids,
+                                         landing=landing)
 
     def close(self) -> None:
         pass
+
+
+def _flipped(data: memoryview, transfer_id: str) -> bytes:
+    """Fault injection: a copy of ``data`` with its first byte flipped."""
+    out = bytearray(data)
+    out[0] ^= 0xFF
+    checksum.note_fault(transfer_id, "the first block sent")
+    return bytes(out)
 
 
 async def _peer_reason(loop: asyncio.AbstractEventLoop, sock: socket.socket,

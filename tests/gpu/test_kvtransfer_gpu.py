@@ -274,9 +274,9 @@ def test_nccl_packs_a_written_part_of_scattered_blocks(pack_layers, monkeypatch)
     packed = []
     real = NcclPayloadSender._send_layers
 
-    async def counting(self, sock, comm, part, groups, staged):
+    async def counting(self, sock, comm, part, groups, staged, *rest):
         packed.append(len(groups))
-        return await real(self, sock, comm, part, groups, staged)
+        return await real(self, sock, comm, part, groups, staged, *rest)
 
     monkeypatch.setattr(NcclPayloadSender, "_send_layers", counting)
 
@@ -329,9 +329,9 @@ def test_nccl_without_memory_to_pack_moves_whole_messages(short_side, monkeypatc
 
     real_send = nccl.NcclPayloadSender._send_layers  # noqa: SLF001
 
-    async def counting(self, sock, comm, part, groups, staged):
+    async def counting(self, sock, comm, part, groups, staged, *rest):
         packed.append(len(groups))
-        return await real_send(self, sock, comm, part, groups, staged)
+        return await real_send(self, sock, comm, part, groups, staged, *rest)
 
     monkeypatch.setattr(nccl, "_try_staging", short_of_memory)
     monkeypatch.setattr(nccl.NcclPayloadSender, "_send_layers", counting)
@@ -509,5 +509,96 @@ def test_nccl_dead_sender_does_not_hang_the_receiver():
         out = await loop.run_in_executor(None, proc.communicate)
         assert res.ok, (res, out[0][-2000:])
         await rx.close()
+
+    run(main())
+
+
+def test_block_checksums_on_the_gpu_match_the_cpu_definition():
+    """kvtransfer.checksum on a GPU: the per-run torch path and the one-kernel path for many
+    scattered blocks give exactly the CPU's (integer sums wrap the same way)."""
+    from kvtransfer import checksum
+
+    src = cache(96, SRC, seed=41)
+    for ids in ([5, 6, 7, 8], [90, 3, 41, 17, 60, 2, 77, 11, 50, 8, 31, 64, 1]):  # 1 / 13 runs
+        got = checksum.block_checksums(src, ids).cpu()
+        want = checksum.block_checksums(src.cpu(), ids)
+        assert torch.equal(got, want), ids
+
+
+@pytest.mark.parametrize("layered", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_corrupted_data_fails_the_transfer_naming_the_block(backend, layered):
+    """Fault injection flips a byte of every second transfer's data (nccl: the sender, in
+    its first segment's message or its first staging buffer; cuda_ipc / nixl: the receiver,
+    as the copy lands);
+    the receiver's checksums, computed on the GPU, fail exactly those transfers, naming the
+    block; the others land exactly, streamed layer by layer or not."""
+    from kvtransfer.api import KVTransferOptions
+
+    faulty = KVTransferOptions(corrupt_every=2)
+    pull = backend in ("cuda_ipc", "nixl")
+
+    async def main():
+        src, dst = cache(64, SRC), cache(64, DST)
+        rx = make_receiver(backend, dst, LAYOUT, shared=faulty if pull else None)
+        await rx.start()
+        # nccl: one message per layer (staging buffers), or one per segment (packing off)
+        opts = {"layers_per_message": 1} if layered else {"pack_message_bytes": 0}
+        tx = make_sender(backend, src, LAYOUT, shared=None if pull else faulty,
+                         **(opts if backend == "nccl" else {}))
+        for i in range(4):
+            s_ids, d_ids = [5, 6, 7, 30 + i, 2], [60, 0, 1, 11 + i, 40]
+            want = cache(len(s_ids), SRC, seed=50 + i)
+            torch.cuda.synchronize(SRC)
+            handle = rx.expect(f"cs{i}", d_ids, 30)
+            blocks = BlockStream(len(s_ids))
+            task = asyncio.create_task(tx.send(f"cs{i}", rx.endpoint, blocks, 30))
+            compute = torch.cuda.Stream(SRC)
+            with torch.cuda.device(SRC), torch.cuda.stream(compute):
+                layers = []
+                for layer in range(LAYOUT.num_layers):
+                    torch.cuda._sleep(5_000_000)
+                    src[s_ids, layer] = want[:, layer]
+                    layers.append(torch.cuda.Event())
+                    layers[-1].record(compute)
+                final = torch.cuda.Event()
+                final.record(compute)
+            blocks.extend(s_ids, final, layers if layered else None)
+            res, got = await task, await handle.wait()
+            if i % 2 == 0:
+                assert res.state is got.state is TransferState.DONE, (res.error, got.error)
+                assert torch.equal(dst[d_ids].cpu(), want.cpu())
+            else:
+                assert res.state is got.state is TransferState.FAILED, (res, got)
+                assert "checksum mismatch: block 0 of 5 (destination block 60)" in got.error
+                assert "checksum mismatch" in res.error, res.error
+            dst.zero_()
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checksums_off_and_a_mismatched_setting(backend):
+    from kvtransfer.api import KVTransferOptions
+
+    off = KVTransferOptions(checksums=False)
+
+    async def main():
+        src, dst = cache(16, SRC, seed=42), cache(16, DST)
+        for rx_opts, tx_opts, ok in ((off, off, True), (None, off, False)):
+            rx = make_receiver(backend, dst, LAYOUT, shared=rx_opts)
+            await rx.start()
+            tx = make_sender(backend, src, LAYOUT, shared=tx_opts)
+            handle = rx.expect("off", [4, 5], 30)
+            res, got = await tx.send("off", rx.endpoint, [1, 2], 30), await handle.wait()
+            if ok:
+                assert res.ok and got.ok and torch.equal(dst[[4, 5]].cpu(), src[[1, 2]].cpu())
+            else:
+                assert res.state is got.state is TransferState.FAILED
+                assert "checksum setting mismatch" in got.error
+            await tx.close()
+            await rx.close()
 
     run(main())

@@ -57,9 +57,10 @@ def test_options_from_env_maps_each_documented_variable():
            "PDSERVE_CUDA_IPC_LANES": "3", "PDSERVE_BATCH_COPY": "0",
            "PDSERVE_DRIVER_COPY": "off", "PDSERVE_KERNEL_COPY_BELOW_BYTES": "4096",
            "PDSERVE_NIXL_MAX_DESCRIPTOR_BYTES": "33554432", "NIXL_LOG_LEVEL": "INFO",
+           "PDSERVE_KV_CHECKSUMS": "no", "PDSERVE_KV_CORRUPT_EVERY": "3",
            "PDSERVE_UNRELATED": "x"}
     shared, per = registry.options_from_env(env)
-    assert shared.timeline is True
+    assert shared == KVTransferOptions(timeline=True, checksums=False, corrupt_every=3)
     assert per["nccl"] == NcclOptions(layers_per_message=2, pack_message_bytes=0,
                                       library="/opt/libnccl.so.2")
     assert per["cuda_ipc"] == CudaIpcOptions(copy_lanes=3, batch_copy=False, driver_copy=False,
