@@ -1,4 +1,4 @@
-"""Shared-memory backend: two processes on one host, CPU caches.
+"""Shared-memory backend: two processes on one host.
 
 The payload goes through an anonymous ``memfd`` ring, not the socket: the sender creates
 the memfd, passes its file descriptor to the receiver over a unix socket (SCM_RIGHTS) with
@@ -9,12 +9,15 @@ the HELLO, and both map it. The ring holds ``num_slots`` chunks of ``chunk_block
     receiver: after the last chunk: OK (ack; the data is in place)
 
 so the sender's gather of chunk c+1 overlaps the receiver's scatter of chunk c, and the
-shared memory stays bounded by the ring, whatever the transfer size. After a DONE transfer the
-sender keeps the ring (up to MAX_IDLE_RINGS) for the next one: a fresh memfd costs a page
-fault and zeroing per page, which was most of the time of a 180 MiB transfer. The memfd has no name
-in /dev/shm: nothing can leak there, and the kernel frees it as soon as both sides closed
-or died. The control socket is an abstract unix socket (``shm://<name>``) or, when the name
-starts with '/', a socket file that the receiver removes on close.
+shared memory stays bounded by the ring, whatever the transfer size; the blocks' checksums
+follow the last chunk. After a DONE transfer the sender keeps the ring (up to
+MAX_IDLE_RINGS) for the next one: a fresh memfd costs a page fault and zeroing per page. The
+memfd has no name in /dev/shm: nothing can leak there, and the kernel frees it as soon as
+both sides closed or died. A GPU cache's chunks are copied between the device and the ring
+on a stream (both sides page-lock their mapping of the ring, so the copies are asynchronous
+and awaited without blocking the event loop): GPUs of one host without NVLink between them
+still disaggregate. The control socket is an abstract unix socket (``shm://<name>``) or,
+when the name starts with '/', a socket file that the receiver removes on close.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ from kvtransfer.lifecycle import (
     Sender,
     TransferStateMachine,
 )
+from kvtransfer.staging import queue_copy, register_host, unregister_host
 from kvtransfer.stream import BlockStream
+from kvtransfer.waits import wait_event
 
 logger = logging.getLogger(__name__)
 
@@ -79,20 +84,32 @@ def _address(name: str) -> str:
 
 
 class _Ring:
-    """A mapped memfd seen as ``[num_slots, chunk_blocks, *block_shape]`` blocks."""
+    """A mapped memfd seen as ``[num_slots, chunk_blocks, *block_shape]`` blocks; ``pin``
+    page-locks it (a GPU cache's copies to and from it are then asynchronous)."""
 
-    def __init__(self, fd: int, layout: KVLayout, chunk_blocks: int, num_slots: int) -> None:
+    def __init__(self, fd: int, layout: KVLayout, chunk_blocks: int, num_slots: int,
+                 pin: bool = False) -> None:
         size = num_slots * chunk_blocks * layout.block_bytes
         if os.fstat(fd).st_size < size:
             raise TransferError(f"shared memory segment smaller than the ring ({size} bytes)")
         # MAP_POPULATE: fault the whole ring in one go instead of page by page
         self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         self.geometry = (chunk_blocks, num_slots)
-        self.slots = torch.frombuffer(self._mm, dtype=torch.uint8).view(layout.torch_dtype).view(
+        self._flat = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._pinned = pin and register_host(self._flat)
+        self.slots = self._flat.view(layout.torch_dtype).view(
             num_slots, chunk_blocks, *layout.block_shape)
 
+    def rows(self, slot: int) -> torch.Tensor:
+        """Slot ``slot`` as ``[chunk_blocks, block_bytes]`` bytes."""
+        return self._flat.view(self.geometry[1], self.geometry[0], -1)[slot]
+
     def close(self) -> None:
+        if self._pinned:
+            unregister_host(self._flat)
+            self._pinned = False
         del self.slots
+        del self._flat
         try:
             self._mm.close()
         except BufferError:  # a view is still alive somewhere; the GC unmaps it later
@@ -104,10 +121,13 @@ class ShmServer:
     payload read out of the sender's ring."""
 
     def __init__(self, tracker: ReceiverTracker, cache: torch.Tensor, layout: KVLayout,
-                 name: str | None = None) -> None:
+                 name: str | None = None, staged: bool = False) -> None:
         self._tracker = tracker
         self._cache = cache
         self._layout = layout
+        # a GPU cache's chunks are copied out of the (page-locked) ring on a stream
+        self._staged = staged or cache.is_cuda
+        self._stream = torch.cuda.Stream(cache.device) if cache.is_cuda else None
         self._name = name or f"pdkv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.listener: Listener | None = None
 
@@ -165,9 +185,9 @@ class ShmServer:
             if entry is None:
                 return
             landing = await self._receive_chunks(loop, conn, entry, ring, hello)
-            if landing is not None:
+            if entry.checksums:
                 await checksum.check_arrived(loop, conn, self._cache, entry.dst_block_ids,
-                                             landing=landing)
+                                             self._stream, landing)
             entry.finish(TransferState.DONE)
             await loop.sock_sendall(conn, wire.encode_reply(wire.OK))
         except asyncio.CancelledError:
@@ -186,6 +206,8 @@ class ShmServer:
                 entry.finish(TransferState.FAILED, f"receiver error: {exc!r}")
         finally:
             if ring is not None:
+                if self._stream is not None:
+                    self._stream.synchronize()  # no copy still reads the ring
                 ring.close()
             conn.close()
 
@@ -203,7 +225,8 @@ class ShmServer:
                 error = f"bad ring geometry {hello.chunk_blocks}x{hello.num_slots}"
             entry = self._tracker.claim(hello.transfer_id, hello.num_blocks, error,
                                         owner=asyncio.current_task())
-            ring = _Ring(fd, self._layout, hello.chunk_blocks, hello.num_slots)
+            ring = _Ring(fd, self._layout, hello.chunk_blocks, hello.num_slots,
+                         pin=self._cache.is_cuda)
         except (TransferError, OSError, ValueError) as exc:
             if entry is not None:
                 entry.finish(TransferState.FAILED, str(exc))
@@ -221,7 +244,10 @@ class ShmServer:
         """Scatter each chunk the sender says is READY out of its slot; FREED the slot.
         Returns the landed blocks' checksums (being computed), with ``entry.checksums``."""
         ids = await entry.destination()
-        landing = checksum.LandingSums(self._cache, ids) if entry.checksums else None
+        landing = checksum.LandingSums(self._cache, ids) \
+            if entry.checksums and not self._cache.is_cuda else None
+        if self._stream is not None:  # copies into the blocks end before the waiter wakes
+            entry.on_end(self._stream.synchronize)
         cb, slots = hello.chunk_blocks, hello.num_slots
         num_chunks = -(-len(ids) // cb)
         for c in range(num_chunks):
@@ -233,7 +259,12 @@ class ShmServer:
             if index != c:
                 raise TransferError(f"protocol error: chunk {index} arrived, expected {c}")
             chunk_ids = ids[c * cb:(c + 1) * cb]
-            scatter(self._cache, chunk_ids, ring.slots[c % slots, :len(chunk_ids)])
+            if self._staged:  # the slot is FREED only once emptied
+                copied = queue_copy(self._cache, chunk_ids, ring.rows(c % slots), True,
+                                    self._stream)
+                await wait_event(copied, watch=conn, what="the copy out of shared memory")
+            else:
+                scatter(self._cache, chunk_ids, ring.slots[c % slots, :len(chunk_ids)])
             entry.add_bytes(len(chunk_ids) * self._layout.block_bytes)
             if landing is not None:
                 landing.landed(c * cb + len(chunk_ids))
@@ -246,9 +277,13 @@ class ShmClient:
     """A sender's channel: gathers each chunk into a slot of a memfd ring it shares with
     the receiver (rings of DONE transfers are kept for the next one)."""
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout, options: ShmOptions) -> None:
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, options: ShmOptions,
+                 staged: bool = False) -> None:
         self._cache = cache
         self._layout = layout
+        # a GPU cache's chunks are copied into the (page-locked) ring on a stream
+        self._staged = staged or cache.is_cuda
+        self._stream = torch.cuda.Stream(cache.device) if cache.is_cuda else None
         self._chunk_blocks = max(1, options.chunk_bytes // layout.block_bytes)
         self._num_slots = options.num_slots
         self._idle: list[tuple[int, _Ring]] = []  # (memfd, mapping) kept for reuse
@@ -267,7 +302,7 @@ class ShmClient:
         fd = os.memfd_create("pdkv-ring", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, slots * cb * self._layout.block_bytes)
-            return fd, _Ring(fd, self._layout, cb, slots)
+            return fd, _Ring(fd, self._layout, cb, slots, pin=self._cache.is_cuda)
         except BaseException:
             os.close(fd)
             raise
@@ -300,6 +335,8 @@ class ShmClient:
             return total * bb
         finally:
             sock.close()
+            if self._stream is not None:
+                self._stream.synchronize()  # no copy reads our blocks once send() returns
             if ring is not None:
                 # reuse only after DONE: then the receiver has finished reading every slot
                 if done and len(self._idle) < MAX_IDLE_RINGS:
@@ -314,7 +351,7 @@ class ShmClient:
         """Gather chunk ``c`` into slot ``c % slots`` once its blocks are ready and the slot
         was FREED, then say READY ``c``; returns the blocks' checksums, to collect."""
         total = blocks.total
-        sums = checksum.SourceSums(self._cache)
+        sums = checksum.SourceSums(self._cache, self._stream)
         ids: list[int] = []  # handed over so far (the stream may still be computing)
         parts = blocks.ready_parts(watch=sock)
         for c in range(-(-total // cb)):
@@ -327,7 +364,12 @@ class ShmClient:
                 if status != wire.FREED or value != c - slots:
                     raise TransferError(f"protocol error: reply {status}/{value}")
             chunk_ids = ids[c * cb:(c + 1) * cb]
-            gather(self._cache, chunk_ids, ring.slots[c % slots, :len(chunk_ids)])
+            if self._staged:
+                copied = queue_copy(self._cache, chunk_ids, ring.rows(c % slots), False,
+                                    self._stream)
+                await wait_event(copied, watch=sock, what="the copy into shared memory")
+            else:
+                gather(self._cache, chunk_ids, ring.slots[c % slots, :len(chunk_ids)])
             if sm.corrupt and c == 0:
                 checksum.corrupt_first_byte(ring.slots[0], 0, sm.transfer_id)
             if sm.checksums:
@@ -351,17 +393,26 @@ async def _send_with_fd(loop: asyncio.AbstractEventLoop, sock: socket.socket, da
 
 
 def make_sender(cache: torch.Tensor, layout: KVLayout, options: ShmOptions,
-                shared: KVTransferOptions) -> KVSender:
-    layout.validate(cache)
-    return Sender(cache, layout, ShmClient(cache, layout, options), shared)
+                shared: KVTransferOptions, staged: bool = False) -> KVSender:
+    """``staged``: copy through the ring as a GPU cache's blocks are, even for a CPU cache
+    (tests of the GPU path)."""
+    _check(cache, layout)
+    return Sender(cache, layout, ShmClient(cache, layout, options, staged), shared)
 
 
 def make_receiver(cache: torch.Tensor, layout: KVLayout, options: ShmOptions,
-                  shared: KVTransferOptions, listen: None) -> KVReceiver:
-    layout.validate(cache)
+                  shared: KVTransferOptions, listen: None, staged: bool = False) -> KVReceiver:
+    _check(cache, layout)
     tracker = ReceiverTracker(cache.shape[0], layout.block_bytes, shared)
-    return Receiver(tracker, ShmServer(tracker, cache, layout, options.socket_name or None))
+    return Receiver(tracker, ShmServer(tracker, cache, layout, options.socket_name or None,
+                                       staged))
 
 
-BACKEND = BackendSpec(name="shm", devices=("cpu",), listener=False, options=ShmOptions,
+def _check(cache: torch.Tensor, layout: KVLayout) -> None:
+    layout.validate(cache)
+    if not cache.is_contiguous():
+        raise ValueError("the shm backend needs a contiguous cache tensor")
+
+
+BACKEND = BackendSpec(name="shm", devices=("cpu", "cuda"), listener=False, options=ShmOptions,
                       sender=make_sender, receiver=make_receiver)

@@ -2,15 +2,19 @@
 transfer to the same receiver when this one ends DONE (see :mod:`kvtransfer.control`).
 
 After the handshake the sender writes the payload straight from the cache's memory: one
-``sock_sendall`` per run of consecutive source block ids (no gather copy), then waits for the
-final OK (the receiver has the data). The receiver ``sock_recv_into``s straight into the
-destination blocks, one run of consecutive destination ids at a time, then acks. A peer that
-dies mid-transfer shows up as end-of-stream / reset on the other side at once.
+``sock_sendall`` per run of consecutive source block ids (no gather copy), then the blocks'
+checksums, then waits for the final OK (the receiver has the data). The receiver
+``sock_recv_into``s straight into the destination blocks, one run of consecutive destination
+ids at a time, checks the checksums, then acks. A GPU cache's blocks travel through pinned
+host buffers instead (:mod:`kvtransfer.staging`), so GPU hosts without NVLink or RDMA still
+disaggregate. A peer that dies mid-transfer shows up as end-of-stream / reset on the other
+side at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from dataclasses import dataclass
 
@@ -28,9 +32,9 @@ from kvtransfer.api import (
     check_options,
     option,
 )
-from kvtransfer.blocks import block_runs, byte_view
 from kvtransfer.control import await_ack, control_receiver, control_sender, tune_socket
 from kvtransfer.lifecycle import ExpectedTransfer, TransferStateMachine
+from kvtransfer.staging import DirectBlocks, StagedBlocks, block_io
 from kvtransfer.stream import BlockStream
 
 SCHEME = "tcp"
@@ -40,6 +44,9 @@ SCHEME = "tcp"
 class TcpOptions:
     socket_buffer_bytes: int = option(8 << 20, "send and receive buffer of each connection "
                                                "(SO_SNDBUF / SO_RCVBUF)", minimum=4096)
+    staging_bytes: int = option(8 << 20, "GPU caches: each of the two pinned host buffers a "
+                                         "transfer's blocks travel through (whole blocks, at "
+                                         "least one)", minimum=1)
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -57,29 +64,28 @@ def _tuner(options: TcpOptions):
 
 
 class TcpPayloadSender:
-    """Writes each ready part's block runs straight from the cache onto the connection."""
+    """Writes each ready part's blocks onto the connection: straight from a CPU cache, one
+    write per run of consecutive blocks; from a GPU cache through pinned host buffers."""
 
     eager = False
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+    def __init__(self, cache: torch.Tensor, io: DirectBlocks | StagedBlocks) -> None:
         self._cache = cache
-        self._view = byte_view(cache)
-        self._layout = layout
+        self._io = io
 
     async def send(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, endpoint: str,
                    sm: TransferStateMachine, blocks: BlockStream) -> None:
-        bb = self._layout.block_bytes
-        sums = checksum.SourceSums(self._cache)
+        sums = checksum.SourceSums(self._cache, getattr(self._io, "stream", None))
         try:
             async for ids in blocks.ready_parts(watch=sock):  # the receiver reads in order
                 if sm.checksums:
-                    sums.add(ids)  # in a helper thread while the data goes out
-                for run in block_runs(ids):
-                    data = self._view[run.start * bb:(run.start + run.count) * bb]
-                    if sm.corrupt and sm.num_bytes == 0:
-                        data = _flipped(data, sm.transfer_id)
-                    await loop.sock_sendall(sock, data)
-                    sm.num_bytes += run.count * bb
+                    sums.add(ids)  # in a helper thread / on the GPU while the data goes out
+                async with contextlib.aclosing(self._io.outgoing(ids)) as pieces:
+                    async for data in pieces:
+                        if sm.corrupt and sm.num_bytes == 0:
+                            data = _flipped(data, sm.transfer_id)
+                        await loop.sock_sendall(sock, data)
+                        sm.num_bytes += len(data)
             if sm.checksums:
                 await checksum.send_checksums(loop, sock, await sums.collect(watch=sock))
         except OSError as exc:  # the receiver hung up; it may have said why
@@ -91,37 +97,39 @@ class TcpPayloadSender:
 
 
 class TcpPayloadReceiver:
-    """Receives the payload straight into the destination blocks, run by run."""
+    """Receives the payload into the destination blocks in transfer order: straight into a
+    CPU cache, run by run; into a GPU cache through pinned host buffers."""
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
+    def __init__(self, cache: torch.Tensor, io: DirectBlocks | StagedBlocks) -> None:
         self._cache = cache
-        self._view = byte_view(cache)
-        self._layout = layout
+        self._io = io
 
     async def start(self) -> None:
         pass
 
     async def receive(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
                       entry: ExpectedTransfer) -> None:
-        bb = self._layout.block_bytes
-        landing = checksum.LandingSums(self._cache, entry.dst_block_ids) \
-            if entry.checksums else None
-        for run in block_runs(entry.dst_block_ids):
-            region = self._view[run.start * bb:(run.start + run.count) * bb]
-            got = 0
-            while got < len(region):
-                n = await loop.sock_recv_into(conn, region[got:])
-                if n == 0:
-                    raise wire.PeerClosed(
-                        f"sender closed the connection after "
-                        f"{entry.num_bytes + got} of {len(entry.dst_block_ids) * bb} bytes")
-                got += n
-                entry.add_bytes(n)
-                if landing is not None:
-                    landing.landed(run.pos + got // bb)
-        if landing is not None:
-            await checksum.check_arrived(loop, conn, self._cache, entry.dst_block_ids,
-                                         landing=landing)
+        dst = entry.dst_block_ids
+        bb = self._cache[0].numel() * self._cache.element_size()
+        landing = checksum.LandingSums(self._cache, dst) \
+            if entry.checksums and not self._io.staged else None
+        if self._io.staged:  # copies into the blocks end before the transfer's waiter wakes
+            entry.on_end(self._io.synchronize)
+        async with contextlib.aclosing(self._io.incoming(dst)) as regions:
+            async for region in regions:
+                got = 0
+                while got < len(region):
+                    n = await loop.sock_recv_into(conn, region[got:])
+                    if n == 0:
+                        raise wire.PeerClosed(f"sender closed the connection after "
+                                              f"{entry.num_bytes} of {len(dst) * bb} bytes")
+                    got += n
+                    entry.add_bytes(n)
+                    if landing is not None:
+                        landing.landed(entry.num_bytes // bb)
+        if entry.checksums:
+            await checksum.check_arrived(loop, conn, self._cache, dst,
+                                         getattr(self._io, "stream", None), landing)
 
     def close(self) -> None:
         pass
@@ -148,19 +156,27 @@ async def _peer_reason(loop: asyncio.AbstractEventLoop, sock: socket.socket,
 
 
 def make_sender(cache: torch.Tensor, layout: KVLayout, options: TcpOptions,
-                shared: KVTransferOptions) -> KVSender:
-    layout.validate(cache, need_contiguous_cpu=True)
+                shared: KVTransferOptions, staged: bool | None = None) -> KVSender:
+    """``staged``: through host buffers even for a CPU cache (tests of the GPU path);
+    default: a GPU cache's only."""
+    layout.validate(cache)
     return control_sender(cache, layout, SCHEME, wire.KIND_TCP,
-                          TcpPayloadSender(cache, layout), shared, _tuner(options))
+                          TcpPayloadSender(cache, _io(cache, options, staged)), shared,
+                          _tuner(options))
 
 
 def make_receiver(cache: torch.Tensor, layout: KVLayout, options: TcpOptions,
-                  shared: KVTransferOptions, listen: ListenAddress | None) -> KVReceiver:
-    layout.validate(cache, need_contiguous_cpu=True)
+                  shared: KVTransferOptions, listen: ListenAddress | None,
+                  staged: bool | None = None) -> KVReceiver:
+    layout.validate(cache)
     return control_receiver(cache, layout, SCHEME, wire.KIND_TCP,
-                            TcpPayloadReceiver(cache, layout), shared, listen,
-                            _tuner(options))
+                            TcpPayloadReceiver(cache, _io(cache, options, staged)), shared,
+                            listen, _tuner(options))
 
 
-BACKEND = BackendSpec(name=SCHEME, devices=("cpu",), listener=True, options=TcpOptions,
+def _io(cache: torch.Tensor, options: TcpOptions, staged: bool | None):
+    return block_io(cache, options.staging_bytes, staged)
+
+
+BACKEND = BackendSpec(name=SCHEME, devices=("cpu", "cuda"), listener=True, options=TcpOptions,
                       sender=make_sender, receiver=make_receiver)

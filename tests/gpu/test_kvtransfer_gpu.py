@@ -602,3 +602,90 @@ def test_checksums_off_and_a_mismatched_setting(backend):
             await rx.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("dst_dev", [DST, SRC], ids=["two-gpus", "one-gpu"])
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_socket_backends_move_gpu_caches_through_pinned_memory(backend, dst_dev):
+    """tcp and shm with GPU caches (kvtransfer.staging: pinned host buffers for tcp, the
+    page-locked shm ring): scattered blocks land exactly, transfer after transfer; a stream
+    whose parts are still being computed (events pending) moves each part only once its
+    event completed; a damaged transfer fails naming the block; a receiver that cancels
+    mid-transfer gets no write afterwards."""
+    from kvtransfer.api import KVTransferOptions
+
+    small_chunks = {"staging_bytes": 3 * LAYOUT.block_bytes} if backend == "tcp" else \
+        {"chunk_bytes": 3 * LAYOUT.block_bytes, "num_slots": 2}
+
+    async def main():
+        src, dst = cache(64, SRC, seed=61), cache(64, dst_dev)
+        rx = make_receiver(backend, dst, LAYOUT, **({"staging_bytes": 3 * LAYOUT.block_bytes}
+                                                    if backend == "tcp" else {}))
+        await rx.start()
+        tx = make_sender(backend, src, LAYOUT, **small_chunks)
+        for rep in range(2):
+            s_ids, d_ids = [3, 4, 5, 6, 20, 0, 1, 63, 9, 10], [60, 0, 1, 2, 17, 18, 5, 7, 8, 30]
+            handle = rx.expect(f"rt{rep}", d_ids, 30)
+            res = await tx.send(f"rt{rep}", rx.endpoint, s_ids, 30)
+            assert res.ok and (await handle.wait()).ok, res.error
+            assert torch.equal(dst[d_ids].cpu(), src[s_ids].cpu())
+            dst.zero_()
+        s_ids, d_ids = list(range(30, 46)), list(range(10, 26))
+        want = cache(len(s_ids), SRC, seed=62)
+        torch.cuda.synchronize(SRC)
+        handle = rx.expect("st", d_ids, 30)
+        blocks = BlockStream(len(s_ids))
+        task = asyncio.create_task(tx.send("st", rx.endpoint, blocks, 30))
+        compute = torch.cuda.Stream(SRC)
+        with torch.cuda.device(SRC), torch.cuda.stream(compute):
+            for part in (slice(0, 8), slice(8, None)):
+                torch.cuda._sleep(50_000_000)  # the "forward pass" writing this part
+                src[s_ids[part]] = want[part]
+                event = torch.cuda.Event()
+                event.record(compute)
+                blocks.extend(s_ids[part], event)
+        assert (await task).ok and (await handle.wait()).ok
+        assert torch.equal(dst[d_ids].cpu(), want.cpu()), "stale blocks landed"
+        await tx.close()
+        tx = make_sender(backend, src, LAYOUT, shared=KVTransferOptions(corrupt_every=1),
+                         **small_chunks)
+        handle = rx.expect("bad", [40, 41, 42], 30)
+        res, got = await tx.send("bad", rx.endpoint, [1, 2, 3], 30), await handle.wait()
+        assert res.state is got.state is TransferState.FAILED
+        assert "checksum mismatch: block 0 of 3 (destination block 40)" in got.error
+        await tx.close()
+        tx = make_sender(backend, src, LAYOUT, **small_chunks)
+        handle = rx.expect("mid", list(range(64)), 30)
+        task = asyncio.create_task(tx.send("mid", rx.endpoint, list(range(64)), 30))
+        while handle.state is TransferState.PENDING:
+            await asyncio.sleep(0)
+        assert rx.cancel("mid")
+        snapshot = dst.clone()
+        assert (await asyncio.wait_for(task, 5)).state is TransferState.FAILED
+        await asyncio.sleep(0.1)
+        assert torch.equal(dst, snapshot), "written after the cancel"
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_socket_backends_two_processes_gpu_to_gpu(backend):
+    """The deployment shape without NVLink or RDMA between the workers: the sender in
+    another process on cuda:0, the receiver here on cuda:1, over tcp / shm."""
+    async def main():
+        dst = cache(80, DST)
+        rx = make_receiver(backend, dst, LAYOUT)
+        await rx.start()
+        ids = list(range(79, 15, -1))
+        h = rx.expect("p", ids, 60)
+        proc = _spawn(backend, "send", rx.endpoint, "0", "p")
+        res = await h.wait()
+        out = await asyncio.get_running_loop().run_in_executor(None, proc.communicate)
+        assert res.state is TransferState.DONE, (res, out[0][-2000:])
+        want = (torch.arange(64, device=DST) % 200).to(torch.bfloat16)
+        assert (dst[ids].reshape(64, -1) == want[:, None]).all()
+        await rx.close()
+
+    run(main())
