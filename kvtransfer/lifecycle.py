@@ -8,10 +8,15 @@
 * :class:`Sender` / :class:`Receiver`: the one implementation of the interface, composed of
   the above and a backend's *channel* (what connects, listens and moves bytes):
 
-      Sender(cache, layout, channel)   channel.send(sm, endpoint, blocks) -> payload bytes
-                                       channel.close()
-      Receiver(tracker, channel)       channel.start() / channel.endpoint / channel.close()
-                                       (the channel claims transfers from ``tracker``)
+      Sender(cache, layout, channel, options)
+          channel.send(sm, endpoint, blocks) -> payload bytes; channel.close()
+      Receiver(tracker, channel)
+          channel.start() / channel.endpoint / channel.close()
+          (the channel claims transfers from ``tracker``)
+
+The options (:class:`~kvtransfer.api.KVTransferOptions`) reach each transfer here: a
+transfer's state machine says whether its block checksums travel (``checksums``) and
+whether fault injection damages it (``corrupt``); the backend honours both.
 
 Backends only move bytes; timeouts, cancellation, state changes and statistics live here,
 so every backend ends its transfers the same way.

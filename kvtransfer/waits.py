@@ -59,9 +59,8 @@ def _in_thread(loop: asyncio.AbstractEventLoop, pool: concurrent.futures.Executo
     settles itself (True, or ``fn``'s exception) with ONE ``call_soon_threadsafe``: a
     thread's completion wakes the awaiting coroutine in two loop iterations, where
     ``run_in_executor`` / ``wrap_future`` plus ``asyncio.wait`` chain four or five
-    callbacks (on a 2-core host, event done -> coroutine running: 126 -> 93 us p50 on
-    asyncio, 64 -> 51 us on uvloop). The loop future may already be settled or cancelled
-    by then (the peer gave up, the waiter was cancelled)."""
+    callbacks (each a loop iteration later). The loop future may already be settled or
+    cancelled by then (the peer gave up, the waiter was cancelled)."""
     fut = loop.create_future()
 
     def settle(exc: BaseException | None) -> None:

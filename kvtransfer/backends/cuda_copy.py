@@ -1,22 +1,19 @@
 """Device-to-device copies of block runs: copy engines, or one kernel for many short runs.
 
 A scattered transfer is one copy per run of blocks contiguous on both sides (up to one per
-2 MiB block for Llama-3-8B). Two costs per copy:
+2 MiB block for Llama-3-8B). Each copy costs twice, whatever its size:
 
-* Host: ``Tensor.copy_`` takes ~10 us a call (Python, the dispatcher, the runtime);
-  ``cuMemcpyDtoDAsync`` through ctypes (:func:`copy_runs`) ~1-2 us.
-* Copy engine: ~4 us a copy whatever queued it. Measured on two H200s through cuda_ipc, 256
-  scattered 2 MiB blocks moved at 205 GB/s with ``copy_``, 219 with the driver calls, and
-  2 or 4 streams did not help (bench/disagg_notes.md, session 7). One contiguous copy runs
-  at ~385.
+* Host: ``Tensor.copy_`` goes through Python, the dispatcher and the runtime;
+  ``cuMemcpyDtoDAsync`` through ctypes (:func:`copy_runs`) is several times cheaper.
+* Copy engine: a fixed cost per copy, whatever queued it, so many short copies run well
+  below the rate of one contiguous copy, and more streams do not recover it.
 
 Two ways around the per-copy cost: ONE ``cuMemcpyBatchAsync`` call for all runs (CUDA
-12.8+ drivers; :func:`batch_copy_runs`: 271-319 GB/s for the scattered blocks in
-bench/kv_copy_gpu.py, 295 through cuda_ipc), or ONE Triton kernel on the receiving GPU
-that reads the peer's memory (:func:`kernel_copy_runs`: 304-340 in bench/kv_copy_gpu.py
-but 257-285 through cuda_ipc, where the receiving GPU idles between transfers, and it
-takes SMs from the decode worker's own kernels). :func:`copy_blocks` takes the batched
-copy engines where the driver has them, else the kernel for short runs.
+12.8+ drivers; :func:`batch_copy_runs`), or ONE Triton kernel on the receiving GPU that
+reads the peer's memory (:func:`kernel_copy_runs`; it takes SMs from the decode worker's own
+kernels). :func:`copy_blocks` takes the batched copy engines where the driver has them, else
+the kernel for short runs. bench/kv_copy_gpu.py measures all of them; the current figures
+are in docs/performance.md.
 
 Addresses are unified (UVA): a source mapped from another process (CUDA IPC) or living on
 another GPU of this process is copied peer to peer by the driver. Where the driver library
@@ -58,7 +55,7 @@ def _driver_memcpy():
 
 
 KERNEL_BELOW_RUN_BYTES = 8 << 20  # copy_blocks: the kernel when runs average less
-KERNEL_PROGRAMS = 32  # CTAs of the copy kernel: 32 already fill NVLink on H200 (bench)
+KERNEL_PROGRAMS = 32  # CTAs of the copy kernel: enough loads in flight to fill NVLink
 
 
 def copy_blocks(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
@@ -164,8 +161,7 @@ def batch_copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, 
     fn, fail_idx = found
     n = len(runs)
     # the three address arrays through numpy: built element by element (a torch call per
-    # data_ptr(), ctypes arrays from Python ints) they took ~0.2 ms for 256 runs on a 2-core
-    # host, ~0.07 ms this way (the driver call itself then takes ~0.6 ms on an H200 host)
+    # data_ptr(), ctypes arrays from Python ints) they cost several times the host time
     r = np.array(runs, dtype=np.uint64).reshape(n, 3) * np.uint64(dst.stride(0))
     srcs = np.ascontiguousarray(r[:, 0] + np.uint64(src.data_ptr()))
     dsts = np.ascontiguousarray(r[:, 1] + np.uint64(dst.data_ptr()))

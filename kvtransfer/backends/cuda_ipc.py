@@ -17,19 +17,21 @@ may reuse once ``send()`` returned. So a send that fails after its first part we
 receiver hung up or answered (:func:`~kvtransfer.control.until_receiver_stopped`), and a
 receiver that hears of it (or loses the connection) waits for its queued copies before it
 hangs up. Every copy a receiver completes therefore ran while the sender still held its
-blocks, and DONE needs no confirmation round trip. No kernel runs on the sender's GPU and
-no communicator exists, so there is nothing to abort: a cancelled receive stops after the
-copies already queued (they only write blocks the receiver still owns, since ``cancel``
-returns only after them).
+blocks, and DONE needs no confirmation round trip. No communicator exists, so there is
+nothing to abort: a cancelled receive stops after the copies already queued (they only write
+blocks the receiver still owns, since ``cancel`` returns only after them).
+
+Checksums: the sender computes its parts' block checksums on a stream of its own GPU while
+the receiver copies, and sends them after the last part; the receiver computes those of the
+landed blocks on its copy stream before the one wait it does anyway, and compares them
+before it counts the transfer DONE.
 
 Requirements: both processes on one host and both GPUs visible to both processes (the
 sender's device is matched by UUID, so CUDA_VISIBLE_DEVICES orderings may differ).
 
-Its copies are the fastest (385 GB/s on two H200s), but a part moves only once its prefill
+Its copies are the fastest of the GPU backends, but a part moves only once its prefill
 chunk is computed (the sender waits for the chunk's event on the host), while nccl moves a
-chunk layer by layer as it computes: list nccl first. (Earlier sessions saw 1P1D with
-cuda_ipc first stall from 16 req/s on; at 16 req/s with the current code it served 322 of
-324 requests, the other two refused by a block leak since fixed: bench/disagg_notes.md.)
+chunk layer by layer as it computes: list nccl first.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class CudaIpcOptions:
     batch_copy: bool = option(True, "receiver: scattered runs go to the copy engines in one "
                                     "cuMemcpyBatchAsync call where the driver has it")
     driver_copy: bool = option(True, "receiver: one cuMemcpyDtoDAsync per run (off: "
-                                     "Tensor.copy_, ~10 us more host time per run)")
+                                     "Tensor.copy_, several times the host time per run)")
     kernel_copy_below_bytes: int = option(
         KERNEL_BELOW_RUN_BYTES, "receiver, without the batched call: runs averaging under "
                                 "this many bytes are copied by one kernel on the decode GPU "
@@ -189,8 +191,7 @@ class CudaIpcPayloadReceiver:
             # Opened on OUR device (peer access enabled by the driver), not the sender's: the
             # copies then run in our GPU's context, our copy engine pulling over NVLink. A
             # context of ours on the sender's GPU would be time-sliced with the prefill
-            # worker's context there, stalling its forward passes under load (measured:
-            # 1P1D goodput halved at 8 req/s, bench/disagg_notes.md).
+            # worker's context there, stalling its forward passes under load.
             index = self._cache.device.index
             storage = torch.UntypedStorage._new_shared_cuda(
                 index, base64.b64decode(meta["handle"]), int(meta["size"]),
@@ -235,7 +236,7 @@ class CudaIpcPayloadReceiver:
                 mine.copy_(checksum.block_checksums(self._cache, dst_ids), non_blocking=True)
             # a default-flag event: its synchronize() spins in the driver (no GIL held) for
             # the few milliseconds the copies take, where the blocking timing event would
-            # sleep and wake the waiting thread ~0.1-0.3 ms late
+            # sleep and wake the waiting thread late
             copied = torch.cuda.Event()
             copied.record(self._stream)
         await wait_event(copied, watch=conn, what="CUDA IPC copy", mark=entry.mark)

@@ -2,7 +2,8 @@
 
 Receivers register under ``fake://<n>`` in a process-wide dict; a sender looks the endpoint
 up, the receiver checks the transfer exactly like a real backend (unknown id, layout, block
-count) and copies the blocks tensor-to-tensor (any device). ``stall=True`` makes a receiver
+count, checksum setting) and copies the blocks tensor-to-tensor (any device), then verifies
+their checksums. ``stall=True`` makes a receiver
 that accepts transfers but never acknowledges them (to test sender timeouts).
 """
 

@@ -10,8 +10,10 @@ Per transfer, on the control connection (see :mod:`kvtransfer.control`)::
     [new pair: init rank 0 before the BLOB]   <-  OK (receives posted)
     stream waits for the part's prefill event,
     enqueue one ncclSend per segment
-    after the last part:                          wait for the receives (CUDA event)
-                                              <-  OK (blocks in place)
+    checksums of the part's blocks (copy          one more ncclRecv: the checksums; compare
+    stream), one more ncclSend                    them with the landed blocks' own (GPU)
+    after the last part:                          wait for the receives and comparisons
+                                              <-  OK (blocks in place and intact)
     wait for the sends (CUDA event)
 
 The sender's NCCL stream waits on the prefill's event itself, so a part is queued as soon as
@@ -89,7 +91,7 @@ LAYERED = "layers"  # the receiver's reply to a part sent layer group by layer g
 # A part whose blocks are all written (a prefix-cache hit, a retry) is offered packed: its
 # messages average under PACK_BELOW_BYTES when its blocks are scattered (one 2 MiB message
 # per block for Llama-3-8B), and NCCL moves short messages at a fraction of the link's rate
-# (8 MiB: ~155 GB/s against ~320 for 512 MiB on two H200s). The receiver then takes it as
+# (docs/performance.md: NCCL's rate by message size). The receiver then takes it as
 # layer groups of about PACK_MESSAGE_BYTES each, gathered / scattered on both sides.
 PACK_BELOW_BYTES = 32 << 20
 PACK_MESSAGE_BYTES = 128 << 20

@@ -15,7 +15,9 @@ Per transfer, on the control connection of :mod:`kvtransfer.control`::
     BLOB offer: agent name + metadata,       ->  load the sender's agent (first time only),
       cache base / device / memory type,         READ one descriptor per segment, poll it
       source block ids                           (a sender that hangs up ends it at once)
-                                             <-  OK (read done: DONE)
+    BLOB the blocks' checksums (computed     ->  compare them with the landed blocks' own
+      while the receiver READs)
+                                             <-  OK (read done and intact: DONE)
 
 The READ is one-sided: the sender's cache is read by the receiver, not by ``send()``, and
 the sender's caller may reuse the source blocks once ``send()`` returned. So a send that
@@ -78,8 +80,8 @@ logger = logging.getLogger(__name__)
 
 NIXL_BACKENDS = ["UCX"]
 # poll() timeout of the UCX progress thread, which otherwise wakes on UCX events only. nixl's
-# python API hard-codes 0, which turns that thread into a busy loop: a whole core per agent
-# (measured on nixl-cu13 1.5.1), and slower transfers on a loaded host.
+# python API hard-codes 0, which turns that thread into a busy loop: a whole core per agent,
+# and slower transfers on a loaded host.
 PROGRESS_THREAD_DELAY_US = 1000
 DRAIN_TIMEOUT_S = 1.0  # most the end of a transfer waits (blocking) for a READ in flight
 SETTLE_TIMEOUT_S = 2.0  # most a failed transfer waits (not blocking) for its READ to stop
