@@ -44,13 +44,10 @@ never wedges the GPU stream) and drops it; the next transfer to that peer create
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import json
 import logging
 import socket
-import threading
 import uuid
 from dataclasses import dataclass
 
@@ -69,7 +66,15 @@ from kvtransfer.api import (
     check_options,
     option,
 )
-from kvtransfer.backends import nccl_lib
+from kvtransfer.backends.nccl_comm import (
+    Comm,
+    Pairs,
+    checked,
+    load_lib,
+    per_layer,
+    staging_buffers,
+    try_staging,
+)
 from kvtransfer.blocks import (
     check_layer_groups,
     device_index,
@@ -83,7 +88,7 @@ from kvtransfer.blocks import (
 from kvtransfer.control import await_ack, control_receiver, control_sender, require_cuda
 from kvtransfer.lifecycle import ExpectedTransfer, TransferStateMachine
 from kvtransfer.stream import BlockStream, Part
-from kvtransfer.waits import poll_in_thread, wait_event
+from kvtransfer.waits import wait_event
 
 logger = logging.getLogger(__name__)
 
@@ -111,120 +116,6 @@ class NcclOptions:
 
     def __post_init__(self) -> None:
         check_options(self)
-
-
-class _Comm:
-    """One pair's communicator, its stream and its device."""
-
-    def __init__(self, device: torch.device, uid: bytes, rank: int, library: str) -> None:
-        self.lib = _lib(library)
-        self.device = device
-        self.ready = False
-        self.aborted = False
-        # state polls run in a helper thread (poll_in_thread): the guard keeps every NCCL
-        # call on this communicator from overlapping or following its abort
-        self._guard = threading.Lock()
-        with torch.cuda.device(device):
-            self.stream = torch.cuda.Stream(device)
-            # gathers into / scatters out of the staging buffers of layer-group messages,
-            # overlapping the neighbouring groups' messages on ``stream``
-            self.copy_stream = torch.cuda.Stream(device)
-            self.handle = _checked(self.lib.init_rank, uid, 2, rank)
-
-    @contextlib.contextmanager
-    def current(self):
-        """This communicator's device and stream as the current ones (torch work queued
-        inside runs in order with its sends and receives)."""
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            yield
-
-    def state(self) -> int:
-        with self._guard:
-            if self.aborted:
-                raise TransferError("NCCL communicator was aborted")
-            return _checked(self.lib.state, self.handle)
-
-    def check(self) -> None:
-        """After our work completed: it only counts if the communicator was not aborted
-        meanwhile (an abort also 'completes' queued kernels, without the data)."""
-        if self.aborted:
-            raise TransferError("NCCL communicator was aborted (another transfer on this "
-                                "pair failed or the worker is closing)")
-        self.state()
-
-    async def wait_idle(self, watch: socket.socket | None, what: str) -> None:
-        # enqueueing a group takes a few hundred microseconds: poll at most 50 us apart
-        await poll_in_thread(lambda: self.state() != nccl_lib.IN_PROGRESS,
-                             max_interval_s=0.00005, watch=watch, what=what)
-
-    def post(self, ops: list[tuple[str, int, int]], peer: int) -> None:
-        """Start queueing ``ops`` as one group. On a pair's first transfer the group stays
-        in progress until the PEER posts its matching group (connection setup), so the
-        other side must be told to go ahead before :meth:`queued` is awaited."""
-        with self._guard, torch.cuda.device(self.device):
-            if self.aborted:
-                raise TransferError("NCCL communicator was aborted")
-            _checked(self.lib.group, self.handle, ops, peer, self.stream.cuda_stream)
-
-    async def queued(self, watch: socket.socket | None) -> torch.cuda.Event:
-        """Wait until the posted group is on the stream; returns an event completing with it."""
-        await self.wait_idle(watch, "NCCL enqueue")
-        event = torch.cuda.Event(enable_timing=True, blocking=True)
-        event.record(self.stream)
-        return event
-
-    def drain(self) -> None:
-        """Wait for everything queued on the pair's streams (after an abort: the aborted
-        messages and the gathers / scatters around them)."""
-        self.stream.synchronize()
-        self.copy_stream.synchronize()
-
-    def abort(self) -> None:
-        with self._guard:
-            if self.aborted:
-                return
-            self.aborted = True
-            try:
-                self.lib.abort(self.handle)
-            except Exception:  # noqa: BLE001
-                logger.exception("ncclCommAbort failed")
-
-
-class _Pairs:
-    """A side's communicators by peer (sender id / receiver endpoint) and the per-peer locks
-    that keep one transfer at a time between posting and queueing."""
-
-    def __init__(self) -> None:
-        self.comms: dict[str, _Comm] = {}
-        self.locks: dict[str, asyncio.Lock] = {}
-
-    def lock(self, peer: str) -> asyncio.Lock:
-        return self.locks.setdefault(peer, asyncio.Lock())
-
-    def drop(self, peer: str, comm: _Comm) -> None:
-        """Abort ``comm`` and forget it, unless a newer one for the peer replaced it."""
-        comm.abort()
-        if self.comms.get(peer) is comm:
-            del self.comms[peer]
-
-    def close(self) -> None:
-        for peer, comm in list(self.comms.items()):
-            self.drop(peer, comm)
-
-
-def _lib(library: str):
-    try:
-        return nccl_lib.lib(library)
-    except (OSError, RuntimeError) as exc:
-        raise TransferError(f"NCCL unavailable: {exc}") from None
-
-
-def _checked(fn, *args):
-    """Call into NCCL; its errors fail the transfer (TransferError), they never escape."""
-    try:
-        return fn(*args)
-    except nccl_lib.NcclError as exc:
-        raise TransferError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -269,7 +160,7 @@ class NcclPayloadReceiver:
         self._cache = cache
         self._layout = layout
         self._library = options.library
-        self._pairs = _Pairs()  # by sender id
+        self._pairs = Pairs()  # by sender id
 
     async def start(self) -> None:
         pass
@@ -277,7 +168,7 @@ class NcclPayloadReceiver:
     def close(self) -> None:
         self._pairs.close()
 
-    def _settle(self, key: str, comm: _Comm, entry: ExpectedTransfer) -> None:
+    def _settle(self, key: str, comm: Comm, entry: ExpectedTransfer) -> None:
         """When a transfer ends other than DONE (timeout, cancel, failure), abort the pair's
         communicator and wait for its stream, so no receive writes into the blocks after
         the waiter learned the result (this runs before the waiter is woken)."""
@@ -325,7 +216,7 @@ class NcclPayloadReceiver:
                 self._pairs.drop(key, comm)
             raise
 
-    async def _post_part(self, loop, conn: socket.socket, comm: _Comm, entry: ExpectedTransfer,
+    async def _post_part(self, loop, conn: socket.socket, comm: Comm, entry: ExpectedTransfer,
                          part: _PartMeta, dst: list[int]) -> torch.cuda.Event:
         """Post one part's receives and tell the sender how to cut its messages (OK with the
         segment counts, or LAYERED); returns an event completing with the receives."""
@@ -338,7 +229,7 @@ class NcclPayloadReceiver:
         groups = part.groups or pack
         staged = None
         if groups:
-            staged = _try_staging(self._layout, len(part.src), groups, comm)
+            staged = try_staging(self._layout, len(part.src), groups, comm)
             if staged is None and part.groups:
                 raise TransferError("no GPU memory for the layer groups' staging buffers")
         if staged is not None:  # else no memory to pack: whole messages
@@ -349,7 +240,7 @@ class NcclPayloadReceiver:
         await loop.sock_sendall(conn, wire.encode_reply(wire.OK, len(segs), counts))
         return await comm.queued(watch=conn)
 
-    async def _receive_layers(self, loop, conn: socket.socket, comm: _Comm, dst: list[int],
+    async def _receive_layers(self, loop, conn: socket.socket, comm: Comm, dst: list[int],
                               groups: list[tuple[int, int]],
                               bufs: list[torch.Tensor]) -> torch.cuda.Event:
         """A part sent layer group by layer group (while the prefill computes it, or packed):
@@ -360,13 +251,13 @@ class NcclPayloadReceiver:
         with comm.current():
             idx = device_index(dst, comm.device)
             idx.record_stream(comm.copy_stream)
-        per_layer = _per_layer(self._layout)
+        layer_elems = per_layer(self._layout)
         scattered: list[torch.cuda.Event | None] = [None, None]
         for k, (lo, hi) in enumerate(groups):
             slot = k % 2
             if scattered[slot] is not None:
                 comm.stream.wait_event(scattered[slot])
-            staging = staging_view(bufs[slot], len(dst), hi - lo, per_layer)
+            staging = staging_view(bufs[slot], len(dst), hi - lo, layer_elems)
             comm.post([("recv", staging.data_ptr(), staging.nbytes)], peer=0)
             if k == 0:  # posted: the sender may start (a new pair's set-up needs both sides)
                 await loop.sock_sendall(conn, wire.encode_reply(wire.OK, len(groups),
@@ -381,13 +272,13 @@ class NcclPayloadReceiver:
         event.record(comm.copy_stream)
         return event
 
-    async def _join(self, key: str, uid: bytes, conn: socket.socket) -> _Comm:
+    async def _join(self, key: str, uid: bytes, conn: socket.socket) -> Comm:
         """The pair's communicator: a new one when the sender sent a unique id."""
         comm = self._pairs.comms.get(key)
         if uid:
             if comm is not None:  # the sender started over (it aborted its side)
                 self._pairs.drop(key, comm)
-            comm = _Comm(self._cache.device, uid, rank=1, library=self._library)
+            comm = Comm(self._cache.device, uid, rank=1, library=self._library)
             self._pairs.comms[key] = comm
             await comm.wait_idle(conn, "NCCL communicator init")
             comm.ready = True
@@ -407,7 +298,7 @@ class NcclPayloadSender:
         self._layout = layout
         self._library = options.library
         self._id = uuid.uuid4().hex
-        self._pairs = _Pairs()  # by receiver endpoint
+        self._pairs = Pairs()  # by receiver endpoint
         per = options.layers_per_message
         self._groups = layer_groups(layout.num_layers, per) if 0 < per < layout.num_layers \
             else None
@@ -418,7 +309,7 @@ class NcclPayloadSender:
 
     async def send(self, loop, sock: socket.socket, endpoint: str, sm: TransferStateMachine,
                    blocks: BlockStream) -> None:
-        comm: _Comm | None = None
+        comm: Comm | None = None
         timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # written-part sends
         last = None  # completes with the last send queued (the lease: nothing reads after)
         keep: list[torch.Tensor] = []  # buffers the queued sends read
@@ -458,7 +349,7 @@ class NcclPayloadSender:
                 comm.drain()
             raise
 
-    async def _send_segments(self, sock: socket.socket, comm: _Comm, part: Part, segs,
+    async def _send_segments(self, sock: socket.socket, comm: Comm, part: Part, segs,
                              corrupt: str | None, keep: list[torch.Tensor]):
         """Queue one message per segment, behind the part's event (the GPU waits for the
         prefill's kernels, not the host); events before and after them. ``corrupt``: the
@@ -478,7 +369,7 @@ class NcclPayloadSender:
         comm.post(ops, peer=1)
         return start, await comm.queued(watch=sock)
 
-    async def _send_checksums(self, sock: socket.socket, comm: _Comm, part: Part,
+    async def _send_checksums(self, sock: socket.socket, comm: Comm, part: Part,
                               keep: list[torch.Tensor]) -> torch.cuda.Event:
         """One more message after the part's data: its blocks' checksums, computed on the
         pair's copy stream once the part is written (overlapping the data messages)."""
@@ -495,7 +386,7 @@ class NcclPayloadSender:
         return await comm.queued(watch=sock)
 
     async def _offer(self, loop, sock: socket.socket, endpoint: str, sm: TransferStateMachine,
-                     comm: _Comm | None, part: Part):
+                     comm: Comm | None, part: Part):
         """Offer one part (BLOB) and read how the receiver posted its receives. Returns the
         communicator, the layer groups to send (None: whole segments), the segments and the
         staging buffers already taken for a packed part."""
@@ -510,7 +401,7 @@ class NcclPayloadSender:
         elif self._pack_bytes > 0:  # the receiver packs it if its blocks scatter
             pack = pack_groups(self._layout.num_layers, len(part.ids) * self._layout.block_bytes,
                                self._pack_bytes)
-            staged = _try_staging(self._layout, len(part.ids), pack, comm)
+            staged = try_staging(self._layout, len(part.ids), pack, comm)
             if staged is not None:  # offered only when there is memory for it
                 meta["pack"] = pack
         await loop.sock_sendall(sock, wire.encode_blob(json.dumps(meta).encode()))
@@ -529,7 +420,7 @@ class NcclPayloadSender:
             return comm, groups, None, staged
         return comm, None, _source_segments(part.ids, status, nsegs, text), staged
 
-    async def _send_layers(self, sock: socket.socket, comm: _Comm, part: Part,
+    async def _send_layers(self, sock: socket.socket, comm: Comm, part: Part,
                            groups: list[tuple[int, int]], staged: list[torch.Tensor] | None,
                            corrupt: str | None = None
                            ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
@@ -540,7 +431,7 @@ class NcclPayloadSender:
         buffer is reused once its message left; ``staged``: buffers already taken, else
         they are allocated here). Returns events at the first gather and after the last
         send. ``corrupt``: the transfer id, to damage its first message (fault injection)."""
-        bufs = staged or _staging_buffers(self._layout, len(part.ids), groups, comm)
+        bufs = staged or staging_buffers(self._layout, len(part.ids), groups, comm)
         with comm.current():
             idx = device_index(part.ids, comm.device)
             idx.record_stream(comm.copy_stream)
@@ -573,7 +464,7 @@ class NcclPayloadSender:
             sent[slot] = done
         return first, done
 
-    def _pair_for(self, endpoint: str, current: _Comm | None) -> tuple[_Comm, bytes]:
+    def _pair_for(self, endpoint: str, current: Comm | None) -> tuple[Comm, bytes]:
         """The communicator for this part (and the unique id to send, for a new one). A
         transfer keeps one communicator: if it was aborted meanwhile the transfer fails."""
         comm = self._pairs.comms.get(endpoint)
@@ -584,8 +475,8 @@ class NcclPayloadSender:
             return current, b""
         if comm is not None:
             return comm, b""
-        uid = _checked(_lib(self._library).unique_id)
-        comm = _Comm(self._cache.device, uid, rank=0, library=self._library)
+        uid = checked(load_lib(self._library).unique_id)
+        comm = Comm(self._cache.device, uid, rank=0, library=self._library)
         self._pairs.comms[endpoint] = comm
         return comm, uid
 
@@ -597,7 +488,7 @@ class _Verifier:
     the landed blocks' own into per-block flags; the flags reach the host with the final
     event the receive waits for anyway (no extra sync)."""
 
-    def __init__(self, cache: torch.Tensor, comm: _Comm, num_blocks: int) -> None:
+    def __init__(self, cache: torch.Tensor, comm: Comm, num_blocks: int) -> None:
         self._cache = cache
         self._comm = comm
         with torch.cuda.device(comm.device), torch.cuda.stream(comm.copy_stream):
@@ -639,38 +530,6 @@ class _Verifier:
     def verdict(self, dst: list[int]) -> None:
         """After :meth:`finish`'s event: TransferError naming the first corrupted block."""
         checksum.verify_flags(self._host.numpy(), dst)
-
-
-def _per_layer(layout: KVLayout) -> int:
-    """Elements of one layer of one block."""
-    return layout.block_bytes // layout.num_layers // layout.torch_dtype.itemsize
-
-
-def _staging_buffers(layout: KVLayout, num_blocks: int, groups: list[tuple[int, int]],
-                     comm: _Comm) -> list[torch.Tensor]:
-    """Two flat buffers (one for a single group), each with room for the largest layer
-    group of ``num_blocks`` blocks, allocated on the pair's stream and marked as used by
-    its copy stream too (the allocator reuses them only after both passed this transfer's
-    work)."""
-    size = num_blocks * max(hi - lo for lo, hi in groups) * _per_layer(layout)
-    with comm.current():
-        bufs = [torch.empty(size, dtype=layout.torch_dtype, device=comm.device)
-                for _ in range(min(2, len(groups)))]
-    for buf in bufs:
-        buf.record_stream(comm.copy_stream)
-    return bufs
-
-
-def _try_staging(layout: KVLayout, num_blocks: int, groups: list[tuple[int, int]],
-                 comm: _Comm) -> list[torch.Tensor] | None:
-    """:func:`_staging_buffers`, or None when the GPU has no memory for them (a packed part
-    then moves as whole messages; layer groups fail the transfer)."""
-    try:
-        return _staging_buffers(layout, num_blocks, groups, comm)
-    except torch.cuda.OutOfMemoryError:
-        logger.warning("no GPU memory for %d staging buffers of %d layer groups (%d blocks)",
-                       min(2, len(groups)), len(groups), num_blocks)
-        return None
 
 
 def _source_segments(ids: list[int], status: int, nsegs: int,

@@ -320,7 +320,7 @@ def test_nccl_without_memory_to_pack_moves_whole_messages(short_side, monkeypatc
     then moves as one message per segment, exactly, and the pair stays usable."""
     from kvtransfer.backends import nccl
 
-    real_try, packed = nccl._try_staging, []  # noqa: SLF001
+    real_try, packed = nccl.try_staging, []  # noqa: SLF001
 
     def short_of_memory(layout, num_blocks, groups, comm):
         if str(comm.device) == short_side:
@@ -333,7 +333,7 @@ def test_nccl_without_memory_to_pack_moves_whole_messages(short_side, monkeypatc
         packed.append(len(groups))
         return await real_send(self, sock, comm, part, groups, staged, *rest)
 
-    monkeypatch.setattr(nccl, "_try_staging", short_of_memory)
+    monkeypatch.setattr(nccl, "try_staging", short_of_memory)
     monkeypatch.setattr(nccl.NcclPayloadSender, "_send_layers", counting)
 
     async def main():
@@ -443,7 +443,7 @@ if mode == "send":  # argv: endpoint, hang (1: freeze before queueing the data)
         def frozen(self, *a, **k):
             print("FROZEN", flush=True)
             time.sleep(3600)
-        nc._Comm.post = frozen
+        nc.Comm.post = frozen
     res = asyncio.run(tx.send(sys.argv[5], endpoint, list(range(n)), 60))
     print("RESULT", res.state.value, res.error, flush=True)
 """
