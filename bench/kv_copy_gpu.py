@@ -2,7 +2,7 @@
 when its blocks are scattered: copy engines (one cuMemcpyDtoDAsync per run of blocks; ONE
 cuMemcpyBatchAsync call for all runs, CUDA 12.8+, what cuda_ipc does now) against one
 Triton kernel on the receiving GPU reading the peer's memory
-(kvtransfer.cuda_copy.kernel_copy_runs, "pull") with various numbers of programs
+(kvtransfer.backends.cuda_copy.kernel_copy_runs, "pull") with various numbers of programs
 (CTAs), the same kernel on the SENDING GPU writing into the peer ("push"), and both engines
 at once (``split_kNN``: NN% of the blocks by the pulling kernel, the rest by batched copy
 engine copies on a second stream).
@@ -23,8 +23,9 @@ import time
 
 import torch
 
-from kvtransfer.control import segments
-from kvtransfer.cuda_copy import batch_copy_runs, copy_runs, enable_peer_access, kernel_copy_runs
+from kvtransfer.backends.cuda_copy import (batch_copy_runs, copy_runs, enable_peer_access,
+                                           kernel_copy_runs)
+from kvtransfer.blocks import segments
 from pdserve.benchlib import harness
 
 FIGURES = [

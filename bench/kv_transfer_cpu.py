@@ -30,8 +30,10 @@ import numpy as np
 import torch
 
 from kvtransfer import KVLayout, make_receiver, make_sender
+from kvtransfer.registry import options_from_env
 from kvtransfer.stream import BlockStream
 from pdserve.benchlib import harness
+from pdcore.config_tree import environ
 from services.grpc_server import run as run_on_service_loop  # uvloop, as the workers
 
 FIGURES = [
@@ -103,7 +105,8 @@ async def receiver_main(args: argparse.Namespace) -> None:
     n = -(-args.tokens // args.block_size)
     cache = torch.zeros(2 * n, *layout.block_shape, dtype=layout.torch_dtype,
                         device=args.dst_device)
-    rx = make_receiver(args.backend, cache, layout)
+    shared, opts = options_from_env(environ())  # PDSERVE_* sweeps (bench/gpu_suite.sh)
+    rx = make_receiver(args.backend, cache, layout, opts[args.backend], shared=shared)
     await rx.start()
     print(rx.endpoint, flush=True)
     loop = asyncio.get_running_loop()
@@ -134,7 +137,8 @@ async def bench_backend(args: argparse.Namespace, backend: str) -> dict:
         opts["chunk_bytes"] = int(args.shm_chunk_mb * 2**20)
     if backend == "shm" and args.shm_slots:
         opts["num_slots"] = args.shm_slots
-    tx = make_sender(backend, src, layout, **opts)
+    shared, env_opts = options_from_env(environ())  # PDSERVE_* sweeps (bench/gpu_suite.sh)
+    tx = make_sender(backend, src, layout, env_opts[backend], shared=shared, **opts)
     child = subprocess.Popen(
         [sys.executable, "-m", "bench.kv_transfer_cpu", "--role", "receiver",
          "--backend", backend, "--tokens", str(args.tokens), "--layers", str(args.layers), "--kv-heads",
@@ -334,7 +338,7 @@ async def main(args: argparse.Namespace, benchmark: str = "kv_transfer_cpu",
 
 def log_timelines(role: str) -> None:
     """With PDSERVE_KV_TIMELINE=1, print each transfer's phases (kvtransfer logs them)."""
-    if os.environ.get("PDSERVE_KV_TIMELINE", "") not in ("", "0"):
+    if environ().get("PDSERVE_KV_TIMELINE", "") not in ("", "0"):
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format=f"[{role}] %(message)s")
 

@@ -28,7 +28,7 @@ from protos.pdserve.v1 import common_pb2
 from services import telemetry, validation
 from services.logging_setup import request_context
 from services.protocol import response_from_output
-from services.tasks import Stopped, unless_stopped
+from pdcore.tasks import Stopped, unless_stopped
 from services.validation import InvalidRequest
 
 from decode_worker.remote import NoFreeBlocks, PrefillFailed, RemotePrefill, early_first

@@ -26,7 +26,7 @@ import grpc
 from engine.request import RequestOutput
 from protos.pdserve.v1 import common_pb2, worker_pb2
 from services import telemetry
-from kvtransfer.proto import layout_to_proto
+from services.kv_proto import layout_to_proto
 from services.protocol import sampling_to_proto
 from services.validation import InvalidRequest
 

@@ -18,7 +18,7 @@ import logging
 import numpy as np
 
 from engine.sequence import Sequence
-from services.block_hash import BlockHasher
+from pdcore.block_hash import BlockHasher
 
 logger = logging.getLogger(__name__)
 # _take_free_runs: how far past strict eviction order a multi-block allocation may look
@@ -222,7 +222,7 @@ class BlockManager:
         in as few runs of consecutive ids as the oldest free blocks allow.
 
         A KV transfer costs one copy / message / descriptor per run that is contiguous in
-        both caches (``kvtransfer.control.segments``), and each piece has a fixed cost, so a
+        both caches (``kvtransfer.blocks.segments``), and each piece has a fixed cost, so a
         few long runs move much faster than many short ones. Taking blocks strictly in
         eviction order fragments a cache once it has been used through: every freed
         sequence goes back tail first and decode steps take blocks one at a time, so a long

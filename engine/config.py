@@ -15,11 +15,11 @@ the engine runs with, and the engine's ``config`` holds the resolved tree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-import functools
 import re
-import types
-import typing
 from typing import Any
+
+from pdcore.settings import (SettingError, check_settings, check_value, field_types,  # noqa: F401
+                             kind_of, section, setting, setting_fields)
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "short_first")
@@ -33,103 +33,6 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DEVICE_DEFAULTS = {"cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
                    "cuda": {"max_num_seqs": 512, "max_num_batched_tokens": 8192}}
 CPU_KV_CACHE_BYTES = 1 << 30  # CPU: the KV cache when neither num_blocks nor a size is given
-
-
-# ------------------------------------------------------------------ field declarations
-def setting(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
-            le: float | None = None, choices: tuple[str, ...] | None = None,
-            secret: bool = False, aliases: tuple[str, ...] = (), unit: str | None = None) -> Any:
-    """A user-facing field: ``help`` is its one-line description (``--help``, the docs);
-    ``ge`` / ``gt`` / ``le`` bound a number, ``choices`` a string; ``secret`` values are
-    redacted wherever the configuration is shown; ``aliases`` are older names that still
-    work (as keyword, flag and variable); ``unit="bytes"`` accepts 16GiB-style strings."""
-    return field(default=default, metadata={
-        "help": help, "ge": ge, "gt": gt, "le": le, "choices": choices, "secret": secret,
-        "aliases": tuple(aliases), "unit": unit})
-
-
-def section(cls: type, help: str) -> Any:
-    """A nested group of settings (its field names stay flat and unique in the tree)."""
-    return field(default_factory=cls, metadata={"section": True, "help": help})
-
-
-class SettingError(ValueError):
-    """An invalid setting value; ``name`` is the field it is about."""
-
-    def __init__(self, name: str, message: str):
-        super().__init__(message)
-        self.name = name
-
-
-@functools.cache
-def field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def kind_of(hint: Any) -> tuple[str, bool]:
-    """``(kind, optional)`` of an annotation: kind is int, float, bool, str or tuple
-    (a tuple of strings); optional when None is allowed (None means "auto")."""
-    optional = False
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        optional = len(args) < len(typing.get_args(hint))
-        hint = args[0]
-    if typing.get_origin(hint) is tuple:
-        return "tuple", optional
-    return hint.__name__, optional
-
-
-def setting_fields(cls: type) -> list[tuple[Any, str, bool]]:
-    """``(dataclass field, kind, optional)`` of each setting of ``cls`` (sections excluded)."""
-    hints = field_types(cls)
-    return [(f, *kind_of(hints[f.name])) for f in fields(cls)
-            if "help" in f.metadata and not f.metadata.get("section")]
-
-
-_KIND_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false",
-               "str": "a string", "tuple": "a list of strings"}
-
-
-def check_value(name: str, kind: str, optional: bool, meta, value: Any) -> Any:
-    """``value`` checked against a setting's type and range; returns it normalised (an int
-    for a float field becomes a float, a list a tuple). Raises SettingError."""
-    if value is None:
-        if optional:
-            return None
-        raise SettingError(name, f"{name} must be set, got None")
-    ok = {"bool": isinstance(value, bool),
-          "int": isinstance(value, int) and not isinstance(value, bool),
-          "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-          "str": isinstance(value, str),
-          "tuple": isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)}
-    if not ok[kind]:
-        raise SettingError(name, f"{name} must be {_KIND_WORDS[kind]}, got {value!r}")
-    if kind == "float":
-        value = float(value)
-        if value != value:
-            raise SettingError(name, f"{name} must be a number, got nan")
-    elif kind == "tuple":
-        value = tuple(value)
-    if meta.get("ge") is not None and value < meta["ge"]:
-        raise SettingError(name, f"{name} must be >= {meta['ge']:g}, got {value!r}")
-    if meta.get("gt") is not None and value <= meta["gt"]:
-        raise SettingError(name, f"{name} must be > {meta['gt']:g}, got {value!r}")
-    if meta.get("le") is not None and value > meta["le"]:
-        raise SettingError(name, f"{name} must be <= {meta['le']:g}, got {value!r}")
-    if meta.get("choices") and value not in meta["choices"]:
-        raise SettingError(name, f"{name} must be one of {', '.join(meta['choices'])}, "
-                                 f"got {value!r}")
-    return value
-
-
-def check_settings(obj: Any) -> None:
-    """Type and range checks of every setting of the frozen dataclass ``obj`` (call it first
-    in ``__post_init__``); normalised values are written back."""
-    for f, kind, optional in setting_fields(type(obj)):
-        value = getattr(obj, f.name)
-        checked = check_value(f.name, kind, optional, f.metadata, value)
-        if checked is not value:
-            object.__setattr__(obj, f.name, checked)  # frozen: normalised once, here
 
 
 @dataclass(frozen=True)

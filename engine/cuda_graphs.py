@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,9 +14,7 @@ from engine.layers.attention import AttentionMetadata
 from engine.graph_inputs import (MAX_PREFILL_SEQS, BlockTableRows, fill_decode_inputs,
                                  fill_mixed_inputs, plan_mixed, token_buckets)
 from engine.scheduler import SchedulerOutput
-
-if TYPE_CHECKING:
-    from engine.model_runner import StepHandle
+from engine.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
 

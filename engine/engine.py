@@ -23,7 +23,7 @@ from engine.model_runner import DTYPES, ModelRunner, StepHandle
 from engine.request import FinishReason, PrefillProgress, RequestOutput, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SeqStatus
-from services.block_hash import BlockHasher
+from pdcore.block_hash import BlockHasher
 
 logger = logging.getLogger(__name__)
 

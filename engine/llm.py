@@ -7,9 +7,12 @@
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from collections.abc import Sequence as Seq
 import itertools
 
+from pdcore.config_tree import build
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.request import RequestOutput, SamplingParams
@@ -20,8 +23,19 @@ def build_engine_config(model: str | None = None, config: str | None = None,
     """The engine settings of ``LLM(model, **kwargs)``: defaults < the config file
     (``config``, or PDSERVE_CONFIG) < PDSERVE_* variables < ``kwargs``, each keyword any
     engine setting by its flat name (docs/configuration.md)."""
-    from services.config import engine_config  # the one builder of every entry point
     return engine_config(model, config_file=config, **kwargs)
+
+
+def engine_config(model: str | None = None, env: Mapping[str, str] | None = None,
+                  config_file: str | None = None, **kw) -> EngineConfig:
+    """The offline engine's settings, built like every entry point's (pdcore.config_tree):
+    defaults < config file < ``PDSERVE_*`` < keywords. Unknown keywords raise TypeError
+    naming the nearest setting; variables and file tables of the services (a cluster's
+    shared environment or file) are left to them."""
+    if model is not None:
+        kw["model"] = model
+    return build(EngineConfig, roots={"engine": EngineConfig}, env=env, keywords=kw,
+                 sections=("engine",), config_file=config_file, strict=False)[0]
 
 
 class LLM:

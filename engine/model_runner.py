@@ -7,7 +7,6 @@ metadata, runs the model and samples one token for every sequence whose chunk re
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 import logging
 
 import numpy as np
@@ -19,26 +18,11 @@ from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAt
 from engine.layers.sampler import Sampler, SamplingBatch
 from engine.models.registry import model_class
 from engine.scheduler import SchedulerOutput
+from engine.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class StepHandle:
-    """A launched step. Its tokens are known at launch (eager paths, sampling on the host) or
-    still on the device (greedy CUDA-graph steps: ``greedy`` is the device argmax, copied to
-    the pinned ``host`` buffer; ``event`` completes when that copy has landed)."""
-    sched: SchedulerOutput
-    sampled_ids: list[str]
-    rows: list[int] | None = None  # graph paths: the rows of ``greedy`` that sampled (None: all)
-    tokens: list[int] | None = None
-    logprobs: list[float] | None = None
-    greedy: torch.Tensor | None = None
-    host: torch.Tensor | None = None
-    event: torch.cuda.Event | None = None
-    chained: bool = False  # launched by launch_next, before the previous step's tokens were read
 
 
 def kv_block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

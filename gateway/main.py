@@ -9,8 +9,8 @@ import logging
 import sys
 
 from services.config import GatewaySettings
-from services.config_tree import redacted_flat
-from services.tasks import cancel_and_wait
+from pdcore.config_tree import redacted_flat
+from pdcore.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def _env(settings: GatewaySettings, router, tokenizer, model_id: str, vocab_size
     from gateway.pipeline import GatewayEnv
     from gateway.tokenize import PromptTokenizer
     from protos.pdserve.v1 import worker_pb2_grpc
-    from services.block_hash import BlockHasher
+    from pdcore.block_hash import BlockHasher
     from services.grpc_server import ChannelPool
     return GatewayEnv(
         router=router,

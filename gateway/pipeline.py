@@ -31,7 +31,7 @@ from gateway.router import NoWorkers, OverCapacity, Route, Router
 from gateway.tokenize import PromptTokenizer, TokenizerBusy
 from protos.pdserve.v1 import common_pb2, worker_pb2
 from services import telemetry, validation
-from services.block_hash import BlockHasher
+from pdcore.block_hash import BlockHasher
 from services.grpc_server import ChannelPool
 from services.logging_setup import request_context
 from services.metrics import GatewayMetrics, route_mode

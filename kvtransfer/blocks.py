@@ -29,12 +29,22 @@ def block_runs(ids: list[int]) -> list[Run]:
     return runs
 
 
-def split_runs(runs: list[Run], max_blocks: int) -> list[Run]:
-    """Cut runs so none is longer than ``max_blocks`` (bounds one write or one copy)."""
-    out: list[Run] = []
-    for run in runs:
-        for off in range(0, run.count, max_blocks):
-            out.append(Run(run.pos + off, run.start + off, min(max_blocks, run.count - off)))
+def segments(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Cut a transfer into ``(src_start, dst_start, count)`` pieces that are contiguous on BOTH
+    sides (block-major caches: one piece is one region of ``count`` blocks in each cache).
+
+    ``segments([4, 5, 6, 9], [0, 1, 7, 8])`` -> ``[(4, 0, 2), (6, 7, 1), (9, 8, 1)]``.
+    """
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if out:
+            s0, d0, n = out[-1]
+            if s == s0 + n and d == d0 + n:
+                out[-1] = (s0, d0, n + 1)
+                continue
+        out.append((s, d, 1))
     return out
 
 

@@ -1,4 +1,4 @@
-"""The connection skeleton every TCP-connected backend shares (tcp, nccl, cuda_ipc, nixl).
+"""The control connection every TCP-connected backend shares (tcp, nccl, cuda_ipc, nixl).
 
 Each transfer runs over one TCP connection to the receiver's endpoint
 (``<scheme>://host:port``): for tcp it carries the payload too, for the GPU backends it is
@@ -26,9 +26,14 @@ reset.
 
 The control connection is also how each side learns that the other gave up: a side that
 times out, is cancelled or fails closes it (after an ERROR saying why when it can), and the
-peer's pending read ends at once. Subclasses implement only ``_receive_payload`` /
-``_send_payload``; timeouts, cancellation and statistics are :mod:`kvtransfer.tracking`'s;
-waiting on device work while watching the connection is :mod:`kvtransfer.waits`'.
+peer's pending read ends at once.
+
+Composition: :class:`ControlClient` (a sender's channel) and :class:`ControlServer` (a
+receiver's channel) run the connection, the handshake and the ack; a backend plugs in a
+:class:`PayloadSender` / :class:`PayloadReceiver` that moves the data in between.
+:class:`Listener` (the accept loop and its connection tasks) is shared with the shm backend.
+Timeouts, cancellation and statistics are :mod:`kvtransfer.lifecycle`'s; waiting on device
+work while watching the connection is :mod:`kvtransfer.waits`'.
 """
 
 from __future__ import annotations
@@ -37,25 +42,28 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import torch
 
-from kvtransfer import protocol as proto
-from kvtransfer.base import (
+from kvtransfer import wire
+from kvtransfer.api import (
     KVLayout,
+    KVTransferOptions,
+    ListenAddress,
+    TransferError,
     TransferState,
+)
+from kvtransfer.lifecycle import (
+    ExpectedTransfer,
+    Receiver,
+    ReceiverTracker,
+    Sender,
     TransferStateMachine,
 )
 from kvtransfer.stream import BlockStream
-from kvtransfer.tracking import (
-    ExpectedTransfer,
-    ReceiverTracker,
-    RunnerSender,
-    TrackedReceiver,
-    TransferError,
-)
-from kvtransfer.waits import peer_failed, peer_reason
-from services.tasks import cancel_and_wait
+from pdcore.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +74,12 @@ POOL_PER_ENDPOINT = 8  # idle connections a sender keeps per receiver
 # picks a connection its receiver is closing (only a receiver's exit or restart does that,
 # which fails the transfer as any receiver crash would)
 RECEIVER_IDLE_S = 120.0
+LINGER_S = 1.0  # most a rejecting receiver waits for the sender to hang up
+LEASE_DRAIN_TIMEOUT_S = 10.0  # most a failed one-sided send waits for the receiver to stop
+# the same after an eager payload that the receiver never even answered HELLO to: it has not
+# looked at the transfer for its whole lifetime, and whatever it reads later finds our ERROR
+# right behind the payload (checked before it counts a transfer DONE)
+UNANSWERED_DRAIN_TIMEOUT_S = 0.5
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -80,78 +94,159 @@ def require_cuda(cache: torch.Tensor, backend: str) -> None:
 
 
 def parse_host_port(endpoint: str, scheme: str) -> tuple[str, int]:
-    host, _, port = proto.parse_endpoint(endpoint, scheme).rpartition(":")
+    host, _, port = wire.parse_endpoint(endpoint, scheme).rpartition(":")
     host = host.strip("[]")
     if not host or not port.isdigit():
         raise TransferError(f"bad {scheme} endpoint {endpoint!r}")
     return host, int(port)
 
 
-class ControlReceiver(TrackedReceiver):
-    """Listens for control connections; ``_receive_payload`` moves one transfer's data."""
+# ------------------------------------------------------------------ what a backend plugs in
 
-    scheme: str
-    kind: int
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout, host: str = "127.0.0.1",
-                 port: int = 0, advertise_host: str | None = None) -> None:
-        layout.validate(cache)
-        self._cache = cache
-        self._layout = layout
-        self._host, self._port = host, port
-        self._advertise = advertise_host or host
-        self._tracker = ReceiverTracker(cache.shape[0], layout.block_bytes)
-        self._listener: socket.socket | None = None
-        self._accept_task: asyncio.Task | None = None
-        self._conns: set[asyncio.Task] = set()
-        self.connections_accepted = 0  # control connections so far (reused ones count once)
+class PayloadSender(Protocol):
+    """A backend's sending half: moves the data once the control connection is up."""
+
+    # True for backends whose payload messages may follow HELLO before the receiver accepted
+    # (one-sided: the payload is metadata, the receiver moves the data)
+    eager: bool
+
+    async def send(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, endpoint: str,
+                   sm: TransferStateMachine, blocks: BlockStream) -> None:
+        """Move the blocks as ``blocks`` hands them over and return once the receiver acked
+        them all (:func:`await_ack`) and this side no longer reads them. Raise
+        TransferError / OSError to fail the transfer."""
+
+    def close(self) -> None:
+        """Release backend resources (communicators, exports). Called once."""
+
+
+class PayloadReceiver(Protocol):
+    """A backend's receiving half: brings one accepted transfer's blocks into place."""
 
     async def start(self) -> None:
-        sock = socket.socket(socket.AF_INET6 if ":" in self._host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self._host, self._port))
-        sock.listen(128)
+        """Called once the listener is up (background work such as sweeps starts here)."""
+
+    async def receive(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                      entry: ExpectedTransfer) -> str | None:
+        """Bring the transfer's blocks into ``entry.dst_block_ids``; raise to fail it.
+
+        Must not return before the data is in place (device work complete), and must stop
+        touching the blocks when cancelled. May return a message for the final OK (e.g.
+        :func:`~kvtransfer.wire.data_seconds_message`).
+        """
+
+    def close(self) -> None:
+        """Release backend resources (communicators, mappings). Called once."""
+
+
+def control_sender(cache: torch.Tensor, layout: KVLayout, scheme: str, kind: int,
+                   payload: PayloadSender, shared: KVTransferOptions,
+                   tune: Callable[[socket.socket], None] = tune_socket) -> Sender:
+    """A sender whose transfers run over control connections to ``scheme://`` endpoints."""
+    return Sender(cache, layout, ControlClient(layout, scheme, kind, payload, tune), shared)
+
+
+def control_receiver(cache: torch.Tensor, layout: KVLayout, scheme: str, kind: int,
+                     payload: PayloadReceiver, shared: KVTransferOptions,
+                     listen: ListenAddress | None,
+                     tune: Callable[[socket.socket], None] = tune_socket) -> Receiver:
+    """A receiver listening for control connections at ``listen`` (default: localhost, any
+    port)."""
+    layout.validate(cache)
+    tracker = ReceiverTracker(cache.shape[0], layout.block_bytes, shared)
+    server = ControlServer(tracker, layout, scheme, kind, payload,
+                           listen or ListenAddress(), tune)
+    return Receiver(tracker, server)
+
+
+# ------------------------------------------------------------------ receiving side
+
+
+class Listener:
+    """Accepts connections on a bound, listening socket and serves each one in a task of
+    its own; ``close`` cancels them all and closes the socket."""
+
+    def __init__(self, sock: socket.socket, serve: Callable[[socket.socket], Awaitable[None]],
+                 what: str, tune: Callable[[socket.socket], None]) -> None:
         sock.setblocking(False)
-        self._listener = sock
-        self._port = sock.getsockname()[1]
+        self.sock = sock
+        self._serve = serve
+        self._what = what
+        self._tune = tune
+        self._accept_task: asyncio.Task | None = None
+        self.connections: set[asyncio.Task] = set()  # being served now
+        self.accepted = 0  # connections so far (reused ones count once)
+
+    def start(self) -> None:
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
 
-    @property
-    def endpoint(self) -> str:
-        if self._listener is None:
-            raise RuntimeError("receiver not started")
-        host = f"[{self._advertise}]" if ":" in self._advertise else self._advertise
-        return f"{self.scheme}://{host}:{self._port}"
-
     async def close(self) -> None:
-        self._tracker.close()
-        tasks = [t for t in (self._accept_task, *self._conns) if t is not None]
-        await cancel_and_wait(tasks)
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        await cancel_and_wait([self._accept_task, *self.connections])
         self._accept_task = None
-        self._close_backend()
-
-    def _close_backend(self) -> None:
-        """Release backend resources (communicators, mapped memory). Called once by close."""
-
-    _tune = staticmethod(tune_socket)
+        self.sock.close()
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _ = await loop.sock_accept(self._listener)
+                conn, _ = await loop.sock_accept(self.sock)
             except OSError as exc:
-                logger.warning("%s receiver accept failed: %s", self.scheme, exc)
+                logger.warning("%s receiver accept failed: %s", self._what, exc)
                 await asyncio.sleep(0.05)
                 continue
             self._tune(conn)
-            self.connections_accepted += 1
+            self.accepted += 1
             task = loop.create_task(self._serve(conn))
-            self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+            self.connections.add(task)
+            task.add_done_callback(self.connections.discard)
+
+
+class ControlServer:
+    """A receiver's channel: listens on TCP, runs each connection's transfers one after
+    another (HELLO, claim, the payload's ``receive``, ack)."""
+
+    def __init__(self, tracker: ReceiverTracker, layout: KVLayout, scheme: str, kind: int,
+                 payload: PayloadReceiver, listen: ListenAddress,
+                 tune: Callable[[socket.socket], None] = tune_socket) -> None:
+        self.tracker = tracker
+        self.layout = layout
+        self.scheme = scheme
+        self.kind = kind
+        self.payload = payload
+        self._listen = listen
+        self._tune = tune
+        self._port = listen.port
+        self.listener: Listener | None = None
+
+    @property
+    def connections_accepted(self) -> int:
+        return self.listener.accepted if self.listener is not None else 0
+
+    async def start(self) -> None:
+        host = self._listen.host
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, self._port))
+        sock.listen(128)
+        self._port = sock.getsockname()[1]
+        self.listener = Listener(sock, self._serve, self.scheme, self._tune)
+        self.listener.start()
+        await self.payload.start()
+
+    @property
+    def endpoint(self) -> str:
+        if self.listener is None:
+            raise RuntimeError("receiver not started")
+        advertise = self._listen.advertise_host or self._listen.host
+        host = f"[{advertise}]" if ":" in advertise else advertise
+        return f"{self.scheme}://{host}:{self._port}"
+
+    async def close(self) -> None:
+        if self.listener is not None:
+            await self.listener.close()
+            self.listener = None
+        self.payload.close()
 
     async def _serve(self, conn: socket.socket) -> None:
         """Serve the connection's transfers one after another, while each ends DONE and
@@ -169,55 +264,54 @@ class ControlReceiver(TrackedReceiver):
         connection is clean: the sender may send its next HELLO on it)."""
         entry: ExpectedTransfer | None = None
         try:
-            async with asyncio.timeout(HELLO_TIMEOUT_S):
-                hello = await proto.read_hello(loop, conn)
-            try:
-                if hello.kind != self.kind:
-                    raise TransferError(f"{self.scheme} receiver got a kind {hello.kind} sender")
-                entry = self._tracker.claim(
-                    hello.transfer_id, hello.num_blocks,
-                    proto.layout_error(hello, self._layout), owner=asyncio.current_task())
-            except TransferError as exc:
-                await loop.sock_sendall(conn, proto.encode_reply(proto.ERROR, 0, str(exc)))
-                await _linger(loop, conn)
+            entry = await self._claim(loop, conn)
+            if entry is None:
                 return False
-            await loop.sock_sendall(conn, proto.encode_reply(proto.OK))
+            await loop.sock_sendall(conn, wire.encode_reply(wire.OK))
             entry.mark("hello_ok")
             await entry.destination()  # expected by count: the ids may still be on their way
-            message = await self._receive_payload(loop, conn, entry)
-            if peer_failed(conn):  # gave up while the data moved: its blocks may be gone
-                raise TransferError(f"peer gave up: {await peer_reason(loop, conn)}")
+            message = await self.payload.receive(loop, conn, entry)
+            if wire.peer_failed(conn):  # gave up while the data moved: its blocks may be gone
+                raise TransferError(f"peer gave up: {await wire.peer_reason(loop, conn)}")
             entry.mark("landed")
             if not entry.finish(TransferState.DONE):  # it timed out or was cancelled meanwhile
                 return False
-            await loop.sock_sendall(conn, proto.encode_reply(proto.OK, 0, message or ""))
+            await loop.sock_sendall(conn, wire.encode_reply(wire.OK, 0, message or ""))
             return True
         except asyncio.CancelledError:
             if entry is not None:
-                proto.try_send_error(conn, f"transfer {entry.transfer_id} "
-                                           f"{entry.state.value} on receiver")
+                wire.try_send_error(conn, f"transfer {entry.transfer_id} "
+                                          f"{entry.state.value} on receiver")
             raise
         except (OSError, EOFError, TransferError) as exc:
             if entry is not None:
                 if entry.finish(TransferState.FAILED, f"{type(exc).__name__}: {exc}"):
-                    proto.try_send_error(conn, str(exc))
+                    wire.try_send_error(conn, str(exc))
             else:
                 logger.debug("%s receiver dropped a connection: %s", self.scheme, exc)
         except Exception as exc:  # noqa: BLE001 - never leave a transfer hanging on a bug
             logger.exception("%s receiver: unexpected error", self.scheme)
             if entry is not None and entry.finish(TransferState.FAILED, f"receiver error: {exc!r}"):
-                proto.try_send_error(conn, f"receiver error: {exc!r}")
+                wire.try_send_error(conn, f"receiver error: {exc!r}")
         return False
 
-    async def _receive_payload(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
-                               entry: ExpectedTransfer) -> str | None:
-        """Bring the transfer's blocks into ``entry.dst_block_ids``; raise to fail it.
-
-        Must not return before the data is in place (device work complete), and must
-        stop touching the blocks when cancelled. May return a message for the final OK
-        (e.g. :func:`~kvtransfer.protocol.data_seconds_message`).
-        """
-        raise NotImplementedError
+    async def _claim(self, loop: asyncio.AbstractEventLoop,
+                     conn: socket.socket) -> ExpectedTransfer | None:
+        """Read a HELLO and claim its transfer; None after rejecting it (the sender got an
+        ERROR saying why)."""
+        async with asyncio.timeout(HELLO_TIMEOUT_S):
+            hello = await wire.read_hello(loop, conn)
+        try:
+            if hello.kind != self.kind:
+                raise TransferError(f"{self.scheme} receiver got a kind {hello.kind} sender")
+            return self.tracker.claim(hello.transfer_id, hello.num_blocks,
+                                      wire.layout_error(hello, self.layout,
+                                                        self.tracker.options.checksums),
+                                      owner=asyncio.current_task())
+        except TransferError as exc:
+            await loop.sock_sendall(conn, wire.encode_reply(wire.ERROR, 0, str(exc)))
+            await _linger(loop, conn)
+            return None
 
 
 async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket,
@@ -234,6 +328,22 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket,
         return False
     finally:
         loop.remove_reader(fd)
+
+
+async def _linger(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+    """After an ERROR: let the sender read it. Closing a socket with unread input (an eager
+    sender's payload) resets the connection, and a reset can discard the ERROR before the
+    sender read it; so stop writing, read until the sender hangs up, then close."""
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        async with asyncio.timeout(LINGER_S):
+            while await loop.sock_recv(conn, 65536):
+                pass
+    except (OSError, TimeoutError):
+        pass
+
+
+# ------------------------------------------------------------------ sending side
 
 
 class ConnectionPool:
@@ -285,44 +395,24 @@ def _quiet(sock: socket.socket) -> bool:
     return False
 
 
-LINGER_S = 1.0  # most a rejecting receiver waits for the sender to hang up
+class ControlClient:
+    """A sender's channel: runs each transfer over a control connection (a pooled one when
+    the last transfer to that receiver left one); the payload moves the data."""
 
-
-async def _linger(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
-    """After an ERROR: let the sender read it. Closing a socket with unread input (an eager
-    sender's payload) resets the connection, and a reset can discard the ERROR before the
-    sender read it; so stop writing, read until the sender hangs up, then close."""
-    try:
-        conn.shutdown(socket.SHUT_WR)
-        async with asyncio.timeout(LINGER_S):
-            while await loop.sock_recv(conn, 65536):
-                pass
-    except (OSError, TimeoutError):
-        pass
-
-
-class ControlSender(RunnerSender):
-    """Runs each transfer over a control connection (a pooled one when the last transfer
-    to that receiver left one); ``_send_payload`` moves the data."""
-
-    scheme: str
-    kind: int
-
-    _tune = staticmethod(tune_socket)
-
-    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
-        super().__init__(cache, layout)
+    def __init__(self, layout: KVLayout, scheme: str, kind: int, payload: PayloadSender,
+                 tune: Callable[[socket.socket], None] = tune_socket) -> None:
+        self.layout = layout
+        self.scheme = scheme
+        self.kind = kind
+        self.payload = payload
+        self._tune = tune
         self.pool = ConnectionPool()
 
     async def close(self) -> None:
-        await super().close()
+        self.payload.close()
         self.pool.close()
 
-    # True for backends whose payload messages may follow HELLO before the receiver accepted
-    # (one-sided: the payload is metadata, the receiver moves the data)
-    eager_payload = False
-
-    async def _send(self, sm: TransferStateMachine, endpoint: str, blocks: BlockStream) -> int:
+    async def send(self, sm: TransferStateMachine, endpoint: str, blocks: BlockStream) -> int:
         loop = asyncio.get_running_loop()
         host, port = parse_host_port(endpoint, self.scheme)
         sock = self.pool.take(endpoint)
@@ -337,16 +427,16 @@ class ControlSender(RunnerSender):
                 self._tune(sock)
                 await loop.sock_connect(sock, (host, port))
                 sm.mark("connected")
-            await loop.sock_sendall(sock, proto.encode_hello(self.kind, self._layout,
-                                                             sm.transfer_id, blocks.total))
-            if not (self.eager_payload and blocks.ready()):
+            await loop.sock_sendall(sock, wire.encode_hello(
+                self.kind, self.layout, sm.transfer_id, blocks.total, checksums=sm.checksums))
+            if not (self.payload.eager and blocks.ready()):
                 await _accepted(loop, sock, sm)
             # else the blocks are all readable already (a retry, a fully cached prompt): the
             # payload follows HELLO at once and await_ack reads the HELLO's answer first,
             # saving a round trip; a receiver that rejects the transfer drains what we sent
-            await self._send_payload(loop, sock, endpoint, sm, blocks)
+            await self.payload.send(loop, sock, endpoint, sm, blocks)
             sm.mark("acked")
-            sm.num_bytes = blocks.total * self._layout.block_bytes
+            sm.num_bytes = blocks.total * self.layout.block_bytes
             done = True
             return sm.num_bytes
         finally:
@@ -355,26 +445,11 @@ class ControlSender(RunnerSender):
             else:
                 sock.close()
 
-    @staticmethod
-    async def _hold_lease(loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                          sm: TransferStateMachine, exc: BaseException) -> None:
-        """A one-sided send failed with ``exc`` after the receiver may have started reading:
-        :func:`until_receiver_stopped`, bounded as this transfer's state allows."""
-        await until_receiver_stopped(loop, sock, f"sender gave up: {exc!r}"[:200],
-                                     accepted=sm.state is not TransferState.PENDING)
-
-    async def _send_payload(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                            endpoint: str, sm: TransferStateMachine, blocks: BlockStream) -> None:
-        """Move the blocks as ``blocks`` hands them over and return once the receiver acked
-        them all (``await_ack``) and this side no longer reads them. Raise TransferError /
-        OSError to fail the transfer."""
-        raise NotImplementedError
-
 
 async def _accepted(loop: asyncio.AbstractEventLoop, sock: socket.socket,
                     sm: TransferStateMachine) -> None:
     """Read the receiver's answer to HELLO: OK moves the transfer to TRANSFERRING."""
-    await proto.expect_ok(loop, sock, "rejected the transfer")
+    await wire.expect_ok(loop, sock, "rejected the transfer")
     sm.mark("hello_ok")
     sm.advance(TransferState.TRANSFERRING)
 
@@ -385,14 +460,15 @@ async def await_ack(loop: asyncio.AbstractEventLoop, sock: socket.socket,
     After an eager payload the answer to HELLO comes first and is read here."""
     if sm.state is TransferState.PENDING:
         await _accepted(loop, sock, sm)
-    return await proto.expect_ok(loop, sock, "failed the transfer")
+    return await wire.expect_ok(loop, sock, "failed the transfer")
 
 
-LEASE_DRAIN_TIMEOUT_S = 10.0  # most a failed one-sided send waits for the receiver to stop
-# the same after an eager payload that the receiver never even answered HELLO to: it has not
-# looked at the transfer for its whole lifetime, and whatever it reads later finds our ERROR
-# right behind the payload (checked before it counts a transfer DONE)
-UNANSWERED_DRAIN_TIMEOUT_S = 0.5
+async def hold_lease(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                     sm: TransferStateMachine, exc: BaseException) -> None:
+    """A one-sided send failed with ``exc`` after the receiver may have started reading:
+    :func:`until_receiver_stopped`, bounded as this transfer's state allows."""
+    await until_receiver_stopped(loop, sock, f"sender gave up: {exc!r}"[:200],
+                                 accepted=sm.state is not TransferState.PENDING)
 
 
 async def until_receiver_stopped(loop: asyncio.AbstractEventLoop, sock: socket.socket,
@@ -407,7 +483,7 @@ async def until_receiver_stopped(loop: asyncio.AbstractEventLoop, sock: socket.s
     up for that long is stuck; the blocks are then released anyway, with an error logged),
     or by UNANSWERED_DRAIN_TIMEOUT_S when the receiver had not ``accepted`` (answered HELLO).
     A repeated cancellation does not cut the wait short: it is the lease."""
-    proto.try_send_error(sock, reason)
+    wire.try_send_error(sock, reason)
     try:
         sock.shutdown(socket.SHUT_WR)
     except OSError:
@@ -436,22 +512,3 @@ async def until_receiver_stopped(loop: asyncio.AbstractEventLoop, sock: socket.s
             await asyncio.wait_for(asyncio.shield(task), left)
         except (asyncio.CancelledError, TimeoutError):
             pass  # the lease outlives a cancellation; the deadline bounds it
-
-
-def segments(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
-    """Cut a transfer into ``(src_start, dst_start, count)`` pieces that are contiguous on BOTH
-    sides (block-major caches: one piece is one region of ``count`` blocks in each cache).
-
-    ``segments([4, 5, 6, 9], [0, 1, 7, 8])`` -> ``[(4, 0, 2), (6, 7, 1), (9, 8, 1)]``.
-    """
-    if len(src_ids) != len(dst_ids):
-        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
-    out: list[tuple[int, int, int]] = []
-    for s, d in zip(src_ids, dst_ids):
-        if out:
-            s0, d0, n = out[-1]
-            if s == s0 + n and d == d0 + n:
-                out[-1] = (s0, d0, n + 1)
-                continue
-        out.append((s, d, 1))
-    return out

@@ -25,7 +25,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from kvtransfer.base import TransferError
+from kvtransfer.api import TransferError
+from kvtransfer.waits import wait_event
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ class BlockStream:
         """Like :meth:`parts`, but each part only once its event completed (host-side wait;
         ``watch``: a control socket whose peer giving up ends the wait)."""
         async for ids, event in self.parts():
-            await wait_event(event, watch)
+            await wait_event(event, watch=watch, what="the prefill's forward pass")
             yield ids
 
     async def all(self, watch=None) -> list[int]:
@@ -159,11 +160,3 @@ class BlockStream:
         async for ids in self.ready_parts(watch):
             out.extend(ids)
         return out
-
-
-async def wait_event(event: Any, watch=None) -> None:
-    """Await a part's device event without blocking the loop (None: nothing to wait for)."""
-    # imported here: waits -> protocol -> tracking imports this module
-    from kvtransfer.waits import wait_event as wait_device
-
-    await wait_device(event, watch=watch, what="the prefill's forward pass")

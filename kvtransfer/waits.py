@@ -4,8 +4,8 @@ A transfer's side waits for CUDA events (copies, NCCL kernels, the prefill's for
 for NCCL's communicator state and for NIXL requests without blocking its event loop and
 without a busy loop holding the GIL; with ``watch`` (the transfer's control connection) a
 peer that reports an error or hangs up ends the wait at once (:class:`TransferError` with
-the peer's reason) instead of at the transfer's timeout. Used by :mod:`kvtransfer.control`
-and the backends; depends on nothing of theirs.
+the peer's reason) instead of at the transfer's timeout. Used by :mod:`kvtransfer.stream`,
+:mod:`kvtransfer.control` and the backends; depends only on the interface and the wire.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import socket
 import threading
 import time
 
-from kvtransfer import protocol as proto
-from kvtransfer.base import TransferError
+from kvtransfer.api import TransferError
+from kvtransfer.wire import peer_failed, peer_reason
 
 
 # threads that block on CUDA events for the event loop (a blocked thread holds no GIL); a
@@ -59,9 +59,8 @@ def _in_thread(loop: asyncio.AbstractEventLoop, pool: concurrent.futures.Executo
     settles itself (True, or ``fn``'s exception) with ONE ``call_soon_threadsafe``: a
     thread's completion wakes the awaiting coroutine in two loop iterations, where
     ``run_in_executor`` / ``wrap_future`` plus ``asyncio.wait`` chain four or five
-    callbacks (on a 2-core host, event done -> coroutine running: 126 -> 93 us p50 on
-    asyncio, 64 -> 51 us on uvloop). The loop future may already be settled or cancelled
-    by then (the peer gave up, the waiter was cancelled)."""
+    callbacks (each a loop iteration later). The loop future may already be settled or
+    cancelled by then (the peer gave up, the waiter was cancelled)."""
     fut = loop.create_future()
 
     def settle(exc: BaseException | None) -> None:
@@ -167,23 +166,3 @@ async def poll_until(done, *, interval_s: float = 0.00005, max_interval_s: float
     finally:
         if readable is not None:
             loop.remove_reader(watch.fileno())
-
-
-def peer_failed(sock: socket.socket) -> bool:
-    """Peek at the control socket: closed, reset or an ERROR reply next."""
-    try:
-        head = sock.recv(1, socket.MSG_PEEK)
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-    return head == b"" or head[0] == proto.ERROR
-
-
-async def peer_reason(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> str:
-    try:
-        async with asyncio.timeout(0.2):
-            status, _, message = await proto.read_reply(loop, sock)
-        return message if status == proto.ERROR else f"unexpected reply {status}"
-    except (OSError, EOFError, TransferError, TimeoutError):
-        return "connection closed"

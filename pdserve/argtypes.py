@@ -1,6 +1,6 @@
 """Typed, range-checked argparse values and a parser whose errors are one line (exit 2, no
 usage block, no traceback) for the CLI's own flags (the services' flags come from their
-settings trees, services/config_tree.py)."""
+settings trees, pdcore/config_tree.py)."""
 from __future__ import annotations
 
 import argparse

@@ -28,7 +28,7 @@ def _interrupt(signum, frame):
 
 def _up_args(argv):
     from pdserve.argtypes import Parser, integer
-    from services.config import KV_BACKENDS
+    from services.config import backend_devices
     p = Parser(prog="pdserve up", description="start a whole local cluster")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prefill", type=integer(0), default=1)
@@ -37,7 +37,7 @@ def _up_args(argv):
     p.add_argument("--port", type=integer(0, 65535), default=50051, help="gateway port")
     p.add_argument("--device", default=None, help="every worker's device (cpu, cuda, cuda:N); "
                    "workers sharing a GPU split its memory; default: the workers' (auto)")
-    p.add_argument("--kv-backend", default=None, choices=KV_BACKENDS,
+    p.add_argument("--kv-backend", default=None, choices=sorted(backend_devices()),
                    help="default: the workers' (tcp on the CPU, cuda_ipc,nccl on a GPU)")
     p.add_argument("--no-demo", action="store_true", help="skip the sample request")
     p.add_argument("--exit-after-demo", action="store_true", help="stop after the sample request")
@@ -161,7 +161,7 @@ def _cmd_run(argv) -> int:
     from engine.config import EngineConfig
     from pdserve.argtypes import integer, number
     from services.config import ConfigError, ROOTS
-    from services.config_tree import build, parser
+    from pdcore.config_tree import build, parser
     p = parser(EngineConfig, "pdserve run", "offline, in-process generation; every engine "
                "setting is a flag (docs/configuration.md)")
     p.add_argument("prompt", nargs="+")

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from services.config_tree import child_environ
+from pdcore.config_tree import child_environ
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,7 +15,7 @@ def show(argv) -> int:
     """``pdserve config show [--role R] [--format toml|json] [that role's flags]``."""
     from services import config
     from services.config_docs import render_show
-    from services.config_tree import build
+    from pdcore.config_tree import build
     p = Parser(prog="pdserve config show", add_help=False,
                description="print the configuration an entry point would run with here")
     p.add_argument("--role", choices=ROLES, default="colocated")

@@ -12,7 +12,7 @@ import logging
 import sys
 
 from services.config import WorkerSettings
-from services.config_tree import redacted_flat
+from pdcore.config_tree import environ, redacted_flat
 from services.grpc_server import DECODE_SERVICE, PREFILL_SERVICE, GrpcServer
 from services.metrics import WorkerMetrics, serve_metrics
 from services.worker_runtime import WorkerRuntime, engine_config
@@ -20,15 +20,19 @@ from services.worker_runtime import WorkerRuntime, engine_config
 logger = logging.getLogger(__name__)
 
 
-async def serve_worker(settings: WorkerSettings) -> None:
+async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
+    """``kv_options``: :func:`kvtransfer.registry.options_from_env`'s pair (default: read
+    from this process's environment)."""
     from decode_worker.servicer import DecodeServicer
     from engine.async_engine import AsyncEngine
     from engine.engine import LLMEngine
     from kvtransfer import KVLayout, make_receiver, make_sender
+    from kvtransfer.registry import options_from_env
     from prefill_worker.servicer import PrefillServicer
     from protos.pdserve.v1 import worker_pb2_grpc
 
     role = settings.role
+    shared, kv_opts = kv_options or options_from_env(environ())
     engine = LLMEngine(engine_config(settings))
     # the engine resolves what depends on the model and the device (dtype, KV cache size,
     # max_model_len): the configuration logged and exported is the one that runs
@@ -49,7 +53,8 @@ async def serve_worker(settings: WorkerSettings) -> None:
     decode = None
     if role in ("decode", "colocated"):
         for i, backend in enumerate(settings.kv_backends):
-            receiver = make_receiver(backend, cache, layout, **_receiver_opts(settings, backend, i))
+            receiver = make_receiver(backend, cache, layout, kv_opts[backend], shared=shared,
+                                     listen=_listen_address(settings, backend, i))
             await receiver.start()
             receivers.append((backend, receiver))
         decode = DecodeServicer(aengine, runtime, receivers, layout, settings, metrics=metrics)
@@ -57,7 +62,8 @@ async def serve_worker(settings: WorkerSettings) -> None:
     # a colocated worker without KV backends (its default) prefills its own requests only
     if role == "prefill" or (role == "colocated" and settings.kv_backends):
         for backend in settings.kv_backends:
-            senders[backend] = make_sender(backend, cache, layout)
+            senders[backend] = make_sender(backend, cache, layout, kv_opts[backend],
+                                           shared=shared)
         services.append(PREFILL_SERVICE)
 
     srv = GrpcServer(services, host=settings.host, port=settings.port,
@@ -93,17 +99,17 @@ async def serve_worker(settings: WorkerSettings) -> None:
             await s.close()
 
 
-_SOCKET_BACKENDS = ("tcp", "nccl", "cuda_ipc", "nixl")  # data or control over a TCP listener
+def _listen_address(settings: WorkerSettings, backend: str, index: int):
+    """Where the ``index``-th receiver listens (a fixed --kv-port counts up); None for a
+    backend that listens on no TCP port."""
+    from kvtransfer import ListenAddress, registry
 
-
-def _receiver_opts(settings: WorkerSettings, backend: str, index: int) -> dict:
-    """Listener options of the ``index``-th receiver (a fixed --kv-port counts up)."""
-    if backend not in _SOCKET_BACKENDS:
-        return {}
+    if not registry.spec(backend).listener:  # data or control over a TCP listener
+        return None
     # what prefill workers dial: never a wildcard bind address (compose, Kubernetes)
-    return {"host": settings.kv_host or settings.host,
-            "port": settings.kv_port + index if settings.kv_port else 0,
-            "advertise_host": settings.advertise_address(1).rpartition(":")[0]}
+    return ListenAddress(settings.kv_host or settings.host,
+                         settings.kv_port + index if settings.kv_port else 0,
+                         settings.advertise_address(1).rpartition(":")[0])
 
 
 def main(argv=None, role: str = "colocated") -> int:
@@ -111,15 +117,17 @@ def main(argv=None, role: str = "colocated") -> int:
     from services.grpc_server import run
     from services.logging_setup import setup_logging
     from services.telemetry import setup_tracing, shutdown_tracing
+    from kvtransfer.registry import options_from_env
     try:
         settings = worker_settings(argv, role=role)
-    except ConfigError as e:
+        kv_options = options_from_env(environ())
+    except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging(f"{settings.role}-worker", settings.log_level, settings.log_format)
     setup_tracing(settings.role)
     try:
-        run(serve_worker(settings))
+        run(serve_worker(settings, kv_options))
     finally:
         shutdown_tracing()
     return 0

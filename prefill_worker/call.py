@@ -25,7 +25,7 @@ import grpc
 
 from engine.request import FinishReason
 from kvtransfer import TransferState
-from kvtransfer.proto import layout_from_proto
+from services.kv_proto import layout_from_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2
 from services import telemetry, validation
 from services.logging_setup import request_context

@@ -5,7 +5,7 @@
     gateway    GatewaySettings: pdserve gateway
     client     ClientSettings: pdserve generate | chat | bench
 
-Each tree is frozen dataclasses that only validate; services/config_tree.py fills them:
+Each tree is frozen dataclasses that only validate; pdcore/config_tree.py fills them:
 defaults < config file (``--config FILE``, ``PDSERVE_CONFIG``) < ``PDSERVE_*`` variables <
 flags (< keywords, for ``LLM``). The field ``some_name`` is the flag ``--some-name``, the
 variable ``PDSERVE_SOME_NAME``, the file key and the keyword ``some_name``. Bad values raise
@@ -27,7 +27,7 @@ from typing import Any
 
 from engine.config import (EngineConfig, SettingError, check_settings, resolve_engine_config,
                            section, setting)
-from services.config_tree import ConfigError, build, tree  # noqa: F401 - ConfigError re-exported
+from pdcore.config_tree import ConfigError, build, tree  # noqa: F401 - ConfigError re-exported
 from services.validation import RequestLimits
 
 ROLES = ("prefill", "decode", "colocated")
@@ -35,17 +35,20 @@ LOG_FORMATS = ("json", "text")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
-# KV transfer backends and the caches (devices) each can move.
-# tcp / shm: CPU caches only. Moving a GPU cache over them (staging through pinned host
-# memory) is being added in kvtransfer/ by another change; until it lands the refusal below
-# is still needed, and then "cuda" joins their devices here and "tcp" the GPU default list.
-BACKEND_DEVICES = {"tcp": ("cpu",), "shm": ("cpu",), "nccl": ("cuda",), "cuda_ipc": ("cuda",),
-                   "nixl": ("cpu", "cuda"), "fake": ("cpu", "cuda")}
-KV_BACKENDS = tuple(BACKEND_DEVICES)
 # kv_backend=auto: a colocated worker moves no KV; a GPU worker prefers the copy engines on
 # one host (cuda_ipc also serves a prefill and a decode worker sharing one GPU, where NCCL
-# cannot), then NCCL between hosts; a CPU worker uses tcp.
+# cannot), then NCCL between hosts (tcp also moves a GPU cache, through pinned host memory,
+# for hosts without NVLink or RDMA: name it explicitly); a CPU worker uses tcp. Which
+# backends exist and which devices each serves: the kvtransfer registry, the one list
+# (backend_devices).
 DEFAULT_KV_BACKENDS = {"cpu": "tcp", "cuda": "cuda_ipc,nccl"}
+
+
+def backend_devices() -> dict[str, tuple[str, ...]]:
+    """Each KV backend and the cache devices it moves, from the kvtransfer registry (workers
+    only ask: it imports torch)."""
+    from kvtransfer import registry
+    return {name: registry.spec(name).devices for name in registry.backends()}
 
 
 def default_kv_backend(role: str, device_kind: str) -> str:
@@ -91,7 +94,7 @@ class ServiceSettings:
                                             "unix://")
 
     def __repr__(self) -> str:  # secrets and URL passwords redacted
-        from services.config_tree import flat, redact
+        from pdcore.config_tree import flat, redact
         specs = tree(type(self))
         body = ", ".join(f"{k}={redact(specs[k], v)!r}" for k, v in flat(self).items())
         return f"{type(self).__name__}({body})"
@@ -224,25 +227,24 @@ class WorkerSettings(ServiceSettings):
     def _check_backends(self) -> None:
         names = self.kv_backends
         raw = [b.strip() for b in self.kv_backend.split(",")]
+        devices = backend_devices()
         if (self.kv_backend.strip() not in ("auto", "none")
-                and (not names or "" in raw or any(b not in BACKEND_DEVICES for b in names)
+                and (not names or "" in raw or any(b not in devices for b in names)
                      or len(set(names)) != len(names))):
             raise SettingError("kv_backend", f"kv_backend must be distinct names from "
-                                             f"{', '.join(KV_BACKENDS)}, comma-separated, auto "
+                                             f"{', '.join(devices)}, comma-separated, auto "
                                              f"or none, got {self.kv_backend!r}")
         if not names and self.role != "colocated":
             raise SettingError("kv_backend", f"a {self.role} worker needs a kv_backend")
         if self.engine.device == "auto":
             return  # checked once the device is resolved (resolve_worker)
         kind = self.engine.device_kind
-        wrong = [b for b in names if kind not in BACKEND_DEVICES[b]]
+        wrong = [b for b in names if kind not in devices[b]]
         if wrong:
-            gpu = "/".join(b for b, d in BACKEND_DEVICES.items() if d == ("cuda",))
-            cpu = "/".join(b for b, d in BACKEND_DEVICES.items() if d == ("cpu",))
+            gpu = "/".join(b for b, d in devices.items() if d == ("cuda",))
             raise SettingError("kv_backend", (
                 f"kv_backend {','.join(wrong)} cannot move a KV cache on device "
-                f"{self.engine.device!r}: {gpu} need a cuda device, {cpu} a cpu one (nixl and "
-                "fake take either)"))
+                f"{self.engine.device!r}: {gpu} need a cuda device"))
 
     @property
     def kv_backends(self) -> tuple[str, ...]:
@@ -338,8 +340,8 @@ def resolve_worker(s: WorkerSettings, values=None,
 
 def engine_config(model: str | None = None, env: Mapping[str, str] | None = None,
                   config_file: str | None = None, **kw) -> EngineConfig:
-    """The offline engine's settings: defaults < config file < ``PDSERVE_*`` < keywords
-    (``LLM(model, **kw)``). Unknown keywords raise TypeError naming the nearest setting."""
+    """The offline engine's settings (engine.llm.engine_config), strictly: an unknown
+    variable or file key of any entry point is an error here (``pdserve run``)."""
     if model is not None:
         kw["model"] = model
     return build(EngineConfig, roots=ROOTS, env=env, keywords=kw, sections=("engine",),
@@ -352,5 +354,5 @@ def client_settings(env: Mapping[str, str] | None = None) -> ClientSettings:
 
 def setting_names(root: str) -> set[str]:
     """Flat names (aliases included) of one entry point's tree."""
-    from services.config_tree import aliases
+    from pdcore.config_tree import aliases
     return set(aliases(ROOTS[root]))

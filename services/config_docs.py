@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.config_tree import (CONFIG_VAR, FILE_SECTIONS, OTHER_VARIABLES,
-                                  PENDING_KVTRANSFER_VARIABLES, Spec, Values, flat, redact,
+from pdcore.config_tree import (CONFIG_VAR, FILE_SECTIONS, OTHER_VARIABLES,
+                                  KVTRANSFER_VARIABLES, Spec, Values, flat, redact,
                                   show_value, tree)
 
 DOCS_PATH = "docs/configuration.md"
@@ -134,10 +134,11 @@ def render_docs(roots: dict[str, type]) -> str:
               "Not settings of any tree; each is read where noted.", "",
               "| variable | meaning |", "|---|---|"]
     lines += [f"| `{k}` | {v} |" for k, v in OTHER_VARIABLES.items()]
-    lines += ["", "Pending: kvtransfer/ still reads these variables itself while its backends "
-              "move to typed per-backend options (each will then be a setting above):", "",
+    lines += ["", "KV transfer tuning and fault injection: a worker reads these at its start "
+              "into the backends' typed options (kvtransfer.registry.options_from_env; each "
+              "backend module declares its options dataclass with ranges and help):", "",
               "| variable | meaning |", "|---|---|"]
-    lines += [f"| `{k}` | {v} |" for k, v in PENDING_KVTRANSFER_VARIABLES.items()]
+    lines += [f"| `{k}` | {v} |" for k, v in KVTRANSFER_VARIABLES.items()]
     lines += ["", "Standard variables of the libraries are theirs: `OTEL_*` (OpenTelemetry: "
               "tracing is on when they name an OTLP exporter or endpoint), `TRITON_INTERPRET` "
               "(Triton: interpret kernels on the CPU), `CXX` (the compiler of the CPU "

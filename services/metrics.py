@@ -35,7 +35,7 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0")
 
 def export_config(registry: CollectorRegistry, settings: dict[str, str]) -> Info:
     """``pdserve_config_info``: one sample whose labels are the service's resolved settings
-    (flat names; secrets already redacted by the caller, services.config_tree.redacted_flat)."""
+    (flat names; secrets already redacted by the caller, pdcore.config_tree.redacted_flat)."""
     info = Info("pdserve_config", "The resolved configuration this service runs with (one "
                 "label per setting, secrets redacted)", registry=registry)
     info.info({k: str(v) for k, v in settings.items()})

@@ -1,6 +1,6 @@
 """Global prefix index in Redis: which workers hold which KV blocks (by chained block hash).
 
-Hashes come from services/block_hash.py (a hash names a whole prefix, so "worker holds block i"
+Hashes come from pdcore/block_hash.py (a hash names a whole prefix, so "worker holds block i"
 implies it held blocks 0..i-1 when it stored it; evictions can break that, hence the lookup rule
 below). Workers publish ``stored`` / ``removed`` events; gateways ask ``longest_prefix``.
 

@@ -31,7 +31,7 @@ import time
 import uuid
 
 from services.redis_client import DEFAULT_NAMESPACE, RedisConn, RedisUnavailable, worker_key
-from services.tasks import cancel_and_wait
+from pdcore.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 
-from services.config_tree import standard_environ
+from pdcore.config_tree import standard_environ
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from services.config import WorkerSettings
 from services.prefix_index import IndexUnavailable, PrefixIndex
 from services.registry import (Heartbeat, RegistryUnavailable, WorkerInfo, WorkerLoad,
                                WorkerRegistry, new_worker_id)
-from services.tasks import cancel_and_wait
+from pdcore.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

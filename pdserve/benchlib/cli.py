@@ -48,7 +48,7 @@ def up_label(cfg: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.argtypes import Parser, address, int_range, integer, number
-    from services.config import KV_BACKENDS
+    from services.config import backend_devices
     pos, nonneg = integer(1), integer(0)
     p = Parser(prog="pdserve bench", description="serving benchmark",
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--decode", type=nonneg, default=1)
     d.add_argument("--colocated", type=nonneg, default=0)
     d.add_argument("--model", default="smollm2-135m")
-    d.add_argument("--kv-backend", default=None, choices=KV_BACKENDS,
+    d.add_argument("--kv-backend", default=None, choices=sorted(backend_devices()),
                    help="default: the workers' (tcp on the CPU)")
     d.add_argument("--device", default=None,
                    help="--up / --compare-up: every worker's device (cpu, cuda, cuda:N; "

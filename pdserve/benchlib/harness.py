@@ -107,7 +107,7 @@ def command_line(argv: list[str] | None = None, prog: str | None = None) -> str:
 
 def settings_env() -> dict:
     """The environment settings that change what a benchmark measures."""
-    from services.config_tree import environ
+    from pdcore.config_tree import environ
     return {k: v for k, v in sorted(environ().items()) if k.startswith(ENV_PREFIXES)}
 
 

@@ -60,10 +60,10 @@ async def pair(backend, src, dst, src_layout=LAYOUT):
 
 def test_driver_and_kernel_copies_match_torch_copies_across_gpus_and_within_one():
     """cuda_ipc queues its block runs through cuMemcpyDtoDAsync, or one Triton kernel for
-    many short runs (kvtransfer.cuda_copy): both land exactly what ``copy_`` would, peer to
+    many short runs (kvtransfer.backends.cuda_copy): both land exactly what ``copy_`` would, peer to
     peer and on one GPU, on a side stream ordered after earlier work on it; copy_blocks
     picks the kernel for short runs on one device and the copy engines otherwise."""
-    from kvtransfer import cuda_copy
+    from kvtransfer.backends import cuda_copy
 
     assert cuda_copy._driver_memcpy(), "libcuda's cuMemcpyDtoDAsync_v2 did not load"
     cuda_copy.enable_peer_access(1, 0)  # kernels on cuda:1 read cuda:0 (as an IPC mapping)
@@ -83,14 +83,11 @@ def test_driver_and_kernel_copies_match_torch_copies_across_gpus_and_within_one(
             assert torch.equal(dst, want), (src_dev, how)
             if how == "copy_blocks":  # several runs: one batched copy-engine call
                 assert picked == "batch"
-                os.environ["PDSERVE_BATCH_COPY"] = "0"  # without it: 32 KiB blocks are short
-                try:  # runs, a kernel on one device only
-                    assert cuda_copy.copy_blocks(dst, src, runs, stream) == \
-                        ("kernel" if src_dev == DST else "copy_engine")
-                    stream.synchronize()
-                    assert torch.equal(dst, want), (src_dev, how, "without batch")
-                finally:
-                    del os.environ["PDSERVE_BATCH_COPY"]
+                # without it: 32 KiB blocks are short runs, a kernel on one device only
+                assert cuda_copy.copy_blocks(dst, src, runs, stream, batch=False) == \
+                    ("kernel" if src_dev == DST else "copy_engine")
+                stream.synchronize()
+                assert torch.equal(dst, want), (src_dev, how, "without batch")
             if how == "batch_copy_runs":
                 assert picked is True, "cuMemcpyBatchAsync unavailable or refused"
 
@@ -162,14 +159,15 @@ def test_cuda_ipc_sender_that_gives_up_keeps_its_blocks_until_the_copy_stopped(l
         assert torch.equal(dst[50:63].cpu(), src[ids].cpu())
         h = rx.expect("slow", list(range(13)), 30)
         with torch.cuda.device(DST):
-            rx._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(rx._stream):
+            rx.channel.payload._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(rx.channel.payload._stream):
                 torch.cuda._sleep(int(1.5e9))  # ~1 s of cycles: the copies queue behind it
         t0 = time.monotonic()
         res = await tx.send("slow", rx.endpoint, ids, 0.2)
         waited = time.monotonic() - t0
         assert res.state is TransferState.TIMED_OUT, res
-        assert h.state.terminal and rx._stream.query(), "send() returned during the copy"
+        assert h.state.terminal and rx.channel.payload._stream.query(), \
+            "send() returned during the copy"
         assert waited > 0.4, waited
         got = await h.wait()
         assert got.state is TransferState.FAILED and "gave up" in got.error, got
@@ -232,7 +230,7 @@ def test_layered_send_waits_for_each_layers_event(backend):
         opts = {"layers_per_message": 1} if backend == "nccl" else {}
         tx = make_sender(backend, src, LAYOUT, **opts)
         if backend == "nccl":
-            assert tx._groups == [(0, 1), (1, 2), (2, 3), (3, 4)]  # noqa: SLF001
+            assert tx.channel.payload._groups == [(0, 1), (1, 2), (2, 3), (3, 4)]  # noqa: SLF001
         s_ids, d_ids = [5, 6, 7, 8, 30, 2, 41, 40], [0, 1, 2, 3, 60, 10, 11, 12]
         want = cache(len(s_ids), SRC, seed=7)
         torch.cuda.synchronize(SRC)
@@ -271,16 +269,16 @@ def test_nccl_packs_a_written_part_of_scattered_blocks(pack_layers, monkeypatch)
     ``pack_message_bytes`` (1 layer: four messages through two staging buffers per side,
     reused), gathered after the part's event; contiguous blocks, or packing off, move as
     whole messages. The data lands exactly either way."""
-    from kvtransfer.nccl import NcclSender
+    from kvtransfer.backends.nccl import NcclPayloadSender
 
     packed = []
-    real = NcclSender._send_layers
+    real = NcclPayloadSender._send_layers
 
-    async def counting(self, sock, comm, part, groups, staged):
+    async def counting(self, sock, comm, part, groups, staged, *rest):
         packed.append(len(groups))
-        return await real(self, sock, comm, part, groups, staged)
+        return await real(self, sock, comm, part, groups, staged, *rest)
 
-    monkeypatch.setattr(NcclSender, "_send_layers", counting)
+    monkeypatch.setattr(NcclPayloadSender, "_send_layers", counting)
 
     async def main():
         src, dst = cache(96, SRC), cache(96, DST)
@@ -320,23 +318,23 @@ def test_nccl_without_memory_to_pack_moves_whole_messages(short_side, monkeypatc
     """A side that cannot allocate the staging buffers (out of GPU memory) does not pack:
     the receiver declines the offer, or the sender does not make it; the scattered part
     then moves as one message per segment, exactly, and the pair stays usable."""
-    from kvtransfer import nccl
+    from kvtransfer.backends import nccl
 
-    real_try, packed = nccl._try_staging, []  # noqa: SLF001
+    real_try, packed = nccl.try_staging, []  # noqa: SLF001
 
     def short_of_memory(layout, num_blocks, groups, comm):
         if str(comm.device) == short_side:
             return None
         return real_try(layout, num_blocks, groups, comm)
 
-    real_send = nccl.NcclSender._send_layers  # noqa: SLF001
+    real_send = nccl.NcclPayloadSender._send_layers  # noqa: SLF001
 
-    async def counting(self, sock, comm, part, groups, staged):
+    async def counting(self, sock, comm, part, groups, staged, *rest):
         packed.append(len(groups))
-        return await real_send(self, sock, comm, part, groups, staged)
+        return await real_send(self, sock, comm, part, groups, staged, *rest)
 
-    monkeypatch.setattr(nccl, "_try_staging", short_of_memory)
-    monkeypatch.setattr(nccl.NcclSender, "_send_layers", counting)
+    monkeypatch.setattr(nccl, "try_staging", short_of_memory)
+    monkeypatch.setattr(nccl.NcclPayloadSender, "_send_layers", counting)
 
     async def main():
         src, dst = cache(64, SRC, seed=31), cache(64, DST)
@@ -441,11 +439,11 @@ if mode == "send":  # argv: endpoint, hang (1: freeze before queueing the data)
     src = src.view(n, 1, 1, 1, 1, 1).expand(n, *layout.block_shape).contiguous()
     tx = make_sender(backend, src, layout)
     if hang:
-        import kvtransfer.nccl as nc
+        import kvtransfer.backends.nccl as nc
         def frozen(self, *a, **k):
             print("FROZEN", flush=True)
             time.sleep(3600)
-        nc._Comm.post = frozen
+        nc.Comm.post = frozen
     res = asyncio.run(tx.send(sys.argv[5], endpoint, list(range(n)), 60))
     print("RESULT", res.state.value, res.error, flush=True)
 """
@@ -504,12 +502,190 @@ def test_nccl_dead_sender_does_not_hang_the_receiver():
         res = await asyncio.wait_for(h.wait(), 10)
         assert res.state is TransferState.FAILED, res
         assert time.monotonic() - t0 < 2.0
-        assert not rx._pairs.comms, "the dead pair's communicator was not dropped"
+        assert not rx.channel.payload._pairs.comms, "the dead pair's communicator was not dropped"
         h = rx.expect("after", list(range(64)), 60)
         proc = _spawn("nccl", "send", rx.endpoint, "0", "after")
         res = await h.wait()
         out = await loop.run_in_executor(None, proc.communicate)
         assert res.ok, (res, out[0][-2000:])
+        await rx.close()
+
+    run(main())
+
+
+def test_block_checksums_on_the_gpu_match_the_cpu_definition():
+    """kvtransfer.checksum on a GPU: the per-run torch path and the one-kernel path for many
+    scattered blocks give exactly the CPU's (integer sums wrap the same way)."""
+    from kvtransfer import checksum
+
+    src = cache(96, SRC, seed=41)
+    for ids in ([5, 6, 7, 8], [90, 3, 41, 17, 60, 2, 77, 11, 50, 8, 31, 64, 1]):  # 1 / 13 runs
+        got = checksum.block_checksums(src, ids).cpu()
+        want = checksum.block_checksums(src.cpu(), ids)
+        assert torch.equal(got, want), ids
+
+
+@pytest.mark.parametrize("layered", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_corrupted_data_fails_the_transfer_naming_the_block(backend, layered):
+    """Fault injection flips a byte of every second transfer's data (nccl: the sender, in
+    its first segment's message or its first staging buffer; cuda_ipc / nixl: the receiver,
+    as the copy lands);
+    the receiver's checksums, computed on the GPU, fail exactly those transfers, naming the
+    block; the others land exactly, streamed layer by layer or not."""
+    from kvtransfer.api import KVTransferOptions
+
+    faulty = KVTransferOptions(corrupt_every=2)
+    pull = backend in ("cuda_ipc", "nixl")
+
+    async def main():
+        src, dst = cache(64, SRC), cache(64, DST)
+        rx = make_receiver(backend, dst, LAYOUT, shared=faulty if pull else None)
+        await rx.start()
+        # nccl: one message per layer (staging buffers), or one per segment (packing off)
+        opts = {"layers_per_message": 1} if layered else {"pack_message_bytes": 0}
+        tx = make_sender(backend, src, LAYOUT, shared=None if pull else faulty,
+                         **(opts if backend == "nccl" else {}))
+        for i in range(4):
+            s_ids, d_ids = [5, 6, 7, 30 + i, 2], [60, 0, 1, 11 + i, 40]
+            want = cache(len(s_ids), SRC, seed=50 + i)
+            torch.cuda.synchronize(SRC)
+            handle = rx.expect(f"cs{i}", d_ids, 30)
+            blocks = BlockStream(len(s_ids))
+            task = asyncio.create_task(tx.send(f"cs{i}", rx.endpoint, blocks, 30))
+            compute = torch.cuda.Stream(SRC)
+            with torch.cuda.device(SRC), torch.cuda.stream(compute):
+                layers = []
+                for layer in range(LAYOUT.num_layers):
+                    torch.cuda._sleep(5_000_000)
+                    src[s_ids, layer] = want[:, layer]
+                    layers.append(torch.cuda.Event())
+                    layers[-1].record(compute)
+                final = torch.cuda.Event()
+                final.record(compute)
+            blocks.extend(s_ids, final, layers if layered else None)
+            res, got = await task, await handle.wait()
+            if i % 2 == 0:
+                assert res.state is got.state is TransferState.DONE, (res.error, got.error)
+                assert torch.equal(dst[d_ids].cpu(), want.cpu())
+            else:
+                assert res.state is got.state is TransferState.FAILED, (res, got)
+                assert "checksum mismatch: block 0 of 5 (destination block 60)" in got.error
+                assert "checksum mismatch" in res.error, res.error
+            dst.zero_()
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checksums_off_and_a_mismatched_setting(backend):
+    from kvtransfer.api import KVTransferOptions
+
+    off = KVTransferOptions(checksums=False)
+
+    async def main():
+        src, dst = cache(16, SRC, seed=42), cache(16, DST)
+        for rx_opts, tx_opts, ok in ((off, off, True), (None, off, False)):
+            rx = make_receiver(backend, dst, LAYOUT, shared=rx_opts)
+            await rx.start()
+            tx = make_sender(backend, src, LAYOUT, shared=tx_opts)
+            handle = rx.expect("off", [4, 5], 30)
+            res, got = await tx.send("off", rx.endpoint, [1, 2], 30), await handle.wait()
+            if ok:
+                assert res.ok and got.ok and torch.equal(dst[[4, 5]].cpu(), src[[1, 2]].cpu())
+            else:
+                assert res.state is got.state is TransferState.FAILED
+                assert "checksum setting mismatch" in got.error
+            await tx.close()
+            await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("dst_dev", [DST, SRC], ids=["two-gpus", "one-gpu"])
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_socket_backends_move_gpu_caches_through_pinned_memory(backend, dst_dev):
+    """tcp and shm with GPU caches (kvtransfer.staging: pinned host buffers for tcp, the
+    page-locked shm ring): scattered blocks land exactly, transfer after transfer; a stream
+    whose parts are still being computed (events pending) moves each part only once its
+    event completed; a damaged transfer fails naming the block; a receiver that cancels
+    mid-transfer gets no write afterwards."""
+    from kvtransfer.api import KVTransferOptions
+
+    small_chunks = {"staging_bytes": 3 * LAYOUT.block_bytes} if backend == "tcp" else \
+        {"chunk_bytes": 3 * LAYOUT.block_bytes, "num_slots": 2}
+
+    async def main():
+        src, dst = cache(64, SRC, seed=61), cache(64, dst_dev)
+        rx = make_receiver(backend, dst, LAYOUT, **({"staging_bytes": 3 * LAYOUT.block_bytes}
+                                                    if backend == "tcp" else {}))
+        await rx.start()
+        tx = make_sender(backend, src, LAYOUT, **small_chunks)
+        for rep in range(2):
+            s_ids, d_ids = [3, 4, 5, 6, 20, 0, 1, 63, 9, 10], [60, 0, 1, 2, 17, 18, 5, 7, 8, 30]
+            handle = rx.expect(f"rt{rep}", d_ids, 30)
+            res = await tx.send(f"rt{rep}", rx.endpoint, s_ids, 30)
+            assert res.ok and (await handle.wait()).ok, res.error
+            assert torch.equal(dst[d_ids].cpu(), src[s_ids].cpu())
+            dst.zero_()
+        s_ids, d_ids = list(range(30, 46)), list(range(10, 26))
+        want = cache(len(s_ids), SRC, seed=62)
+        torch.cuda.synchronize(SRC)
+        handle = rx.expect("st", d_ids, 30)
+        blocks = BlockStream(len(s_ids))
+        task = asyncio.create_task(tx.send("st", rx.endpoint, blocks, 30))
+        compute = torch.cuda.Stream(SRC)
+        with torch.cuda.device(SRC), torch.cuda.stream(compute):
+            for part in (slice(0, 8), slice(8, None)):
+                torch.cuda._sleep(50_000_000)  # the "forward pass" writing this part
+                src[s_ids[part]] = want[part]
+                event = torch.cuda.Event()
+                event.record(compute)
+                blocks.extend(s_ids[part], event)
+        assert (await task).ok and (await handle.wait()).ok
+        assert torch.equal(dst[d_ids].cpu(), want.cpu()), "stale blocks landed"
+        await tx.close()
+        tx = make_sender(backend, src, LAYOUT, shared=KVTransferOptions(corrupt_every=1),
+                         **small_chunks)
+        handle = rx.expect("bad", [40, 41, 42], 30)
+        res, got = await tx.send("bad", rx.endpoint, [1, 2, 3], 30), await handle.wait()
+        assert res.state is got.state is TransferState.FAILED
+        assert "checksum mismatch: block 0 of 3 (destination block 40)" in got.error
+        await tx.close()
+        tx = make_sender(backend, src, LAYOUT, **small_chunks)
+        handle = rx.expect("mid", list(range(64)), 30)
+        task = asyncio.create_task(tx.send("mid", rx.endpoint, list(range(64)), 30))
+        while handle.state is TransferState.PENDING:
+            await asyncio.sleep(0)
+        assert rx.cancel("mid")
+        snapshot = dst.clone()
+        assert (await asyncio.wait_for(task, 5)).state is TransferState.FAILED
+        await asyncio.sleep(0.1)
+        assert torch.equal(dst, snapshot), "written after the cancel"
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_socket_backends_two_processes_gpu_to_gpu(backend):
+    """The deployment shape without NVLink or RDMA between the workers: the sender in
+    another process on cuda:0, the receiver here on cuda:1, over tcp / shm."""
+    async def main():
+        dst = cache(80, DST)
+        rx = make_receiver(backend, dst, LAYOUT)
+        await rx.start()
+        ids = list(range(79, 15, -1))
+        h = rx.expect("p", ids, 60)
+        proc = _spawn(backend, "send", rx.endpoint, "0", "p")
+        res = await h.wait()
+        out = await asyncio.get_running_loop().run_in_executor(None, proc.communicate)
+        assert res.state is TransferState.DONE, (res, out[0][-2000:])
+        want = (torch.arange(64, device=DST) % 200).to(torch.bfloat16)
+        assert (dst[ids].reshape(64, -1) == want[:, None]).all()
         await rx.close()
 
     run(main())

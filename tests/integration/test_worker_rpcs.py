@@ -7,9 +7,9 @@ import asyncio
 import grpc
 
 from engine.loader import load_config
-from kvtransfer.base import KVLayout
+from kvtransfer import KVLayout
 from pdserve.cluster import LocalCluster
-from kvtransfer.proto import layout_to_proto
+from services.kv_proto import layout_to_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.integration.helpers import run, wait_all_free, worker_stats
 

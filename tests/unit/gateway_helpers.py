@@ -6,7 +6,7 @@ from gateway.pipeline import GatewayEnv
 from gateway.router import Router
 from gateway.tokenize import PromptTokenizer
 from protos.pdserve.v1 import worker_pb2_grpc
-from services.block_hash import BlockHasher
+from pdcore.block_hash import BlockHasher
 from services.grpc_server import ChannelPool
 from services.metrics import GatewayMetrics
 from services.validation import RequestLimits

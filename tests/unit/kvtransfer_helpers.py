@@ -10,7 +10,7 @@ import torch
 import uvloop
 
 from kvtransfer import KVLayout, make_receiver, make_sender
-from kvtransfer.nixl import nixl_available
+from kvtransfer.backends.nixl import nixl_available
 
 ROOT = Path(__file__).resolve().parents[2]
 # nixl (NVIDIA NIXL over UCX, on CPU caches here) runs only where nixl-cu13 is installed

@@ -1,8 +1,8 @@
-"""Fixed vectors for the block-hash spec (services/block_hash.py): any change to the spec
+"""Fixed vectors for the block-hash spec (pdcore/block_hash.py): any change to the spec
 silently breaks routing across processes of different versions, so it must show up here."""
 import xxhash
 
-from services.block_hash import BlockHasher, chain_hash, hash_prompt, root_hash
+from pdcore.block_hash import BlockHasher, chain_hash, hash_prompt, root_hash
 
 
 def test_fixed_vectors():

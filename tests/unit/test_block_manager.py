@@ -4,7 +4,7 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.request import SamplingParams
 from engine.sequence import Sequence
-from services.block_hash import BlockHasher
+from pdcore.block_hash import BlockHasher
 
 BS = 4
 
@@ -174,7 +174,7 @@ def test_large_allocations_take_whole_runs_from_the_oldest_free_blocks():
     consecutive ids from the RUN_WINDOW x n oldest free blocks, the longest first, and hands
     them out ascending; every block it evicts is reported, the others stay cached."""
     from engine import block_manager as mod
-    from kvtransfer.control import segments
+    from kvtransfer.blocks import segments
 
     n = mod.RUN_MIN_BLOCKS
     interleaved = [x for pair in zip(range(2 * n - 1, n - 1, -1), range(n - 1, -1, -1))

@@ -11,7 +11,7 @@ from engine.config import (DEVICE_DEFAULTS, CacheConfig, EngineConfig, Scheduler
                            resolve_engine_config)
 from services.config import (ROOTS, ConfigError, engine_config, gateway_settings,
                              resolve_worker, worker_settings)
-from services.config_tree import aliases, parse_text, tree
+from pdcore.config_tree import aliases, parse_text, tree
 
 
 def test_every_setting_has_a_help_line_a_type_and_one_flat_name():
@@ -242,9 +242,10 @@ def test_kv_backend_defaults_per_role_and_device():
     assert kv("decode", False) == ("tcp",) and kv("prefill", False) == ("tcp",)
     assert kv("decode", True) == ("cuda_ipc", "nccl") == kv("prefill", True)
     assert kv("colocated", True, ["--kv-backend", "nccl"]) == ("nccl",)
-    # still refused (until tcp stages GPU caches through host memory), naming both sources
-    with pytest.raises(ConfigError, match=r"tcp cannot move a KV cache on device 'cuda'"):
-        kv("decode", True, ["--kv-backend", "tcp"])
+    # tcp stages a GPU cache through host memory; GPU-only backends refuse a CPU cache
+    assert kv("decode", True, ["--kv-backend", "tcp"]) == ("tcp",)
+    with pytest.raises(ConfigError, match=r"nccl cannot move a KV cache on device 'cpu'"):
+        kv("decode", False, ["--kv-backend", "nccl"])
     s = resolve_worker(worker_settings([], env={}, role="decode", resolve=False),
                        cuda_available=True)
     assert s.engine.device == "cuda" and s.engine.scheduler.max_num_seqs == 512
@@ -373,7 +374,7 @@ def test_resolved_worker_settings_round_trip_through_show(tmp_path, capsys):
 
 
 def test_settings_repr_and_metric_labels_redact_secrets():
-    from services.config_tree import redacted_flat
+    from pdcore.config_tree import redacted_flat
     s = gateway_settings(["--decode-addrs", "h:1", "--api-keys", "k1,k2",
                           "--redis-url", "rediss://:hunter2@r/0"], env={})
     assert "k1" not in repr(s) and "hunter2" not in repr(s)

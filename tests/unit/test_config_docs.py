@@ -5,7 +5,7 @@ import os
 
 from services.config import ROOTS
 from services.config_docs import DOCS_PATH, render_docs
-from services.config_tree import tree
+from pdcore.config_tree import tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,4 +1,4 @@
-"""No stray environment reads: outside services/config_tree.py (the configuration module)
+"""No stray environment reads: outside pdcore/config_tree.py (the configuration module)
 nothing in the product reads os.environ / os.getenv, and nothing reads them at import time.
 The source is walked with ``ast``; the exceptions are listed below, each with its reason."""
 from __future__ import annotations
@@ -9,12 +9,8 @@ import os
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGES = ("engine", "services", "gateway", "prefill_worker", "decode_worker", "pdserve",
             "kvtransfer", "protos")
-CONFIG_MODULE = "services/config_tree.py"
-# PENDING: kvtransfer/ still reads its backends' options from PDSERVE_* variables (one at
-# import time: base.TIMELINE). Its restructuring (in progress elsewhere) turns them into typed
-# per-backend options; then delete this entry, and services.config_tree's
-# PENDING_KVTRANSFER_VARIABLES, and the test covers kvtransfer/ too.
-PENDING_PREFIXES = ("kvtransfer/",)
+CONFIG_MODULE = "pdcore/config_tree.py"
+PENDING_PREFIXES: tuple[str, ...] = ()  # nothing left: kvtransfer reads no environment
 # Standard variables that libraries define (not pdserve settings): (file, variable) -> why.
 STANDARD = {
     ("engine/kernels/__init__.py", "TRITON_INTERPRET"):
@@ -70,7 +66,7 @@ def test_no_environment_read_outside_the_configuration_module():
                    for f, var in STANDARD):
                 continue
             stray.append(f"{rel}:{line}: {text.strip()}")
-    assert not stray, "environment read outside services/config_tree.py:\n" + "\n".join(stray)
+    assert not stray, "environment read outside pdcore/config_tree.py:\n" + "\n".join(stray)
 
 
 def test_nothing_reads_the_environment_at_import_time():
@@ -98,3 +94,9 @@ def test_standard_exceptions_still_exist():
             source = f.read()
         lines = source.splitlines()
         assert any(var in lines[line - 1] for line, _ in env_reads(source)), (rel, var, why)
+
+
+def test_the_kvtransfer_variables_the_builder_knows_are_the_registrys():
+    from kvtransfer.registry import ENV_OPTIONS
+    from pdcore.config_tree import KVTRANSFER_VARIABLES
+    assert set(KVTRANSFER_VARIABLES) == {v for v in ENV_OPTIONS if v.startswith("PDSERVE_")}

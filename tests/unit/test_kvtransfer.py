@@ -20,13 +20,14 @@ from kvtransfer import (
     make_receiver,
     make_sender,
 )
-from kvtransfer.base import TransferStateMachine
+from kvtransfer.lifecycle import TransferStateMachine
 from kvtransfer.blocks import block_runs
 
 from tests.unit.kvtransfer_helpers import (
     BACKENDS,
     BIG,
     ROOT,
+    SENDER_OPTS,
     SMALL,
     cache,
     pair,
@@ -292,6 +293,81 @@ def test_unknown_and_expired_transfer_ids_are_rejected(backend):
     run(main())
 
 
+# the side that moves the data damages it when fault injection says so (the receiver for the
+# one-sided backends, which read the sender's memory)
+PULL_BACKENDS = ("nixl", "cuda_ipc")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_corrupted_data_fails_the_transfer_naming_the_block(backend):
+    """Fault injection flips one byte of every second transfer's data on its way; the
+    receiver's per-block checksums catch it: FAILED on both sides, the error names the
+    block, and the clean transfers around it land exactly (streamed parts included)."""
+    from kvtransfer.api import KVTransferOptions
+    from kvtransfer.stream import BlockStream
+
+    faulty = KVTransferOptions(corrupt_every=2)
+
+    async def main():
+        src, dst = cache(SMALL, 32, seed=31), cache(SMALL, 32)
+        rx = make_receiver(backend, dst, SMALL,
+                           shared=faulty if backend in PULL_BACKENDS else None)
+        await rx.start()
+        tx = make_sender(backend, src, SMALL, shared=None if backend in PULL_BACKENDS
+                         else faulty, **SENDER_OPTS.get(backend, {}))
+        for i in range(4):
+            src_ids, dst_ids = [7, 8, 9, 20 + i, 2], [30, 0, 1, 11 + i, 25]
+            handle = rx.expect(f"cs{i}", dst_ids, timeout_s=5)
+            stream = BlockStream(len(src_ids))  # two parts: the first one is damaged
+            task = asyncio.create_task(tx.send(f"cs{i}", rx.endpoint, stream, timeout_s=5))
+            stream.extend(src_ids[:3])
+            await asyncio.sleep(0.01)
+            stream.extend(src_ids[3:])
+            res, got = await task, await handle.wait()
+            if i % 2 == 0:
+                assert res.state is got.state is TransferState.DONE, (res.error, got.error)
+                assert torch.equal(dst[dst_ids], src[src_ids])
+            else:
+                assert res.state is got.state is TransferState.FAILED, (res, got)
+                want = "checksum mismatch: block 0 of 5 (destination block 30)"
+                assert want in got.error and want in res.error, (res.error, got.error)
+            dst.zero_()
+        stats = rx.stats()
+        assert (stats.done, stats.failed, stats.active_transfers) == (2, 2, 0)
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checksums_off_on_both_sides_and_a_mismatched_setting(backend):
+    """Checksums can be turned off (both sides agree: the transfer lands); a sender and a
+    receiver that disagree fail the transfer on both sides, saying why."""
+    from kvtransfer.api import KVTransferOptions
+
+    off = KVTransferOptions(checksums=False)
+
+    async def main():
+        src, dst = cache(SMALL, 8, seed=32), cache(SMALL, 8)
+        for rx_opts, tx_opts, ok in ((off, off, True), (None, off, False), (off, None, False)):
+            rx = make_receiver(backend, dst, SMALL, shared=rx_opts)
+            await rx.start()
+            tx = make_sender(backend, src, SMALL, shared=tx_opts, **SENDER_OPTS.get(backend, {}))
+            handle = rx.expect("off", [4, 5], timeout_s=5)
+            res, got = await tx.send("off", rx.endpoint, [1, 2], timeout_s=5), await handle.wait()
+            if ok:
+                assert res.ok and got.ok and torch.equal(dst[[4, 5]], src[[1, 2]])
+            else:
+                assert res.state is got.state is TransferState.FAILED
+                assert "checksum setting mismatch" in res.error, res.error
+                assert "checksum setting mismatch" in got.error, got.error
+            await tx.close()
+            await rx.close()
+
+    run(main())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_receiver_timeout_when_sender_never_sends(backend):
     async def main():
@@ -487,7 +563,7 @@ def test_sender_process_killed_mid_transfer(backend):
 _CHILD_NIXL_MUTE = """
 import asyncio, sys, torch
 from kvtransfer import KVLayout, make_sender
-from kvtransfer import protocol as proto
+from kvtransfer import wire as proto
 real_expect_ok = proto.expect_ok
 
 async def expect_ok(loop, sock, what):

@@ -16,32 +16,36 @@ import pytest
 import torch
 
 from kvtransfer import KVLayout, TransferState, make_receiver, make_sender
-from kvtransfer import protocol as proto
+from kvtransfer import wire as proto
+from kvtransfer.api import KVTransferOptions, TransferError
+from kvtransfer.blocks import segments
 from kvtransfer.control import (
-    ControlReceiver,
-    ControlSender,
     await_ack,
-    segments,
+    control_receiver,
+    control_sender,
+    hold_lease,
     until_receiver_stopped,
 )
 from kvtransfer import control
+from kvtransfer.lifecycle import Receiver, Sender
 from kvtransfer.waits import poll_until
-from kvtransfer.tracking import TransferError
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 _SOURCES: dict[str, torch.Tensor] = {}
 
 
-class LoopbackSender(ControlSender):
-    scheme, kind = "loop", 99
+class LoopbackPush:
+    """The sending half of a minimal control backend: the source blocks' ids go out in one
+    BLOB and the receiver copies them out of this process's memory."""
 
-    def __init__(self, cache, layout, die_after_blob: bool = False):
-        super().__init__(cache, layout)
+    eager = False
+
+    def __init__(self, cache, die_after_blob: bool = False):
         self.key = f"s{id(self)}"
         _SOURCES[self.key] = cache
         self.die_after_blob = die_after_blob
 
-    async def _send_payload(self, loop, sock, endpoint, sm, blocks):
+    async def send(self, loop, sock, endpoint, sm, blocks):
         ids = await blocks.all(watch=sock)
         await loop.sock_sendall(sock, proto.encode_blob(
             json.dumps({"sender": self.key, "src": ids}).encode()))
@@ -50,37 +54,47 @@ class LoopbackSender(ControlSender):
             raise TransferError("sender died")
         await await_ack(loop, sock, sm)
 
+    def close(self):
+        pass
 
-class LoopbackReceiver(ControlReceiver):
-    scheme, kind = "loop", 99
 
-    def __init__(self, cache, layout, **opts):
-        super().__init__(cache, layout, **opts)
+class LoopbackPull:
+    """The receiving half: a CPU copy as its "device work", which completes once
+    ``release`` is set."""
+
+    def __init__(self, cache, layout):
+        self.cache, self.layout = cache, layout
         self.release = asyncio.Event()  # the "device work" completes when set
         self.release.set()
 
-    async def _receive_payload(self, loop, conn, entry):
+    async def start(self):
+        pass
+
+    async def receive(self, loop, conn, entry):
         meta = json.loads(await proto.read_blob(loop, conn))
         src = _SOURCES[meta["sender"]]
         segs = segments(meta["src"], entry.dst_block_ids)
         for s, d, n in segs:
-            self._cache[d:d + n] = src[s:s + n]
+            self.cache[d:d + n] = src[s:s + n]
         await poll_until(self.release.is_set, watch=conn, what="copy")
-        entry.add_bytes(len(meta["src"]) * self._layout.block_bytes)
+        entry.add_bytes(len(meta["src"]) * self.layout.block_bytes)
+
+    def close(self):
+        pass
 
 
-class OneSidedLoopbackSender(LoopbackSender):
+class OneSidedLoopbackPush(LoopbackPush):
     """Like the one-sided GPU backends (cuda_ipc, nixl): the receiver reads our blocks, so a
     failed send keeps them leased until the receiver stopped; blocks that are all readable
     when the send starts go out right behind HELLO (eager payload)."""
 
-    eager_payload = True
+    eager = True
 
-    def __init__(self, cache, layout):
-        super().__init__(cache, layout)
+    def __init__(self, cache):
+        super().__init__(cache)
         self.states_at_payload = []
 
-    async def _send_payload(self, loop, sock, endpoint, sm, blocks):
+    async def send(self, loop, sock, endpoint, sm, blocks):
         self.states_at_payload.append(sm.state)
         ids = await blocks.all(watch=sock)
         await loop.sock_sendall(sock, proto.encode_blob(
@@ -88,8 +102,21 @@ class OneSidedLoopbackSender(LoopbackSender):
         try:
             await await_ack(loop, sock, sm)
         except BaseException as exc:
-            await self._hold_lease(loop, sock, sm, exc)
+            await hold_lease(loop, sock, sm, exc)
             raise
+
+
+def loopback_sender(cache, layout, payload=LoopbackPush, **kw) -> Sender:
+    return control_sender(cache, layout, "loop", 99, payload(cache, **kw), KVTransferOptions())
+
+
+def one_sided_loopback_sender(cache, layout, payload=OneSidedLoopbackPush) -> Sender:
+    return control_sender(cache, layout, "loop", 99, payload(cache), KVTransferOptions())
+
+
+def loopback_receiver(cache, layout) -> Receiver:
+    return control_receiver(cache, layout, "loop", 99, LoopbackPull(cache, layout),
+                            KVTransferOptions(), None)
 
 
 def cache(n, seed=None):
@@ -109,10 +136,10 @@ def test_segments_are_contiguous_on_both_sides():
 def test_loopback_round_trip_and_errors():
     async def main():
         src, dst = cache(32, seed=1), cache(40)
-        rx = LoopbackReceiver(dst, LAYOUT)
+        rx = loopback_receiver(dst, LAYOUT)
         await rx.start()
         assert rx.endpoint.startswith("loop://127.0.0.1:")
-        tx = LoopbackSender(src, LAYOUT)
+        tx = loopback_sender(src, LAYOUT)
         src_ids, dst_ids = [3, 4, 5, 20, 0, 1, 31], [39, 0, 1, 2, 17, 18, 5]
         h = rx.expect("a", dst_ids, 5)
         res = await tx.send("a", rx.endpoint, src_ids, 5)
@@ -137,10 +164,10 @@ def test_peer_hanging_up_during_device_work_fails_fast():
     """The receiver waits on its device work; the sender goes away: the receiver must notice
     through the control socket at once, not at its timeout."""
     async def main():
-        rx = LoopbackReceiver(cache(8), LAYOUT)
+        rx = loopback_receiver(cache(8), LAYOUT)
         await rx.start()
-        rx.release.clear()  # device work never completes on its own
-        tx = LoopbackSender(cache(8, seed=2), LAYOUT, die_after_blob=True)
+        rx.channel.payload.release.clear()  # device work never completes on its own
+        tx = loopback_sender(cache(8, seed=2), LAYOUT, die_after_blob=True)
         h = rx.expect("d", [0, 1], 30)
         res = await tx.send("d", rx.endpoint, [2, 3], 30)
         assert res.state is TransferState.FAILED
@@ -153,10 +180,10 @@ def test_peer_hanging_up_during_device_work_fails_fast():
 
 def test_receiver_timeout_reaches_the_sender_with_a_reason():
     async def main():
-        rx = LoopbackReceiver(cache(8), LAYOUT)
+        rx = loopback_receiver(cache(8), LAYOUT)
         await rx.start()
-        rx.release.clear()
-        tx = LoopbackSender(cache(8, seed=3), LAYOUT)
+        rx.channel.payload.release.clear()
+        tx = loopback_sender(cache(8, seed=3), LAYOUT)
         h = rx.expect("t", [0], 0.3)
         res = await tx.send("t", rx.endpoint, [1], 30)
         assert (await h.wait()).state is TransferState.TIMED_OUT
@@ -207,7 +234,6 @@ def test_poll_in_thread_wakes_at_once_stops_when_cancelled_and_raises_errors():
     import time
 
     from kvtransfer.waits import poll_in_thread
-    from kvtransfer.tracking import TransferError
 
     async def main():
         flag = threading.Event()
@@ -249,7 +275,6 @@ def test_wait_event_wakes_on_completion_raises_its_errors_and_stops_when_the_pee
     import time
 
     from kvtransfer.waits import wait_event
-    from kvtransfer.tracking import TransferError
 
     class Event:
         def __init__(self, seconds: float = 0.0, error: Exception | None = None):
@@ -293,10 +318,10 @@ def test_one_sided_send_that_times_out_returns_only_after_the_receiver_stopped()
     the transfer, never while the receiver might still be reading."""
     async def main():
         src, dst = cache(8, seed=3), cache(8)
-        rx = LoopbackReceiver(dst, LAYOUT)
-        rx.release.clear()
+        rx = loopback_receiver(dst, LAYOUT)
+        rx.channel.payload.release.clear()
         await rx.start()
-        tx = OneSidedLoopbackSender(src, LAYOUT)
+        tx = one_sided_loopback_sender(src, LAYOUT)
         h = rx.expect("t", [0, 1], 30)
         res = await tx.send("t", rx.endpoint, [2, 3], 0.3)
         assert res.state is TransferState.TIMED_OUT, res
@@ -319,14 +344,14 @@ def test_eager_payload_skips_the_hello_round_trip_and_rejections_still_say_why()
 
     async def main():
         src, dst = cache(16, seed=4), cache(16)
-        rx = LoopbackReceiver(dst, LAYOUT)
+        rx = loopback_receiver(dst, LAYOUT)
         await rx.start()
-        tx = OneSidedLoopbackSender(src, LAYOUT)
+        tx = one_sided_loopback_sender(src, LAYOUT)
         h = rx.expect("e", [5, 6, 9], 5)
         res = await tx.send("e", rx.endpoint, [0, 1, 2], 5)
         assert res.ok and (await h.wait()).ok, res.error
         assert torch.equal(dst[[5, 6, 9]], src[[0, 1, 2]])
-        assert tx.states_at_payload == [TransferState.PENDING]
+        assert tx.channel.payload.states_at_payload == [TransferState.PENDING]
 
         stream = BlockStream(2)  # still computing: the handshake completes first
         h = rx.expect("s", [3, 4], 5)
@@ -334,16 +359,16 @@ def test_eager_payload_skips_the_hello_round_trip_and_rejections_still_say_why()
         await asyncio.sleep(0.05)
         stream.extend([7, 8])
         assert (await task).ok and (await h.wait()).ok
-        assert tx.states_at_payload[-1] is TransferState.TRANSFERRING
+        assert tx.channel.payload.states_at_payload[-1] is TransferState.TRANSFERRING
         assert torch.equal(dst[[3, 4]], src[[7, 8]])
 
-        class Slow(OneSidedLoopbackSender):  # writes on after the receiver answered
-            async def _send_payload(self, loop, sock, endpoint, sm, blocks):
+        class Slow(OneSidedLoopbackPush):  # writes on after the receiver answered
+            async def send(self, loop, sock, endpoint, sm, blocks):
                 await loop.sock_sendall(sock, proto.encode_blob(b"{}"))
                 await asyncio.sleep(0.05)
-                await super()._send_payload(loop, sock, endpoint, sm, blocks)
+                await super().send(loop, sock, endpoint, sm, blocks)
 
-        slow = Slow(src, LAYOUT)
+        slow = one_sided_loopback_sender(src, LAYOUT, Slow)
         for i in range(3):
             res = await slow.send(f"nobody-slow-{i}", rx.endpoint, [0, 1], 5)
             assert res.state is TransferState.FAILED and "unknown" in res.error, res
@@ -355,7 +380,7 @@ def test_eager_payload_skips_the_hello_round_trip_and_rejections_still_say_why()
             assert res.state is TransferState.FAILED and "mismatch" in res.error, res
             assert (await h.wait()).state is TransferState.FAILED
         await asyncio.sleep(0.1)
-        assert not rx._conns  # every rejected connection was closed
+        assert not rx.channel.listener.connections  # every rejected connection was closed
         await slow.close()
         await tx.close()
         await rx.close()
@@ -368,8 +393,8 @@ def test_receiver_never_counts_done_a_transfer_whose_sender_gave_up():
     receiver's answer): the receiver's device work completes before it looked at the
     socket again, yet the transfer is FAILED, not DONE (the sender's blocks may be gone);
     and the sender does not wait long for a receiver that never answered."""
-    class GivesUp(OneSidedLoopbackSender):
-        async def _send_payload(self, loop, sock, endpoint, sm, blocks):
+    class GivesUp(OneSidedLoopbackPush):
+        async def send(self, loop, sock, endpoint, sm, blocks):
             ids = await blocks.all(watch=sock)
             await loop.sock_sendall(sock, proto.encode_blob(
                 json.dumps({"sender": self.key, "src": ids}).encode()))
@@ -378,9 +403,9 @@ def test_receiver_never_counts_done_a_transfer_whose_sender_gave_up():
             raise TransferError("gave up")
 
     async def main():
-        rx = LoopbackReceiver(cache(8), LAYOUT)
+        rx = loopback_receiver(cache(8), LAYOUT)
         await rx.start()
-        tx = GivesUp(cache(8, seed=5), LAYOUT)
+        tx = one_sided_loopback_sender(cache(8, seed=5), LAYOUT, GivesUp)
         h = rx.expect("g", [0, 1], 5)
         res = await tx.send("g", rx.endpoint, [2, 3], 5)
         assert res.state is TransferState.FAILED
@@ -433,8 +458,8 @@ def test_until_receiver_stopped_outlasts_a_cancel_and_is_bounded(monkeypatch, ca
 
 
 def test_copy_lanes_and_descriptor_pieces_cover_every_block_once():
-    from kvtransfer.cuda_ipc import lane_shares
-    from kvtransfer.nixl import split_pieces
+    from kvtransfer.backends.cuda_ipc import lane_shares
+    from kvtransfer.backends.nixl import split_pieces
 
     segs = [(0, 10, 4), (8, 20, 2)]
     assert lane_shares(segs, 2) == [[(0, 10, 3)], [(3, 13, 1), (8, 20, 2)]]
@@ -452,10 +477,10 @@ def test_copy_lanes_and_descriptor_pieces_cover_every_block_once():
 
 
 def test_block_copies_kernel_and_fallback_land_every_run():
-    """kvtransfer.cuda_copy on the CPU: the Triton gather kernel (interpreted) and the
+    """kvtransfer.backends.cuda_copy on the CPU: the Triton gather kernel (interpreted) and the
     ``copy_`` fallback copy exactly the given runs; tiles are the largest power of two up to
     32 KiB dividing a block (SmolLM2's 368,640-byte blocks: 8 KiB)."""
-    from kvtransfer.cuda_copy import _tile_bytes, copy_blocks, copy_runs, kernel_copy_runs
+    from kvtransfer.backends.cuda_copy import _tile_bytes, copy_blocks, copy_runs, kernel_copy_runs
 
     x = torch.zeros(8, dtype=torch.uint8)
     assert _tile_bytes(2 << 20, x) == 32768 and _tile_bytes(368640, x) == 8192

@@ -13,14 +13,14 @@ import time
 import pytest
 import torch
 
-from kvtransfer import TransferState, control, make_receiver, make_sender
+from kvtransfer import ListenAddress, TransferState, control, make_receiver, make_sender
 from kvtransfer.control import ConnectionPool
 
 from tests.unit.kvtransfer_helpers import SMALL, cache, run
 
 
 async def _tcp_pair(src, dst, port: int = 0):
-    rx = make_receiver("tcp", dst, SMALL, port=port)
+    rx = make_receiver("tcp", dst, SMALL, listen=ListenAddress(port=port))
     await rx.start()
     return rx, make_sender("tcp", src, SMALL)
 
@@ -43,10 +43,10 @@ def test_sequential_transfers_share_one_connection():
         for rep in range(5):
             await _round_trip(rx, tx, f"seq{rep}", src, dst, [rep, 7, 3 + rep], [9, rep, 15])
             dst.zero_()
-        assert rx.connections_accepted == 1
-        assert tx.pool.idle(rx.endpoint) == 1
+        assert rx.channel.connections_accepted == 1
+        assert tx.channel.pool.idle(rx.endpoint) == 1
         await tx.close()
-        assert tx.pool.idle(rx.endpoint) == 0
+        assert tx.channel.pool.idle(rx.endpoint) == 0
         await rx.close()
 
     run(main())
@@ -67,8 +67,8 @@ def test_concurrent_transfers_take_their_own_connections_and_keep_them():
             assert all(g.state is TransferState.DONE for g in got)
             assert torch.equal(dst[:16], src[16:32])
             dst.zero_()
-        assert rx.connections_accepted == 4  # the second wave reused the first one's
-        assert tx.pool.idle(rx.endpoint) == 4
+        assert rx.channel.connections_accepted == 4  # the second wave reused the first one's
+        assert tx.channel.pool.idle(rx.endpoint) == 4
         await tx.close()
         await rx.close()
 
@@ -84,9 +84,9 @@ def test_a_failed_transfer_closes_its_connection():
         await _round_trip(rx, tx, "ok1", src, dst, [1, 2], [3, 4])
         res = await tx.send("nobody-expects-this", rx.endpoint, [1, 2], timeout_s=10)
         assert res.state is TransferState.FAILED and "nobody-expects-this" in res.error
-        assert tx.pool.idle(rx.endpoint) == 0
+        assert tx.channel.pool.idle(rx.endpoint) == 0
         await _round_trip(rx, tx, "ok2", src, dst, [5, 6], [7, 8])
-        assert rx.connections_accepted == 2
+        assert rx.channel.connections_accepted == 2
         await tx.close()
         await rx.close()
 
@@ -103,10 +103,10 @@ def test_a_restarted_receiver_gets_a_new_connection():
         await _round_trip(rx, tx, "before", src, dst, [1], [2])
         await rx.close()
         await asyncio.sleep(0.05)  # the receiver's FIN reaches the pooled socket
-        rx2 = make_receiver("tcp", dst, SMALL, port=port)
+        rx2 = make_receiver("tcp", dst, SMALL, listen=ListenAddress(port=port))
         await rx2.start()
         await _round_trip(rx2, tx, "after", src, dst, [3, 4], [5, 6])
-        assert rx2.connections_accepted == 1
+        assert rx2.channel.connections_accepted == 1
         await tx.close()
         await rx2.close()
 
@@ -121,9 +121,9 @@ def test_a_receiver_closes_idle_connections_and_the_sender_reconnects(monkeypatc
         rx, tx = await _tcp_pair(src, dst)
         await _round_trip(rx, tx, "first", src, dst, [1], [2])
         await asyncio.sleep(0.5)  # past the receiver's idle limit
-        assert tx.pool.idle(rx.endpoint) == 1  # the sender has not looked yet
+        assert tx.channel.pool.idle(rx.endpoint) == 1  # the sender has not looked yet
         await _round_trip(rx, tx, "second", src, dst, [3], [4])
-        assert rx.connections_accepted == 2
+        assert rx.channel.connections_accepted == 2
         await tx.close()
         await rx.close()
 
@@ -161,17 +161,18 @@ def test_one_sided_senders_reuse_connections_too(eager):
     """The GPU backends' skeleton (the loopback backend of test_kvtransfer_control): with
     and without the eager payload behind HELLO, transfers after the first reuse its
     connection and land exactly."""
-    from tests.unit.test_kvtransfer_control import LoopbackReceiver, LoopbackSender, OneSidedLoopbackSender
+    from tests.unit.test_kvtransfer_control import (loopback_receiver, loopback_sender,
+                                                    one_sided_loopback_sender)
 
     async def main():
         src, dst = cache(SMALL, 16, seed=6), cache(SMALL, 16)
-        rx = LoopbackReceiver(dst, SMALL)
+        rx = loopback_receiver(dst, SMALL)
         await rx.start()
-        tx = (OneSidedLoopbackSender if eager else LoopbackSender)(src, SMALL)
+        tx = (one_sided_loopback_sender if eager else loopback_sender)(src, SMALL)
         for rep in range(3):
             await _round_trip(rx, tx, f"l{rep}", src, dst, [rep, 9], [12, rep + 1])
             dst.zero_()
-        assert rx.connections_accepted == 1
+        assert rx.channel.connections_accepted == 1
         await tx.close()
         await rx.close()
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from services.block_hash import hash_prompt
+from pdcore.block_hash import hash_prompt
 from services.prefix_index import IndexUnavailable, PrefixIndex
 from services.registry import Heartbeat, RegistryUnavailable, WorkerInfo, WorkerLoad, WorkerRegistry
 

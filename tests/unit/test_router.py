@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from gateway.router import NoWorkers, OverCapacity, Router
-from services.block_hash import BlockHasher
+from pdcore.block_hash import BlockHasher
 from services.metrics import route_mode
 from services.prefix_index import PrefixIndex
 from services.registry import WorkerInfo

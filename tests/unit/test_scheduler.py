@@ -5,7 +5,7 @@ from engine.config import SchedulerConfig
 from engine.request import FinishReason, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SeqStatus
-from services.block_hash import BlockHasher
+from pdcore.block_hash import BlockHasher
 
 BS = 4
 

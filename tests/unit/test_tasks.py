@@ -1,11 +1,11 @@
-"""services/tasks.py: stopping background tasks is bounded even when a cancellation is lost."""
+"""pdcore/tasks.py: stopping background tasks is bounded even when a cancellation is lost."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 
-from services.tasks import cancel_and_wait
+from pdcore.tasks import cancel_and_wait
 
 
 def test_a_task_that_swallows_the_first_cancellation_is_cancelled_again():
@@ -45,7 +45,7 @@ def test_a_task_that_never_stops_is_given_up_on_after_the_deadline(caplog):
         task = asyncio.create_task(deaf(), name="deaf")
         await asyncio.sleep(0.02)  # inside its loop
         t0 = time.monotonic()
-        with caplog.at_level(logging.ERROR, logger="services.tasks"):
+        with caplog.at_level(logging.ERROR, logger="pdcore.tasks"):
             left = await cancel_and_wait([task, None], timeout_s=0.3, recancel_s=0.05)
         waited = time.monotonic() - t0
         assert left == [task] and not task.done()
@@ -68,7 +68,7 @@ def test_errors_of_finished_tasks_are_logged_not_raised(caplog):
         failed = asyncio.create_task(boom(), name="boom")
         await asyncio.sleep(0)  # let it fail before the cancel arrives
         sleeping = asyncio.create_task(sleeper(), name="sleeper")
-        with caplog.at_level(logging.ERROR, logger="services.tasks"):
+        with caplog.at_level(logging.ERROR, logger="pdcore.tasks"):
             assert await cancel_and_wait([failed, sleeping], timeout_s=1.0) == []
         assert sleeping.cancelled() and isinstance(failed.exception(), RuntimeError)
         assert "boom ended with an error" in caplog.text and "kaput" in caplog.text

@@ -1,22 +1,19 @@
 """Device-to-device copies of block runs: copy engines, or one kernel for many short runs.
 
 A scattered transfer is one copy per run of blocks contiguous on both sides (up to one per
-2 MiB block for Llama-3-8B). Two costs per copy:
+2 MiB block for Llama-3-8B). Each copy costs twice, whatever its size:
 
-* Host: ``Tensor.copy_`` takes ~10 us a call (Python, the dispatcher, the runtime);
-  ``cuMemcpyDtoDAsync`` through ctypes (:func:`copy_runs`) ~1-2 us.
-* Copy engine: ~4 us a copy whatever queued it. Measured on two H200s through cuda_ipc, 256
-  scattered 2 MiB blocks moved at 205 GB/s with ``copy_``, 219 with the driver calls, and
-  2 or 4 streams did not help (bench/disagg_notes.md, session 7). One contiguous copy runs
-  at ~385.
+* Host: ``Tensor.copy_`` goes through Python, the dispatcher and the runtime;
+  ``cuMemcpyDtoDAsync`` through ctypes (:func:`copy_runs`) is several times cheaper.
+* Copy engine: a fixed cost per copy, whatever queued it, so many short copies run well
+  below the rate of one contiguous copy, and more streams do not recover it.
 
 Two ways around the per-copy cost: ONE ``cuMemcpyBatchAsync`` call for all runs (CUDA
-12.8+ drivers; :func:`batch_copy_runs`: 271-319 GB/s for the scattered blocks in
-bench/kv_copy_gpu.py, 295 through cuda_ipc), or ONE Triton kernel on the receiving GPU
-that reads the peer's memory (:func:`kernel_copy_runs`: 304-340 in bench/kv_copy_gpu.py
-but 257-285 through cuda_ipc, where the receiving GPU idles between transfers, and it
-takes SMs from the decode worker's own kernels). :func:`copy_blocks` takes the batched
-copy engines where the driver has them, else the kernel for short runs.
+12.8+ drivers; :func:`batch_copy_runs`), or ONE Triton kernel on the receiving GPU that
+reads the peer's memory (:func:`kernel_copy_runs`; it takes SMs from the decode worker's own
+kernels). :func:`copy_blocks` takes the batched copy engines where the driver has them, else
+the kernel for short runs. bench/kv_copy_gpu.py measures all of them; the current figures
+are in docs/performance.md.
 
 Addresses are unified (UVA): a source mapped from another process (CUDA IPC) or living on
 another GPU of this process is copied peer to peer by the driver. Where the driver library
@@ -29,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import os
 import threading
 
 import numpy as np
@@ -46,49 +42,41 @@ def _driver_memcpy():
     if _memcpy is None:
         with _lock:
             if _memcpy is None:
-                if os.environ.get("PDSERVE_DRIVER_COPY", "1") == "0":
+                try:
+                    fn = ctypes.CDLL("libcuda.so.1").cuMemcpyDtoDAsync_v2
+                    fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
+                                   ctypes.c_void_p]
+                    fn.restype = ctypes.c_int
+                    _memcpy = fn
+                except (OSError, AttributeError) as exc:
+                    logger.info("CUDA driver copies unavailable (%s): using Tensor.copy_", exc)
                     _memcpy = False
-                else:
-                    try:
-                        fn = ctypes.CDLL("libcuda.so.1").cuMemcpyDtoDAsync_v2
-                        fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
-                                       ctypes.c_void_p]
-                        fn.restype = ctypes.c_int
-                        _memcpy = fn
-                    except (OSError, AttributeError) as exc:
-                        logger.info("CUDA driver copies unavailable (%s): using Tensor.copy_",
-                                    exc)
-                        _memcpy = False
     return _memcpy
 
 
 KERNEL_BELOW_RUN_BYTES = 8 << 20  # copy_blocks: the kernel when runs average less
-KERNEL_PROGRAMS = 32  # CTAs of the copy kernel: 32 already fill NVLink on H200 (bench)
+KERNEL_PROGRAMS = 32  # CTAs of the copy kernel: enough loads in flight to fill NVLink
 
 
 def copy_blocks(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
-                stream: torch.cuda.Stream, kernel_below: int | None = None) -> str:
+                stream: torch.cuda.Stream, kernel_below: int = KERNEL_BELOW_RUN_BYTES,
+                batch: bool = True, driver: bool = True) -> str:
     """Queue the copies of ``runs`` (see :func:`copy_runs`) the fastest way. Several runs go
     to the copy engines in ONE batched call where the driver has one
-    (:func:`batch_copy_runs`). Without it, runs averaging under ``kernel_below`` bytes
-    (default ``PDSERVE_KERNEL_COPY_BELOW_BYTES``, else KERNEL_BELOW_RUN_BYTES; 0: never)
-    take one kernel launch when ``src`` is mapped into ``dst``'s device (a CUDA IPC
-    mapping; another GPU's tensor of this process may not be addressable by kernels), else
-    one copy-engine call per run (``PDSERVE_BATCH_COPY=0`` turns the batched call off).
-    Returns which ("batch", "kernel", "copy_engine")."""
-    if len(runs) > 1 and os.environ.get("PDSERVE_BATCH_COPY", "1") != "0" and \
-            batch_copy_runs(dst, src, runs, stream):
+    (:func:`batch_copy_runs`; ``batch=False`` turns it off). Without it, runs averaging
+    under ``kernel_below`` bytes (0: never) take one kernel launch when ``src`` is mapped
+    into ``dst``'s device (a CUDA IPC mapping; another GPU's tensor of this process may not
+    be addressable by kernels), else one copy-engine call per run (``driver``: see
+    :func:`copy_runs`). Returns which ("batch", "kernel", "copy_engine")."""
+    if len(runs) > 1 and batch and batch_copy_runs(dst, src, runs, stream):
         return "batch"
-    if kernel_below is None:
-        kernel_below = int(os.environ.get("PDSERVE_KERNEL_COPY_BELOW_BYTES",
-                                          KERNEL_BELOW_RUN_BYTES))
     bb = dst.stride(0)
     blocks = sum(n for _, _, n in runs)
     if (kernel_below > 0 and runs and blocks * bb < kernel_below * len(runs)
             and dst.is_cuda and src.device == dst.device and _tile_bytes(bb, src, dst)):
         kernel_copy_runs(dst, src, runs, stream)
         return "kernel"
-    copy_runs(dst, src, runs, stream)
+    copy_runs(dst, src, runs, stream, driver)
     return "copy_engine"
 
 
@@ -106,12 +94,14 @@ def _tile_bytes(bb: int, *tensors: torch.Tensor, most: int = 32768, least: int =
 
 
 def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
-              stream: torch.cuda.Stream) -> None:
+              stream: torch.cuda.Stream, driver: bool = True) -> None:
     """Queue ``dst[d:d+n] = src[s:s+n]`` for each ``(s, d, n)`` of ``runs`` on ``stream``
     (``dst`` / ``src``: contiguous ``[num_blocks, block_bytes]`` uint8 views of two caches,
     ``dst`` on the stream's device). Asynchronous, like ``copy_(non_blocking=True)``; the
-    caller keeps both tensors alive until the stream passed the copies."""
-    fn = _driver_memcpy()
+    caller keeps both tensors alive until the stream passed the copies. One
+    ``cuMemcpyDtoDAsync`` call per run where the driver library loads (``driver=False``:
+    ``Tensor.copy_`` instead)."""
+    fn = driver and _driver_memcpy()
     if not (fn and dst.is_cuda and src.is_cuda):
         _torch_copy(dst, src, runs, stream)
         return
@@ -171,8 +161,7 @@ def batch_copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, 
     fn, fail_idx = found
     n = len(runs)
     # the three address arrays through numpy: built element by element (a torch call per
-    # data_ptr(), ctypes arrays from Python ints) they took ~0.2 ms for 256 runs on a 2-core
-    # host, ~0.07 ms this way (the driver call itself then takes ~0.6 ms on an H200 host)
+    # data_ptr(), ctypes arrays from Python ints) they cost several times the host time
     r = np.array(runs, dtype=np.uint64).reshape(n, 3) * np.uint64(dst.stride(0))
     srcs = np.ascontiguousarray(r[:, 0] + np.uint64(src.data_ptr()))
     dsts = np.ascontiguousarray(r[:, 1] + np.uint64(dst.data_ptr()))

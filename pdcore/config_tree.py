@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import SettingError, field_types, kind_of
+from pdcore.settings import SettingError, field_types, kind_of
 
 PREFIX = "PDSERVE_"
 CONFIG_VAR = "PDSERVE_CONFIG"
@@ -54,11 +54,17 @@ OTHER_VARIABLES = {
     "PDSERVE_MODEL_DIR": "docker-compose.yml: the host folder mounted at /models",
     "PDSERVE_GPU_MODEL": "docker-compose.yml: the model of the gpu profile",
 }
-# PENDING (issue 22): kvtransfer/ still reads these itself while its backends move to typed
-# per-backend options (another change in progress); once each backend declares its options
-# as a settings tree, drop this list and the kvtransfer entry of the stray-read test.
-PENDING_KVTRANSFER_VARIABLES = {
+# The kvtransfer options a worker takes from the environment at its start
+# (kvtransfer.registry.options_from_env, given this module's environ(): each backend declares
+# its options as a frozen dataclass in its own module; the variables below map onto them,
+# kvtransfer.registry.ENV_OPTIONS is their table and a test keeps the two equal). They are
+# not flags: they tune one backend's internals or inject faults.
+KVTRANSFER_VARIABLES = {
     "PDSERVE_KV_TIMELINE": "log where each KV transfer's time went",
+    "PDSERVE_KV_CHECKSUMS": "per-block checksums on every KV transfer (default on; both "
+                            "sides must agree)",
+    "PDSERVE_KV_CORRUPT_EVERY": "fault injection: corrupt every Nth KV transfer (the "
+                                "receiver's checksum check must catch it); 0: off",
     "PDSERVE_NCCL_LAYERS_PER_MESSAGE": "nccl: layers per message while a chunk computes",
     "PDSERVE_NCCL_PACK_MESSAGE_BYTES": "nccl: size of the gathered messages of a cached part",
     "PDSERVE_NCCL_LIB": "nccl: path of libnccl",
@@ -221,9 +227,10 @@ def read_file(path: str) -> dict:
 
 
 def file_values(path: str, cls: type, sections: Sequence[str],
-                roots: Mapping[str, type]) -> Values:
+                roots: Mapping[str, type], strict: bool = True) -> Values:
     """The settings of ``cls`` in the file at ``path``: flat keys, then the tables listed in
-    ``sections`` (in order, later wins). Keys of other entry points are checked and left."""
+    ``sections`` (in order, later wins). Keys of other entry points are checked and left
+    (not ``strict``: keys no root in ``roots`` knows are left unchecked)."""
     data = read_file(path)
     names = aliases(cls)
     every = {n for r in roots.values() for n in aliases(r)}
@@ -241,6 +248,8 @@ def file_values(path: str, cls: type, sections: Sequence[str],
                      allowed_groups)
                 continue
             if key not in allowed:
+                if not strict:
+                    continue
                 raise ConfigError(f"config file {path!r}: unknown setting {where}{key}"
                                   + nearest(key, allowed))
             if own and key in names:
@@ -254,6 +263,8 @@ def file_values(path: str, cls: type, sections: Sequence[str],
     walk(top, "", True, every, every_group)
     for section, root in FILE_SECTIONS.items():
         body = data.get(section)
+        if root not in roots:
+            continue  # a table of an entry point the caller does not know (not strict)
         if isinstance(body, dict) and section not in sections:
             r = roots[root]
             walk(body, f"{section}.", False, set(aliases(r)), groups(r))
@@ -266,14 +277,16 @@ def file_values(path: str, cls: type, sections: Sequence[str],
 
 def known_variables(roots: Mapping[str, type]) -> set[str]:
     return ({PREFIX + n.upper() for r in roots.values() for n in aliases(r)}
-            | set(OTHER_VARIABLES) | set(PENDING_KVTRANSFER_VARIABLES))
+            | set(OTHER_VARIABLES) | set(KVTRANSFER_VARIABLES))
 
 
-def env_values(env: Mapping[str, str], cls: type, roots: Mapping[str, type]) -> Values:
-    """The settings of ``cls`` set by ``PDSERVE_*`` variables; an unknown one is an error."""
+def env_values(env: Mapping[str, str], cls: type, roots: Mapping[str, type],
+               strict: bool = True) -> Values:
+    """The settings of ``cls`` set by ``PDSERVE_*`` variables; an unknown one is an error
+    (not ``strict``: ignored -- a library call must not fail on a service's variable)."""
     known = known_variables(roots)
     for var in env:
-        if var.startswith(PREFIX) and var not in known:
+        if strict and var.startswith(PREFIX) and var not in known:
             raise ConfigError(f"unknown variable {var}" + nearest(var, known))
     out: Values = {}
     for alias, name in aliases(cls).items():
@@ -387,12 +400,15 @@ def build(cls: type, *, roots: Mapping[str, type], argv: Sequence[str] | None = 
           env: Mapping[str, str] | None = None, keywords: Mapping[str, Any] | None = None,
           defaults: Mapping[str, Any] | None = None, sections: Sequence[str] = (),
           prog: str = "pdserve", config_file: str | None = None,
-          namespace: argparse.Namespace | None = None) -> tuple[Any, Values]:
+          namespace: argparse.Namespace | None = None, strict: bool = True
+          ) -> tuple[Any, Values]:
     """``(instance, sources)``: ``cls`` filled from entry-point ``defaults`` < the config
     file < ``env`` (default: the process environment) < flags in ``argv`` (None: no flags
     parsed; or ``namespace``, already parsed by :func:`parser` plus the caller's own flags)
     < ``keywords``. ``sections``: the file tables that apply (e.g. worker, decode).
-    Bad values raise ConfigError, unknown keywords TypeError; bad flags exit 2 (argparse)."""
+    Bad values raise ConfigError, unknown keywords TypeError; bad flags exit 2 (argparse).
+    ``strict``: unknown variables and file keys are errors (entry points that know every
+    root); a library entry point that knows only its own root passes False."""
     env = environ() if env is None else env
     values: Values = {k: (v, "default") for k, v in (defaults or {}).items()}
     ns = namespace
@@ -400,8 +416,8 @@ def build(cls: type, *, roots: Mapping[str, type], argv: Sequence[str] | None = 
         ns = parser(cls, prog, defaults=defaults).parse_strict(argv)
     path = (ns.config if ns is not None else None) or config_file or env.get(CONFIG_VAR)
     if path:
-        values.update(file_values(path, cls, sections, roots))
-    values.update(env_values(env, cls, roots))
+        values.update(file_values(path, cls, sections, roots, strict))
+    values.update(env_values(env, cls, roots, strict))
     if ns is not None:
         values.update(flag_values(ns, cls, argv))
     values.update(keyword_values(keywords or {}, cls))

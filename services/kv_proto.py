@@ -1,13 +1,17 @@
-"""KVLayout <-> its proto message (common.proto KVLayout): the one translation, used by both
-worker roles when they agree on a layout."""
+"""KV transfer types <-> their protos: one translation, used by both worker roles.
+
+The prefill worker reads the decode worker's layout from a Prefill request, the decode worker
+writes its own into one; keeping the translation here (not in either worker package) keeps the
+worker packages from importing each other. Imports kvtransfer (torch), so only the workers do.
+"""
 from __future__ import annotations
 
-from kvtransfer.base import KVLayout
+from kvtransfer import KVLayout
 from protos.pdserve.v1 import common_pb2
 
 
 def layout_from_proto(pb: common_pb2.KVLayout) -> KVLayout:
-    """Raises ValueError for a layout that is not valid."""
+    """ValueError for a layout that is not one (non-positive sizes, unknown dtype)."""
     return KVLayout(pb.num_layers, pb.num_kv_heads, pb.head_dim, pb.block_size, pb.dtype)
 
 

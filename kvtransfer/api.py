@@ -1,4 +1,4 @@
-"""The kvtransfer interface: layout, per-transfer state machine, sender and receiver.
+"""The kvtransfer interface: layout, transfer states and results, sender, receiver, backend.
 
 A KV cache is ONE tensor of shape ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
 head_dim]`` ("block-major"): block ``b`` is one contiguous region of ``block_bytes`` bytes
@@ -31,14 +31,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
-import logging
-import os
-import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -146,47 +143,6 @@ ALLOWED_TRANSITIONS: dict[TransferState, frozenset[TransferState]] = {
 
 class IllegalTransition(RuntimeError):
     """A transfer was moved along an edge its state machine does not have."""
-
-
-# PDSERVE_KV_TIMELINE=1: every transfer logs, when it ends, the time of each phase its
-# backend marked (ms since the transfer began, per side): where a transfer's time goes
-TIMELINE = os.environ.get("PDSERVE_KV_TIMELINE", "") not in ("", "0")
-
-
-class TransferStateMachine:
-    """The state of one transfer; every change is checked and logged with the transfer id."""
-
-    def __init__(self, transfer_id: str, side: str) -> None:
-        self.transfer_id = transfer_id
-        self.side = side
-        self.state = TransferState.PENDING
-        self.num_bytes = 0  # payload bytes moved so far
-        self.data_seconds: float | None = None  # the data movement alone, where measured
-        self._t0 = time.perf_counter() if TIMELINE else 0.0
-        self._marks: list[tuple[str, float]] = []
-        self.accepted: asyncio.Event | None = None  # set on TRANSFERRING (sender side)
-        logger.debug("%s transfer %s: pending", side, transfer_id)
-
-    def mark(self, what: str) -> None:
-        """Note that phase ``what`` was reached now (kept only with PDSERVE_KV_TIMELINE)."""
-        if TIMELINE:
-            self._marks.append((what, time.perf_counter()))
-
-    def advance(self, new: TransferState, reason: str | None = None) -> None:
-        if new not in ALLOWED_TRANSITIONS[self.state]:
-            raise IllegalTransition(
-                f"transfer {self.transfer_id}: {self.state.value} -> {new.value} not allowed"
-            )
-        logger.debug(
-            "%s transfer %s: %s -> %s%s", self.side, self.transfer_id, self.state.value,
-            new.value, f" ({reason})" if reason else "",
-        )
-        self.state = new
-        if new is TransferState.TRANSFERRING and self.accepted is not None:
-            self.accepted.set()
-        if TIMELINE and new.terminal:
-            logger.info("kv timeline %s %s %s: %s", self.side, self.transfer_id, new.value,
-                        " ".join(f"{w}={1000 * (t - self._t0):.3f}" for w, t in self._marks))
 
 
 @dataclass(frozen=True)
@@ -307,3 +263,88 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None: ...
+
+
+def option(default: Any, help: str, *, minimum: int | None = None,
+           maximum: int | None = None) -> Any:
+    """A field of an options dataclass: its default, a help line and, for numbers, a range
+    (checked by :func:`check_options`)."""
+    return field(default=default, metadata={"help": help, "min": minimum, "max": maximum})
+
+
+def check_options(options: Any) -> None:
+    """Validate an options dataclass (call from its ``__post_init__``): each field holds a
+    value of its default's type (an int is no bool) within its declared range; ValueError
+    naming the field otherwise."""
+    for f in fields(options):
+        value = getattr(options, f.name)
+        kind = type(f.default)
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)) or \
+                kind is not int and not isinstance(value, kind):
+            raise ValueError(f"{type(options).__name__}.{f.name} must be of type "
+                             f"{kind.__name__}, got {value!r}")
+        low, high = f.metadata.get("min"), f.metadata.get("max")
+        if low is not None and value < low or high is not None and value > high:
+            bounds = f">= {low}" if high is None else f"in {low}..{high}"
+            raise ValueError(f"{type(options).__name__}.{f.name} must be {bounds}, "
+                             f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class KVTransferOptions:
+    """Options every backend honours (each backend's own are in its module)."""
+
+    timeline: bool = option(False, "log, when each transfer ends, the time of each phase its "
+                                   "backend marked (ms since it began, per side): where a "
+                                   "transfer's time goes")
+    checksums: bool = option(True, "send a checksum of every block with the data and verify "
+                                   "it on arrival (a mismatch fails the transfer); both "
+                                   "sides must agree")
+    corrupt_every: int = option(
+        0, "fault injection, for tests and the chaos kit: flip one byte of the data of every "
+           "N-th transfer on its way (0: never). The side that moves the data does it: the "
+           "sender for tcp, shm, fake and nccl, the receiver for cuda_ipc and nixl (they "
+           "read the sender's memory); the receiver's checksums then fail the transfer",
+        minimum=0)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+@dataclass(frozen=True)
+class ListenAddress:
+    """Where a receiver of a TCP-listening backend (``BackendSpec.listener``) listens, and
+    the host it tells senders to dial (never a wildcard bind address)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    advertise_host: str | None = None  # default: ``host``
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a backend module declares about itself (its module-level ``BACKEND``); the
+    registry lists the modules, everything else about a backend is read from here.
+
+    ``sender(cache, layout, options, shared)`` / ``receiver(cache, layout, options, shared,
+    listen)`` build its sender and receiver: ``options`` is an instance of ``options`` (the
+    backend's frozen options dataclass), ``shared`` a :class:`KVTransferOptions`, ``listen``
+    a :class:`ListenAddress` for ``listener`` backends, else None. ``available()`` says
+    whether it can be built here at all (nixl: the package imports).
+    """
+
+    name: str
+    devices: tuple[str, ...]  # cache device types it moves blocks of: "cpu", "cuda"
+    listener: bool  # its receiver listens on a TCP port (host / port / advertise host)
+    options: type  # its options dataclass (all fields with defaults)
+    sender: Callable[..., KVSender]
+    receiver: Callable[..., KVReceiver]
+    available: Callable[[], bool] = lambda: True
+
+    def serves(self, device: str) -> bool:
+        """Whether a cache on ``device`` (``"cpu"``, ``"cuda:1"``, ...) can be moved."""
+        return device.split(":", 1)[0] in self.devices

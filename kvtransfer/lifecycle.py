@@ -1,7 +1,25 @@
-"""Bookkeeping every backend shares: expected transfers (receiver) and running sends (sender).
+"""The lifecycle every transfer shares, whatever backend moves its bytes.
 
-Backends only move bytes. The timeouts, cancellation, state changes and statistics live
-here, so every backend ends its transfers the same way.
+* :class:`TransferStateMachine`: one transfer's state, every change checked and logged.
+* Receiver side: :class:`ReceiverTracker` holds the expected transfers
+  (:class:`ExpectedTransfer`, each ending exactly once, at the latest at its deadline).
+* Sender side: :class:`SendRunner` runs a backend's send body with a timeout, cancellation
+  and one final state change (the lease on the source blocks ends when ``send()`` returns).
+* :class:`Sender` / :class:`Receiver`: the one implementation of the interface, composed of
+  the above and a backend's *channel* (what connects, listens and moves bytes):
+
+      Sender(cache, layout, channel, options)
+          channel.send(sm, endpoint, blocks) -> payload bytes; channel.close()
+      Receiver(tracker, channel)
+          channel.start() / channel.endpoint / channel.close()
+          (the channel claims transfers from ``tracker``)
+
+The options (:class:`~kvtransfer.api.KVTransferOptions`) reach each transfer here: a
+transfer's state machine says whether its block checksums travel (``checksums``) and
+whether fault injection damages it (``corrupt``); the backend honours both.
+
+Backends only move bytes; timeouts, cancellation, state changes and statistics live here,
+so every backend ends its transfers the same way.
 """
 
 from __future__ import annotations
@@ -11,22 +29,82 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
-from kvtransfer.base import (
+import torch
+
+from kvtransfer.api import (
+    ALLOWED_TRANSITIONS,
+    IllegalTransition,
     KVLayout,
     KVReceiver,
     KVSender,
+    KVTransferOptions,
     ReceiverStats,
+    TransferError,
     TransferHandle,
     TransferResult,
     TransferState,
-    TransferError,
-    TransferStateMachine,
 )
 from kvtransfer.stream import BlockStream
-from services.tasks import cancel_and_wait
+from pdcore.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
+
+class TransferStateMachine:
+    """The state of one transfer; every change is checked and logged with the transfer id.
+
+    With ``timeline`` (:attr:`KVTransferOptions.timeline`) the phases a backend marks are
+    kept and logged when the transfer ends."""
+
+    def __init__(self, transfer_id: str, side: str, timeline: bool = False) -> None:
+        self.transfer_id = transfer_id
+        self.side = side
+        self.state = TransferState.PENDING
+        self.num_bytes = 0  # payload bytes moved so far
+        self.data_seconds: float | None = None  # the data movement alone, where measured
+        self._timeline = timeline
+        self.checksums = True  # send checksums with the data (KVTransferOptions.checksums)
+        self.corrupt = False  # fault injection: damage this transfer's data on its way
+        self._t0 = time.perf_counter() if timeline else 0.0
+        self._marks: list[tuple[str, float]] = []
+        self.accepted: asyncio.Event | None = None  # set on TRANSFERRING (sender side)
+        logger.debug("%s transfer %s: pending", side, transfer_id)
+
+    def mark(self, what: str) -> None:
+        """Note that phase ``what`` was reached now (kept only with a timeline)."""
+        if self._timeline:
+            self._marks.append((what, time.perf_counter()))
+
+    def advance(self, new: TransferState, reason: str | None = None) -> None:
+        if new not in ALLOWED_TRANSITIONS[self.state]:
+            raise IllegalTransition(
+                f"transfer {self.transfer_id}: {self.state.value} -> {new.value} not allowed"
+            )
+        logger.debug(
+            "%s transfer %s: %s -> %s%s", self.side, self.transfer_id, self.state.value,
+            new.value, f" ({reason})" if reason else "",
+        )
+        self.state = new
+        if new is TransferState.TRANSFERRING and self.accepted is not None:
+            self.accepted.set()
+        if self._timeline and new.terminal:
+            logger.info("kv timeline %s %s %s: %s", self.side, self.transfer_id, new.value,
+                        " ".join(f"{w}={1000 * (t - self._t0):.3f}" for w, t in self._marks))
+
+
+class FaultInjector:
+    """``KVTransferOptions.corrupt_every``: says yes for every ``every``-th transfer."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self._count = 0
+
+    def next(self) -> bool:
+        if self.every <= 0:
+            return False
+        self._count += 1
+        return self._count % self.every == 0
 
 
 def check_block_ids(ids: list[int], num_blocks: int, *, unique: bool) -> list[int]:
@@ -60,8 +138,10 @@ class ExpectedTransfer(TransferHandle):
             self._assigned.set()
         self.num_bytes = 0
         self.num_pieces = 0  # contiguous-in-both-caches pieces (backends that count them)
+        self.checksums = tracker.options.checksums  # verify the sender's block checksums
+        self.corrupt = False  # fault injection (pull backends): damage the data that lands
         self._tracker = tracker
-        self._sm = TransferStateMachine(transfer_id, "recv")
+        self._sm = TransferStateMachine(transfer_id, "recv", tracker.options.timeline)
         self._t0 = time.monotonic()
         self._future: asyncio.Future[TransferResult] = loop.create_future()
         self._timer = loop.call_later(timeout_s, self._on_timeout, timeout_s)
@@ -143,9 +223,12 @@ class ExpectedTransfer(TransferHandle):
 class ReceiverTracker:
     """The receiver's table of expected transfers, keyed by transfer id."""
 
-    def __init__(self, num_blocks: int, block_bytes: int) -> None:
+    def __init__(self, num_blocks: int, block_bytes: int,
+                 options: KVTransferOptions | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
+        self.options = options or KVTransferOptions()
+        self._faults = FaultInjector(self.options.corrupt_every)
         self.bytes_received = 0
         self._active: dict[str, ExpectedTransfer] = {}
         self._done = 0
@@ -190,6 +273,7 @@ class ReceiverTracker:
         if error is not None:
             entry.finish(TransferState.FAILED, error)
             raise TransferError(error)
+        entry.corrupt = self._faults.next()
         entry.start(owner)
         return entry
 
@@ -223,7 +307,9 @@ class SendRunner:
     TRANSFERRING once the receiver accepted the transfer.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, options: KVTransferOptions | None = None) -> None:
+        self.options = options or KVTransferOptions()
+        self._faults = FaultInjector(self.options.corrupt_every)
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: set[str] = set()
 
@@ -233,8 +319,10 @@ class SendRunner:
             raise ValueError(f"transfer {transfer_id} is already being sent")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        sm = TransferStateMachine(transfer_id, "send")
+        sm = TransferStateMachine(transfer_id, "send", self.options.timeline)
         sm.accepted = accepted
+        sm.checksums = self.options.checksums
+        sm.corrupt = self._faults.next()
         t0 = time.monotonic()
         task = asyncio.create_task(self._guarded(sm, timeout_s, body))
         self._tasks[transfer_id] = task
@@ -283,45 +371,53 @@ class SendRunner:
             return TransferState.FAILED, f"{type(exc).__name__}: {exc}"
 
 
-class TrackedReceiver(KVReceiver):
-    """A receiver whose expected transfers live in a :class:`ReceiverTracker` (``_tracker``):
-    expect / cancel / stats are the tracker's, whatever moves the bytes."""
+class SendChannel(Protocol):
+    """What a backend gives :class:`Sender`: it moves one transfer's blocks."""
 
-    _tracker: ReceiverTracker
+    async def send(self, sm: TransferStateMachine, endpoint: str, blocks: BlockStream) -> int:
+        """Move the blocks as the stream hands them over; return the payload byte count
+        once the receiver has them all. Advance ``sm`` to TRANSFERRING once the receiver
+        accepted the transfer; raise TransferError / OSError / EOFError to fail it."""
 
-    def expect(self, transfer_id: str, dst_block_ids: list[int] | int,
-               timeout_s: float) -> ExpectedTransfer:
-        return self._tracker.expect(transfer_id, dst_block_ids, timeout_s)
-
-    def cancel(self, transfer_id: str) -> bool:
-        return self._tracker.cancel(transfer_id)
-
-    def stats(self) -> ReceiverStats:
-        return self._tracker.stats()
+    async def close(self) -> None:
+        """Release what the channel holds (connections, rings, communicators)."""
 
 
-class RunnerSender(KVSender):
-    """A sender whose transfers run in a :class:`SendRunner`: send / cancel / close are the
-    runner's; a backend implements ``_send`` (the body) and, if it holds any, releases its
-    resources in ``_close_backend``."""
+class ReceiveChannel(Protocol):
+    """What a backend gives :class:`Receiver`: it listens and writes incoming blocks,
+    claiming each transfer from the receiver's :class:`ReceiverTracker`."""
 
-    def __init__(self, cache, layout: KVLayout) -> None:
+    async def start(self) -> None: ...
+
+    @property
+    def endpoint(self) -> str: ...
+
+    async def close(self) -> None:
+        """Stop listening and release resources (the tracker already ended every transfer)."""
+
+
+class Sender(KVSender):
+    """The sender: source-block checks, a :class:`SendRunner` and a backend's channel."""
+
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, channel: SendChannel,
+                 options: KVTransferOptions | None = None) -> None:
         layout.validate(cache)
-        self._cache = cache
-        self._layout = layout
-        self._runner = SendRunner()
+        self.cache = cache
+        self.layout = layout
+        self.channel = channel
+        self._runner = SendRunner(options)
 
     async def send(self, transfer_id: str, endpoint: str, src_block_ids,
                    timeout_s: float, accepted: asyncio.Event | None = None) -> TransferResult:
         if isinstance(src_block_ids, BlockStream):
             blocks = src_block_ids
-            blocks.limit(self._cache.shape[0])  # ValueError for ids outside this cache
+            blocks.limit(self.cache.shape[0])  # ValueError for ids outside this cache
         else:
-            blocks = BlockStream.of(check_block_ids(src_block_ids, self._cache.shape[0],
+            blocks = BlockStream.of(check_block_ids(src_block_ids, self.cache.shape[0],
                                                     unique=False))
 
         async def body(sm: TransferStateMachine) -> int:
-            return await self._send(sm, endpoint, blocks)
+            return await self.channel.send(sm, endpoint, blocks)
 
         result = await self._runner.run(transfer_id, timeout_s, body, accepted)
         tail = None
@@ -329,18 +425,39 @@ class RunnerSender(KVSender):
             tail = max(0.0, min(result.seconds, time.monotonic() - blocks.completed_at))
         return dataclasses.replace(result, tail_seconds=tail)
 
-    async def _send(self, sm: TransferStateMachine, endpoint: str,
-                    blocks: BlockStream) -> int:
-        """Move the blocks (as the stream hands them over); return the payload byte count
-        once the receiver has them all."""
-        raise NotImplementedError
-
     def cancel(self, transfer_id: str) -> bool:
         return self._runner.cancel(transfer_id)
 
     async def close(self) -> None:
         await self._runner.close()
-        self._close_backend()
+        await self.channel.close()
 
-    def _close_backend(self) -> None:
-        """Release backend resources (rings, communicators). Called once by close."""
+
+class Receiver(KVReceiver):
+    """The receiver: expected transfers in a :class:`ReceiverTracker`, bytes moved by a
+    backend's channel that claims them from it."""
+
+    def __init__(self, tracker: ReceiverTracker, channel: ReceiveChannel) -> None:
+        self.tracker = tracker
+        self.channel = channel
+
+    async def start(self) -> None:
+        await self.channel.start()
+
+    @property
+    def endpoint(self) -> str:
+        return self.channel.endpoint
+
+    def expect(self, transfer_id: str, dst_block_ids: list[int] | int,
+               timeout_s: float) -> ExpectedTransfer:
+        return self.tracker.expect(transfer_id, dst_block_ids, timeout_s)
+
+    def cancel(self, transfer_id: str) -> bool:
+        return self.tracker.cancel(transfer_id)
+
+    def stats(self) -> ReceiverStats:
+        return self.tracker.stats()
+
+    async def close(self) -> None:
+        self.tracker.close()
+        await self.channel.close()

@@ -1,13 +1,16 @@
-"""Wire format shared by the socket backends (tcp, shm) and async socket helpers.
+"""The control wire: messages every socket-connected backend exchanges, and socket helpers.
 
 Sender -> receiver, once per transfer (a connection carries transfers one after another)::
 
-    HELLO  !4sHH IIII 16s Q III H  + transfer id (utf-8)
+    HELLO  !4sHH IIII 16s Q III H H  + transfer id (utf-8)
            magic b"PDKV", version, backend kind,
            num_layers, num_kv_heads, head_dim, block_size, dtype, block_bytes,
-           num_blocks, chunk_blocks, num_slots (shm only; 0 for tcp), len(transfer id)
+           num_blocks, chunk_blocks, num_slots (shm only; 0 for tcp), flags
+           (FLAG_CHECKSUMS: block checksums follow the data), len(transfer id)
 
-BLOB   !I + bytes                    backend metadata (nccl / nixl / cuda_ipc), either way
+BLOB   !I + bytes                    backend metadata (nccl / nixl / cuda_ipc), either way;
+                                     the block checksums (kvtransfer.checksum), sender to
+                                     receiver, once the data is on its way
 
 Receiver -> sender::
 
@@ -27,18 +30,19 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from kvtransfer.base import KVLayout
-from kvtransfer.tracking import TransferError
+from kvtransfer.api import KVLayout, TransferError
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2  # 2: HELLO carries flags (block checksums)
 KIND_TCP = 1
 KIND_SHM = 2
 KIND_NCCL = 3
 KIND_NIXL = 4
 KIND_CUDA_IPC = 5
 
-_HELLO = struct.Struct("!4sHHIIII16sQIIIH")
+FLAG_CHECKSUMS = 1
+
+_HELLO = struct.Struct("!4sHHIIII16sQIIIHH")
 _REPLY = struct.Struct("!BIH")
 _BLOB = struct.Struct("!I")
 MAX_BLOB_BYTES = 16 << 20
@@ -63,21 +67,27 @@ class Hello:
     chunk_blocks: int
     num_slots: int
     transfer_id: str
+    flags: int = 0
+
+    @property
+    def checksums(self) -> bool:
+        return bool(self.flags & FLAG_CHECKSUMS)
 
 
 def encode_hello(kind: int, layout: KVLayout, transfer_id: str, num_blocks: int,
-                 chunk_blocks: int = 0, num_slots: int = 0) -> bytes:
+                 chunk_blocks: int = 0, num_slots: int = 0, checksums: bool = True) -> bytes:
     tid = transfer_id.encode()
+    flags = FLAG_CHECKSUMS if checksums else 0
     head = _HELLO.pack(MAGIC, VERSION, kind, layout.num_layers, layout.num_kv_heads,
                        layout.head_dim, layout.block_size, layout.dtype.encode(),
-                       layout.block_bytes, num_blocks, chunk_blocks, num_slots, len(tid))
+                       layout.block_bytes, num_blocks, chunk_blocks, num_slots, flags, len(tid))
     return head + tid
 
 
 def decode_hello_head(head: bytes) -> tuple[Hello, int]:
     """Parse the fixed part; returns the Hello (transfer id still empty) and the id length."""
     (magic, version, kind, layers, heads, head_dim, block_size, dtype, block_bytes,
-     num_blocks, chunk_blocks, num_slots, tid_len) = _HELLO.unpack(head)
+     num_blocks, chunk_blocks, num_slots, flags, tid_len) = _HELLO.unpack(head)
     if magic != MAGIC:
         raise TransferError(f"bad magic {magic!r}: not a kvtransfer peer")
     if version != VERSION:
@@ -89,14 +99,25 @@ def decode_hello_head(head: bytes) -> tuple[Hello, int]:
         layout = KVLayout(layers, heads, head_dim, block_size, dtype_s)
     except ValueError:
         layout = None
-    hello = Hello(kind, layout, text, block_bytes, num_blocks, chunk_blocks, num_slots, "")
+    hello = Hello(kind, layout, text, block_bytes, num_blocks, chunk_blocks, num_slots, "",
+                  flags)
     return hello, tid_len
 
 
-def layout_error(hello: Hello, mine: KVLayout) -> str | None:
+def layout_error(hello: Hello, mine: KVLayout, checksums: bool = True) -> str | None:
+    """Why this receiver (``mine``, verifying ``checksums`` or not) cannot take the
+    transfer, or None: both sides then fail it with that message."""
     if hello.layout != mine or hello.block_bytes != mine.block_bytes:
         return f"layout mismatch: sender {hello.layout_text} != receiver {mine}"
-    return None
+    return checksum_setting_error(hello.checksums, checksums)
+
+
+def checksum_setting_error(sender: bool, receiver: bool) -> str | None:
+    """Both sides must agree on block checksums (KVTransferOptions.checksums)."""
+    if sender == receiver:
+        return None
+    return (f"checksum setting mismatch: block checksums are {'on' if sender else 'off'} at "
+            f"the sender, {'on' if receiver else 'off'} at the receiver (both must agree)")
 
 
 def encode_reply(status: int, value: int = 0, message: str = "") -> bytes:
@@ -197,3 +218,24 @@ def parse_endpoint(endpoint: str, scheme: str) -> str:
     if not endpoint.startswith(prefix):
         raise TransferError(f"endpoint {endpoint!r} is not a {scheme}:// endpoint")
     return endpoint[len(prefix):]
+
+
+def peer_failed(sock: socket.socket) -> bool:
+    """Peek at a control socket: closed, reset or an ERROR reply next."""
+    try:
+        head = sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return head == b"" or head[0] == ERROR
+
+
+async def peer_reason(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> str:
+    """The reason a peer gave up (its ERROR's message), or "connection closed"."""
+    try:
+        async with asyncio.timeout(0.2):
+            status, _, message = await read_reply(loop, sock)
+        return message if status == ERROR else f"unexpected reply {status}"
+    except (OSError, EOFError, TransferError, TimeoutError):
+        return "connection closed"

@@ -15,7 +15,9 @@ Per transfer, on the control connection of :mod:`kvtransfer.control`::
     BLOB offer: agent name + metadata,       ->  load the sender's agent (first time only),
       cache base / device / memory type,         READ one descriptor per segment, poll it
       source block ids                           (a sender that hangs up ends it at once)
-                                             <-  OK (read done: DONE)
+    BLOB the blocks' checksums (computed     ->  compare them with the landed blocks' own
+      while the receiver READs)
+                                             <-  OK (read done and intact: DONE)
 
 The READ is one-sided: the sender's cache is read by the receiver, not by ``send()``, and
 the sender's caller may reuse the source blocks once ``send()`` returned. So a send that
@@ -51,36 +53,53 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvtransfer import protocol as proto
-from kvtransfer.base import KVLayout, TransferStateMachine
-from kvtransfer.control import (
-    ControlReceiver,
-    ControlSender,
-    await_ack,
-    segments,
+from kvtransfer import checksum, wire
+from kvtransfer.api import (
+    BackendSpec,
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    KVTransferOptions,
+    ListenAddress,
+    TransferError,
+    check_options,
+    option,
 )
+from kvtransfer.blocks import segments
+from kvtransfer.control import await_ack, control_receiver, control_sender, hold_lease
+from kvtransfer.lifecycle import ExpectedTransfer, TransferStateMachine
 from kvtransfer.stream import BlockStream
-from kvtransfer.tracking import ExpectedTransfer, TransferError
 from kvtransfer.waits import poll_in_thread
 
 logger = logging.getLogger(__name__)
 
 NIXL_BACKENDS = ["UCX"]
 # poll() timeout of the UCX progress thread, which otherwise wakes on UCX events only. nixl's
-# python API hard-codes 0, which turns that thread into a busy loop: a whole core per agent
-# (measured on nixl-cu13 1.5.1), and slower transfers on a loaded host.
+# python API hard-codes 0, which turns that thread into a busy loop: a whole core per agent,
+# and slower transfers on a loaded host.
 PROGRESS_THREAD_DELAY_US = 1000
 DRAIN_TIMEOUT_S = 1.0  # most the end of a transfer waits (blocking) for a READ in flight
 SETTLE_TIMEOUT_S = 2.0  # most a failed transfer waits (not blocking) for its READ to stop
 MAX_REMOTE_AGENTS = 64  # sender agents a receiver keeps loaded (idle ones are evicted)
 OFFER_VERSION = 1
-# descriptors are cut to at most this many bytes (0: one per segment), so UCX can move
-# the pieces of one large segment concurrently (PDSERVE_NIXL_MAX_DESCRIPTOR_BYTES)
-MAX_DESCRIPTOR_BYTES = 0
+
+
+@dataclass(frozen=True)
+class NixlOptions:
+    max_descriptor_bytes: int = option(
+        0, "receiver: descriptors are cut to at most this many bytes, so UCX can move the "
+           "pieces of one large segment concurrently; 0: one descriptor per segment",
+        minimum=0)
+    verbose_logs: bool = option(False, "keep nixl's INFO logs (it logs every agent creation "
+                                       "on stdout); off: its Python logger is kept at WARNING")
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 _OFFER_HEAD = struct.Struct("!I")
 _nixl_module = None
@@ -100,9 +119,6 @@ def _import_nixl():
             f"(import nixl_cu13 failed: {type(exc).__name__}: {exc})") from exc
     finally:
         logging.raiseExceptions = saved
-    if not os.environ.get("NIXL_LOG_LEVEL"):
-        # nixl logs every agent creation at INFO on stdout; keep warnings and errors
-        logging.getLogger("nixl").setLevel(logging.WARNING)
     _nixl_module = nixl_cu13
     return nixl_cu13
 
@@ -145,8 +161,10 @@ def _new_agent(nixl, name: str):
 class _Agent:
     """One nixl agent with the whole cache tensor registered once."""
 
-    def __init__(self, role: str, cache: torch.Tensor) -> None:
+    def __init__(self, role: str, cache: torch.Tensor, verbose_logs: bool = False) -> None:
         nixl = _import_nixl()
+        if not verbose_logs:  # nixl logs every agent creation at INFO on stdout
+            logging.getLogger("nixl").setLevel(logging.WARNING)
         if not cache.is_contiguous():
             raise ValueError("the nixl backend needs a contiguous cache tensor")
         if cache.device.type == "cuda":
@@ -342,28 +360,28 @@ class _Remote:
         self.broken = False
 
 
-class NixlReceiver(ControlReceiver):
+class NixlPayloadReceiver:
     """Decode side: READs each transfer's blocks from the sender's registered cache."""
 
-    scheme = "nixl"
-    kind = proto.KIND_NIXL
-
-    def __init__(self, cache: torch.Tensor, layout: KVLayout, host: str = "127.0.0.1",
-                 port: int = 0, advertise_host: str | None = None) -> None:
-        super().__init__(cache, layout, host, port, advertise_host)
-        limit = int(os.environ.get("PDSERVE_NIXL_MAX_DESCRIPTOR_BYTES", MAX_DESCRIPTOR_BYTES))
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, options: NixlOptions) -> None:
+        self._cache = cache
+        self._layout = layout
+        limit = options.max_descriptor_bytes
         self._max_blocks = max(1, limit // layout.block_bytes) if limit > 0 else 0
-        self._nixl = _Agent("rx", cache)
+        self._nixl = _Agent("rx", cache, options.verbose_logs)
         self._remotes: OrderedDict[str, _Remote] = OrderedDict()
 
-    def _close_backend(self) -> None:
+    async def start(self) -> None:
+        pass
+
+    def close(self) -> None:
         for name in list(self._remotes):
             self._drop_remote(name)
         self._nixl.close()
 
-    async def _receive_payload(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
-                               entry: ExpectedTransfer) -> str:
-        offer = _Offer.decode(await proto.read_blob(loop, conn))
+    async def receive(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                      entry: ExpectedTransfer) -> str:
+        offer = _Offer.decode(await wire.read_blob(loop, conn))
         bb = self._layout.block_bytes
         if offer.block_bytes != bb:
             raise TransferError(f"nixl offer has {offer.block_bytes}-byte blocks, not {bb}")
@@ -394,12 +412,22 @@ class NixlReceiver(ControlReceiver):
                 raise
             seconds = time.perf_counter() - t_post
             read.abort()  # done: just releases the handle
+            await self._verify(loop, conn, entry)
             entry.add_bytes(len(entry.dst_block_ids) * bb)
-            return proto.data_seconds_message("read done", seconds)
+            return wire.data_seconds_message("read done", seconds)
         finally:
             read.abort()
             remote_state.broken |= read.broken
             self._unuse_remote(offer.agent, remote_state)
+
+    async def _verify(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                      entry: ExpectedTransfer) -> None:
+        """After the READ: the blocks against the sender's checksums (fault injection first
+        damages one, as a READ gone wrong would)."""
+        if entry.corrupt:
+            checksum.corrupt_first_byte(self._cache, entry.dst_block_ids[0], entry.transfer_id)
+        if entry.checksums:
+            await checksum.check_arrived(loop, conn, self._cache, entry.dst_block_ids)
 
     def _descriptors(self, offer: _Offer, dst_ids: list[int]):
         """Local and remote nixl descriptor lists: one ``(address, length, device)`` row per
@@ -475,23 +503,23 @@ class NixlReceiver(ControlReceiver):
             logger.debug("nixl: removing remote agent %s failed", name, exc_info=True)
 
 
-class NixlSender(ControlSender):
+class NixlPayloadSender:
     """Prefill side: offers its registered blocks; the receiver READs them."""
 
-    scheme = "nixl"
-    kind = proto.KIND_NIXL
-    eager_payload = True
+    eager = True
 
-    def __init__(self, cache: torch.Tensor, layout: KVLayout) -> None:
-        super().__init__(cache, layout)
-        self._nixl = _Agent("tx", cache)
+    def __init__(self, cache: torch.Tensor, layout: KVLayout, options: NixlOptions) -> None:
+        self._cache = cache
+        self._layout = layout
+        self._nixl = _Agent("tx", cache, options.verbose_logs)
+        # the source blocks' checksums (a GPU cache's, on a stream of their own)
+        self._sums_stream = torch.cuda.Stream(cache.device) if cache.is_cuda else None
 
-    def _close_backend(self) -> None:
+    def close(self) -> None:
         self._nixl.close()
 
-    async def _send_payload(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                            endpoint: str, sm: TransferStateMachine,
-                            blocks: BlockStream) -> None:
+    async def send(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, endpoint: str,
+                   sm: TransferStateMachine, blocks: BlockStream) -> None:
         # one READ per transfer: the handshake overlapped the prompt's forward pass, the
         # blocks move once all of them are computed
         ids = await blocks.all(watch=sock)
@@ -501,12 +529,16 @@ class NixlSender(ControlSender):
         offer = _Offer(nixl.name, nixl.metadata, nixl.mem, nixl.dev, nixl.base,
                        self._layout.block_bytes, self._cache.shape[0], np.asarray(ids))
         try:
-            await loop.sock_sendall(sock, proto.encode_blob(offer.encode()))
+            await loop.sock_sendall(sock, wire.encode_blob(offer.encode()))
+            if sm.checksums:  # computed while the receiver READs
+                sums = checksum.SourceSums(self._cache, self._sums_stream)
+                sums.add(ids)
+                await checksum.send_checksums(loop, sock, await sums.collect(watch=sock))
             done = await await_ack(loop, sock, sm)  # the READ is done and so is the transfer
         except BaseException as exc:  # the receiver may be reading: keep the blocks leased
-            await self._hold_lease(loop, sock, sm, exc)
+            await hold_lease(loop, sock, sm, exc)
             raise
-        sm.data_seconds = proto.parse_data_seconds(done)
+        sm.data_seconds = wire.parse_data_seconds(done)
 
 
 def split_pieces(pieces: list[tuple[int, int, int]],
@@ -522,3 +554,22 @@ def split_pieces(pieces: list[tuple[int, int, int]],
         for k in range(0, n, max_blocks):
             out.append((s + k, d + k, min(max_blocks, n - k)))
     return out
+
+
+def make_sender(cache: torch.Tensor, layout: KVLayout, options: NixlOptions,
+                shared: KVTransferOptions) -> KVSender:
+    layout.validate(cache)
+    return control_sender(cache, layout, "nixl", wire.KIND_NIXL,
+                          NixlPayloadSender(cache, layout, options), shared)
+
+
+def make_receiver(cache: torch.Tensor, layout: KVLayout, options: NixlOptions,
+                  shared: KVTransferOptions, listen: ListenAddress | None) -> KVReceiver:
+    layout.validate(cache)
+    return control_receiver(cache, layout, "nixl", wire.KIND_NIXL,
+                            NixlPayloadReceiver(cache, layout, options), shared, listen)
+
+
+BACKEND = BackendSpec(name="nixl", devices=("cpu", "cuda"), listener=True,
+                      options=NixlOptions, sender=make_sender, receiver=make_receiver,
+                      available=nixl_available)

@@ -5,8 +5,9 @@ recv, and the async-error query that non-blocking communicators are driven by. E
 communicator is created non-blocking (``config.blocking = 0``), so no call here ever waits
 on a peer: callers poll :meth:`NcclLib.state` and abort on their own timeout.
 
-The library is the one PyTorch already loaded (soname ``libnccl.so.2``), else the
-``nvidia-nccl`` wheel's copy, else ``PDSERVE_NCCL_LIB``.
+The library is the path given (``NcclOptions.library``) when there is one, else the one
+PyTorch already loaded (soname ``libnccl.so.2``), else the ``nvidia-nccl`` wheel's copy. The
+first load decides for the whole process.
 """
 
 from __future__ import annotations
@@ -47,10 +48,8 @@ class _Config(ctypes.Structure):
                 ("netName", ctypes.c_char_p)]
 
 
-def _candidates() -> list[str]:
-    out = []
-    if os.environ.get("PDSERVE_NCCL_LIB"):
-        out.append(os.environ["PDSERVE_NCCL_LIB"])
+def _candidates(library: str) -> list[str]:
+    out = [library] if library else []
     out.append("libnccl.so.2")
     try:
         spec = importlib.util.find_spec("nvidia.nccl")
@@ -63,12 +62,12 @@ def _candidates() -> list[str]:
 
 
 class NcclLib:
-    def __init__(self) -> None:
+    def __init__(self, library: str = "") -> None:
         import torch  # noqa: F401 - loads torch's libnccl first, so the soname resolves to it
         del torch
 
         errors = []
-        for path in _candidates():
+        for path in _candidates(library):
             try:
                 self._lib = ctypes.CDLL(path)
                 self.path = path
@@ -76,7 +75,8 @@ class NcclLib:
             except OSError as exc:
                 errors.append(f"{path}: {exc}")
         else:
-            raise RuntimeError("libnccl not found (set PDSERVE_NCCL_LIB): " + "; ".join(errors))
+            raise RuntimeError("libnccl not found (give its path: NcclOptions.library): "
+                               + "; ".join(errors))
         lib = self._lib
         R = ctypes.c_int
         vp = ctypes.c_void_p
@@ -170,9 +170,10 @@ _LIB: NcclLib | None = None
 _LIB_LOCK = threading.Lock()
 
 
-def lib() -> NcclLib:
+def lib(library: str = "") -> NcclLib:
+    """The process's NCCL binding, loaded on first use (``library``: a path to try first)."""
     global _LIB
     with _LIB_LOCK:
         if _LIB is None:
-            _LIB = NcclLib()
+            _LIB = NcclLib(library)
         return _LIB

@@ -1,0 +1,28 @@
+"""StepHandle: one launched engine step, as the model runner returns it.
+
+Its own module so that the model runner and its CUDA-graph part (engine.cuda_graphs) both
+import it without importing each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepHandle:
+    """A launched step. Its tokens are known at launch (eager paths, sampling on the host) or
+    still on the device (greedy CUDA-graph steps: ``greedy`` is the device argmax, copied to
+    the pinned ``host`` buffer; ``event`` completes when that copy has landed)."""
+    sched: SchedulerOutput
+    sampled_ids: list[str]
+    rows: list[int] | None = None  # graph paths: the rows of ``greedy`` that sampled (None: all)
+    tokens: list[int] | None = None
+    logprobs: list[float] | None = None
+    greedy: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+    chained: bool = False  # launched by launch_next, before the previous step's tokens were read
