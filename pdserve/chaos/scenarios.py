@@ -238,6 +238,44 @@ def delay_decode(model: str = "smollm2-135m") -> Result:
         return res
 
 
+def kv_corruption(model: str = "smollm2-135m") -> Result:
+    """Every KV transfer corrupted on the wire (fault injection: the prefill worker flips a
+    byte of each one it sends): the decode worker's per-block checksums catch each, the
+    request is prefilled locally instead, and no corrupted KV is ever decoded -- the greedy
+    tokens stay those of an undisturbed cluster."""
+    res = Result("kv-corruption")
+    reqs = greedy_requests(6, 32, tag="corruption: ")
+    with LocalCluster(model, prefill=1, decode=1) as c:
+        ref = asyncio.run(run_streams(c.address, reqs))
+    with LocalCluster(model, prefill=1, decode=1, metrics=True,
+                      env={"PDSERVE_KV_CORRUPT_EVERY": "1"}) as c:
+        streams = asyncio.run(run_streams(c.address, reqs))
+        dec = next(w for w in c.workers if w.kind == "decode")
+        failed = _metric(dec.metrics_port, "pdserve_kv_transfers_total",
+                         {"direction": "received", "state": "failed"})
+        done = _metric(dec.metrics_port, "pdserve_kv_transfers_total",
+                       {"direction": "received", "state": "done"})
+        res.figures["transfers_failed_by_checksum"] = failed
+        res.figures["transfers_done"] = done
+        res.checks["every corrupted transfer was caught"] = failed >= len(reqs) and done == 0
+        return _finish(res, streams, ref, asyncio.run(settle(c.workers)))
+
+
+def _metric(port: int, name: str, labels: dict) -> float:
+    """One sample of a service's /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name == name and all(sample.labels.get(k) == v
+                                           for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
 SCENARIOS = {
     "kill-decode": kill_decode,
     "stop-decode": stop_decode,
@@ -246,4 +284,5 @@ SCENARIOS = {
     "stop-prefill": stop_prefill,
     "redis-restart": redis_restart,
     "delay-decode": delay_decode,
+    "kv-corruption": kv_corruption,
 }
