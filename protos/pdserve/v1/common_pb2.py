@@ -24,35 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/common.proto\x12\npdserve.v1\"\xf7\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x92\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xcd\x01\n\x10KVTransferParams\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x19\n\x11receiver_endpoint\x18\x03 \x01(\t\x12\x15\n\rdst_block_ids\x18\x04 \x03(\r\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12$\n\x06layout\x18\x07 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\"\x9c\x01\n\x10KVTransferResult\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.pdserve.v1.TransferState\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x64uration_ms\x18\x06 \x01(\x01\"\x0e\n\x0cStatsRequest\"\x9c\x03\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x13\n\x0bnum_running\x18\x08 \x01(\r\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12!\n\x19prefix_cache_query_tokens\x18\n \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0b \x01(\x04\x12\x18\n\x10\x61\x63tive_transfers\x18\x0c \x01(\r\x12\x19\n\x11transferred_bytes\x18\r \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x0e \x01(\r\x12\x15\n\rmax_model_len\x18\x0f \x01(\r\x12\x1a\n\x12kv_blocks_stranded\x18\x10 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*\xda\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_PENDING\x10\x01\x12\x1f\n\x1bTRANSFER_STATE_TRANSFERRING\x10\x02\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x03\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x04\x12\x1c\n\x18TRANSFER_STATE_TIMED_OUT\x10\x05\x12\x1a\n\x16TRANSFER_STATE_ABORTED\x10\x06*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/common.proto\x12\npdserve.v1\"\x89\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x01H\x07\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\r\x12\t\n\x01n\x18\x11 \x01(\r\x12*\n\nconstraint\x18\x12 \x01(\x0b\x32\x16.pdserve.v1.Constraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"V\n\nConstraint\x12\x13\n\x0bjson_schema\x18\x01 \x01(\t\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\r\n\x05regex\x18\x03 \x01(\t\x12\x0f\n\x07grammar\x18\x04 \x01(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xd0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\r\n\x05index\x18\x08 \x01(\r\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xcd\x01\n\x10KVTransferParams\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x19\n\x11receiver_endpoint\x18\x03 \x01(\t\x12\x15\n\rdst_block_ids\x18\x04 \x03(\r\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x12$\n\x06layout\x18\x07 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\"\x9c\x01\n\x10KVTransferResult\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.pdserve.v1.TransferState\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x11\n\tnum_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x64uration_ms\x18\x06 \x01(\x01\"\x0e\n\x0cStatsRequest\"\x9c\x03\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x13\n\x0bnum_running\x18\x08 \x01(\r\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12!\n\x19prefix_cache_query_tokens\x18\n \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0b \x01(\x04\x12\x18\n\x10\x61\x63tive_transfers\x18\x0c \x01(\r\x12\x19\n\x11transferred_bytes\x18\r \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x0e \x01(\r\x12\x15\n\rmax_model_len\x18\x0f \x01(\r\x12\x1a\n\x12kv_blocks_stranded\x18\x10 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*\xda\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_PENDING\x10\x01\x12\x1f\n\x1bTRANSFER_STATE_TRANSFERRING\x10\x02\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x03\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x04\x12\x1c\n\x18TRANSFER_STATE_TIMED_OUT\x10\x05\x12\x1a\n\x16TRANSFER_STATE_ABORTED\x10\x06*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pdserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERSTATE']._serialized_start=1501
-  _globals['_TRANSFERSTATE']._serialized_end=1719
-  _globals['_WORKERROLE']._serialized_start=1721
-  _globals['_WORKERROLE']._serialized_end=1838
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_TRANSFERSTATE']._serialized_start=2105
+  _globals['_TRANSFERSTATE']._serialized_end=2323
+  _globals['_WORKERROLE']._serialized_start=2325
+  _globals['_WORKERROLE']._serialized_end=2442
   _globals['_SAMPLINGPARAMS']._serialized_start=47
-  _globals['_SAMPLINGPARAMS']._serialized_end=294
-  _globals['_USAGE']._serialized_start=296
-  _globals['_USAGE']._serialized_end=376
-  _globals['_GENERATERESPONSE']._serialized_start=379
-  _globals['_GENERATERESPONSE']._serialized_end=525
-  _globals['_KVLAYOUT']._serialized_start=527
-  _globals['_KVLAYOUT']._serialized_end=632
-  _globals['_KVTRANSFERPARAMS']._serialized_start=635
-  _globals['_KVTRANSFERPARAMS']._serialized_end=840
-  _globals['_KVTRANSFERRESULT']._serialized_start=843
-  _globals['_KVTRANSFERRESULT']._serialized_end=999
-  _globals['_STATSREQUEST']._serialized_start=1001
-  _globals['_STATSREQUEST']._serialized_end=1015
-  _globals['_STATSRESPONSE']._serialized_start=1018
-  _globals['_STATSRESPONSE']._serialized_end=1430
-  _globals['_ABORTREQUEST']._serialized_start=1432
-  _globals['_ABORTREQUEST']._serialized_end=1466
-  _globals['_ABORTRESPONSE']._serialized_start=1468
-  _globals['_ABORTRESPONSE']._serialized_end=1498
+  _globals['_SAMPLINGPARAMS']._serialized_end=696
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=522
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=570
+  _globals['_CONSTRAINT']._serialized_start=698
+  _globals['_CONSTRAINT']._serialized_end=784
+  _globals['_TOPLOGPROBS']._serialized_start=786
+  _globals['_TOPLOGPROBS']._serialized_end=836
+  _globals['_USAGE']._serialized_start=838
+  _globals['_USAGE']._serialized_end=918
+  _globals['_GENERATERESPONSE']._serialized_start=921
+  _globals['_GENERATERESPONSE']._serialized_end=1129
+  _globals['_KVLAYOUT']._serialized_start=1131
+  _globals['_KVLAYOUT']._serialized_end=1236
+  _globals['_KVTRANSFERPARAMS']._serialized_start=1239
+  _globals['_KVTRANSFERPARAMS']._serialized_end=1444
+  _globals['_KVTRANSFERRESULT']._serialized_start=1447
+  _globals['_KVTRANSFERRESULT']._serialized_end=1603
+  _globals['_STATSREQUEST']._serialized_start=1605
+  _globals['_STATSREQUEST']._serialized_end=1619
+  _globals['_STATSRESPONSE']._serialized_start=1622
+  _globals['_STATSRESPONSE']._serialized_end=2034
+  _globals['_ABORTREQUEST']._serialized_start=2036
+  _globals['_ABORTREQUEST']._serialized_end=2070
+  _globals['_ABORTRESPONSE']._serialized_start=2072
+  _globals['_ABORTRESPONSE']._serialized_end=2102
 # @@protoc_insertion_point(module_scope)

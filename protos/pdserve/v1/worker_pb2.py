@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import common_pb2 as protos_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\xad\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\"\xc8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\x12\x31\n\x0bkv_transfer\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferParams\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\"\xde\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x1a\n\rfirst_logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12.\n\x08transfer\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferResult\x12\x17\n\nfirst_text\x18\x06 \x01(\tH\x01\x88\x01\x01\x42\x10\n\x0e_first_logprobB\r\n\x0b_first_text2\xcf\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse2\xd1\x01\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\xad\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\"\xc8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\x12\x31\n\x0bkv_transfer\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferParams\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\"\x93\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x1a\n\rfirst_logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12.\n\x08transfer\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferResult\x12\x17\n\nfirst_text\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\x33\n\x12\x66irst_top_logprobs\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.TopLogprobsB\x10\n\x0e_first_logprobB\r\n\x0b_first_text2\xcf\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse2\xd1\x01\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,9 +37,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=255
   _globals['_PREFILLREQUEST']._serialized_end=455
   _globals['_PREFILLRESPONSE']._serialized_start=458
-  _globals['_PREFILLRESPONSE']._serialized_end=680
-  _globals['_PREFILLWORKER']._serialized_start=683
-  _globals['_PREFILLWORKER']._serialized_end=890
-  _globals['_DECODEWORKER']._serialized_start=893
-  _globals['_DECODEWORKER']._serialized_end=1102
+  _globals['_PREFILLRESPONSE']._serialized_end=733
+  _globals['_PREFILLWORKER']._serialized_start=736
+  _globals['_PREFILLWORKER']._serialized_end=943
+  _globals['_DECODEWORKER']._serialized_start=946
+  _globals['_DECODEWORKER']._serialized_end=1155
 # @@protoc_insertion_point(module_scope)
