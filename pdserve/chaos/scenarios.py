@@ -69,12 +69,12 @@ def _finish(res: Result, streams, ref, settled: dict) -> Result:
 
 
 # ---------------------------------------------------------------- decode faults
-async def _decode_fault(cluster, fault, res: Result, n: int = 8, max_tokens: int = 160,
-                        min_streamed: int = 16, min_left: int = 16) -> Result:
+async def _decode_fault(cluster, fault, res: Result, n: int = 8, max_tokens: int = 224,
+                        min_streamed: int = 16, min_left: int = 64) -> Result:
     """8 greedy streams; once each has ``min_streamed`` tokens, ``fault`` hits the busiest
     decode worker. The check that the fault hit every stream mid-way wants ``min_left``
-    tokens still to come in each (a loaded machine spreads the streams' starts: the first
-    may be 70 tokens ahead of the last)."""
+    tokens still to come in each; 224 tokens leave room for a loaded machine, which spreads
+    the streams' starts (the first was seen 72 tokens ahead of the last)."""
     reqs = greedy_requests(n, max_tokens, tag=res.scenario + ": ")
     ref = await run_streams(cluster.address, reqs)
     victim = {}
