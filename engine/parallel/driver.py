@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import logging
 import mmap
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Pipe
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ import weakref
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.parallel.group import TPGroup, set_process_env
+from engine.parallel.group import NVLINK_ENV, TPGroup, set_process_env
 from engine.parallel.plan import ShardPlan, check_shardable
 
 logger = logging.getLogger(__name__)
@@ -199,18 +198,20 @@ def _start_rank():
     """A rank process (``python -m engine.parallel.rank FD``): a fresh interpreter, so the
     caller's main module is never re-imported (multiprocessing's spawn would run a script
     without a ``__main__`` guard again), talking over one end of a socket pair."""
-    import engine
+    mine, theirs = Pipe(duplex=True)  # a Unix socket pair (file descriptors pass over it)
+    from pdcore.config_tree import child_environ, environ
 
-    a, b = socket.socketpair()
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(engine.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (root, env.get("PYTHONPATH")) if x)
+    # the folder holding the engine package (engine/parallel/driver.py -> three levels up)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(x for x in (root, environ().get("PYTHONPATH")) if x)
+    env = child_environ({**NVLINK_ENV, "PYTHONPATH": path})
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.rank", str(b.fileno())],
-                                pass_fds=[b.fileno()], env=env, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.rank",
+                                 str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env,
+                                stdin=subprocess.DEVNULL)
     finally:
-        b.close()
-    return Connection(a.detach()), proc
+        theirs.close()
+    return mine, proc
 
 
 def _shutdown(conns, procs, path) -> None:

@@ -12,7 +12,6 @@ NCCL initialise; DESIGN.md "Machines": multicast is not used on the lent machine
 from __future__ import annotations
 
 from datetime import timedelta
-import os
 
 import torch
 import torch.distributed as dist
@@ -22,10 +21,10 @@ NVLINK_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 
 
 def set_process_env() -> None:
-    """Environment every rank process runs with (before CUDA / NCCL / gloo start)."""
-    for k, v in NVLINK_ENV.items():
-        os.environ[k] = v
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    """Environment every rank process runs with (before CUDA / NCCL start)."""
+    from pdcore.config_tree import set_library_environ
+
+    set_library_environ(NVLINK_ENV)
 
 
 class TPGroup:
