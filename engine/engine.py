@@ -137,6 +137,20 @@ class LLMEngine:
         """Stop the tensor-parallel ranks, if any (idempotent)."""
         self.runner.close()
 
+    @property
+    def failure(self) -> str | None:
+        """Why this engine cannot step any more (a tensor-parallel rank exited), else None."""
+        return self.runner.tp.failure if self.runner.tp is not None else None
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        """The model's KV heads ``[start, end)`` that ``runner.kv_cache`` holds: all of them,
+        except on GPUs under tensor parallelism (rank 0's own there)."""
+        mc = self.model_config
+        if self.runner.kv_cache.shape[4] == mc.num_kv_heads:
+            return 0, mc.num_kv_heads
+        return self.runner.tp.rank_plan.kv_heads
+
     # ------------------------------------------------------------ validation
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams,
                  output_token_ids: list[int] = ()) -> None:

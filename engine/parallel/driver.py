@@ -99,7 +99,7 @@ class TensorParallel:
         """Rank 0's shard, once every rank has loaded its own; then the group connects."""
         from engine.parallel.shard import build_shard
 
-        plan = self._plan = self.plan(mc)
+        plan = self.rank_plan = self.plan(mc)
         model = build_shard(mc, plan, self.group, weights, device, dtype)
         for r, conn in enumerate(self.conns, start=1):
             msg = self._recv(r, conn)
@@ -128,7 +128,7 @@ class TensorParallel:
         """Allocate the KV cache (every head) and give the ranks their part (see module)."""
         self.send(("cache", tuple(shape), str(dtype).removeprefix("torch.")))
         if device.type == "cuda":  # this rank's heads only
-            return torch.zeros((*shape[:4], self._plan.num_kv_heads, shape[5]), dtype=dtype,
+            return torch.zeros((*shape[:4], self.rank_plan.num_kv_heads, shape[5]), dtype=dtype,
                                device=device)
         from multiprocessing.reduction import send_handle
 
