@@ -58,6 +58,10 @@ DUMMY_CONFIGS: dict[str, ModelConfig] = {
                                intermediate_size=28672, num_layers=80, num_heads=64,
                                num_kv_heads=8, head_dim=128, rope_theta=500000.0,
                                rope_scaling=_LLAMA3_ROPE, max_position=131072, **_TOK),
+    # JackFram/llama-160m's shapes: a modest model for CPU measurements (bench/tp_memory_cpu)
+    "llama-160m": ModelConfig(arch="llama", vocab_size=32000, hidden_size=768,
+                              intermediate_size=3072, num_layers=12, num_heads=12,
+                              num_kv_heads=12, head_dim=64, max_position=2048, **_TOK),
     "qwen2.5-7b": ModelConfig(arch="qwen2", vocab_size=152064, hidden_size=3584,
                               intermediate_size=18944, num_layers=28, num_heads=28,
                               num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,

@@ -77,7 +77,8 @@ class TensorParallel:
         except BaseException:
             _shutdown(self.conns, self.procs, self.dir)
             raise
-        self.rank_peak_rss: list[int] = []  # bytes, ranks 1..n-1 after loading
+        # ranks 1..n-1 once loaded: {"peak_rss", "anon_before", "anon_peak"} in bytes
+        self.rank_memory: list[dict] = []
         self.group = TPGroup(store, 0, n, torch.device(config.device),
                              config.tensor_parallel_timeout_s)
         self._failure: str | None = None
@@ -105,7 +106,7 @@ class TensorParallel:
             msg = self._recv(r, conn)
             if msg[0] != "loaded":
                 raise RankFailure(f"tensor-parallel {msg[1]}")
-            self.rank_peak_rss.append(msg[1])
+            self.rank_memory.append(msg[1])
         self.send(("connect",))
         self.group.connect()
         logger.info("tensor parallel: %d ranks connected (rank pids %s)", self.size, self.pids)

@@ -110,7 +110,10 @@ class ShardPlan:
         if pad:
             import torch
             t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
-        return t.contiguous()
+        t = t.contiguous()
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            t = t.clone()  # a view into the whole tensor would keep all of it alive
+        return t
 
 
 def check_shardable(c: ModelConfig, n: int) -> None:

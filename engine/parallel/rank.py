@@ -11,7 +11,7 @@ Messages (rank 0 -> rank, in order):
     ("logits", shape)            take the hidden rows rank 0 broadcasts; gather the logits
     ("stop",)                    exit
 The first message, ("init", rank, size, store path, config), comes before all of these.
-A rank answers ("loaded", peak_rss_bytes) or ("error", text) after loading. It exits on any
+A rank answers ("loaded", its memory figures while loading: bytes) or ("error", text) after loading. It exits on any
 error, on EOF (rank 0 gone) and on "stop"; a collective whose peer died fails at once
 (gloo: connection reset) and one whose peer hangs fails after the group's timeout.
 """
@@ -26,6 +26,50 @@ logger = logging.getLogger(__name__)
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class AnonPeak:
+    """The peak of this process's anonymous resident memory (RssAnon: not the file pages a
+    safetensors mmap faults in, which the kernel can drop), sampled every ``period_s``
+    while the ``with`` block runs (Linux; 0 elsewhere)."""
+
+    def __init__(self, period_s: float = 0.005):
+        self.period_s, self.peak = period_s, 0
+
+    def __enter__(self) -> "AnonPeak":
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._take()
+
+    def _take(self) -> None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("RssAnon:"):
+                        self.peak = max(self.peak, int(line.split()[1]) * 1024)
+        except OSError:
+            pass
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._take()
+
+
+def rss_bytes() -> int:
+    """Resident memory now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -82,17 +126,21 @@ def _serve(rank: int, size: int, store_path: str, config, conn) -> None:
     else:
         torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // size))
     dtype = DTYPES[config.dtype]
-    loaded = load_model(config.model, dtype=dtype, device=str(device), seed=config.seed,
-                        keep_packed=False, shard=lambda c: ShardPlan(c, rank, size))
-    mc = loaded.config
-    plan = ShardPlan(mc, rank, size)
-    group = TPGroup(store_path, rank, size, device, config.tensor_parallel_timeout_s)
-    model = build_shard(mc, plan, group, loaded.weights, device, dtype)
-    loaded.weights = None
+    before = AnonPeak()
+    before._take()  # the interpreter, torch and the engine's modules
+    with AnonPeak() as anon:
+        loaded = load_model(config.model, dtype=dtype, device=str(device), seed=config.seed,
+                            keep_packed=False, shard=lambda c: ShardPlan(c, rank, size))
+        mc = loaded.config
+        plan = ShardPlan(mc, rank, size)
+        group = TPGroup(store_path, rank, size, device, config.tensor_parallel_timeout_s)
+        model = build_shard(mc, plan, group, loaded.weights, device, dtype)
+        loaded.weights = None
     backend = make_attention_backend(config, mc)
     if device.type == "cuda" and backend.name == "triton":
         model.enable_fused_ops(True)
-    conn.send(("loaded", peak_rss_bytes()))
+    conn.send(("loaded", {"peak_rss": peak_rss_bytes(), "anon_before": before.peak,
+                          "anon_peak": anon.peak}))
     kv = None
     keep = None  # the shared mapping behind ``kv``
     with torch.inference_mode():

@@ -21,21 +21,55 @@ from engine.parallel.plan import ShardPlan
 
 def build_shard(mc: ModelConfig, plan: ShardPlan, group: TPGroup, weights: dict,
                 device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The rank's model over ``weights`` (HF names, this rank's slices), which it empties:
+    each tensor becomes a parameter without a copy (q/k/v and gate/up are fused one layer
+    at a time, their parts freed), so loading peaks at about one shard, not two."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
             model = model_class(mc)(mc)
             shard_model(model, plan, group)
-        model.to_empty(device=device)
+        model.load_state_dict(_fused_state(mc, weights, device, dtype), strict=True,
+                              assign=True)
         with torch.device(device):  # computed at construction: rebuilt for real
             model.rotary = RotaryEmbedding(mc.head_dim, mc.max_position, mc.rope_theta,
                                            mc.rope_scaling_dict)
     finally:
         torch.set_default_dtype(prev)
-    model.load_weights(weights)
+    for p in model.parameters():
+        p.requires_grad_(False)
     model.eval()
     return model
+
+
+def _fused_state(mc: ModelConfig, w: dict, device, dtype) -> dict:
+    """HF-named weights -> the model's state dict (the fusions of LlamaForCausalLM's
+    ``load_weights``), taking each tensor out of ``w`` as it goes."""
+    def take(name: str) -> torch.Tensor:
+        if name not in w:
+            raise ValueError(f"checkpoint is missing {name}")
+        return w.pop(name).to(device=device, dtype=dtype)
+
+    def cat(names: list[str]) -> torch.Tensor:
+        return torch.cat([take(n) for n in names])
+
+    sd = {"embed_tokens.weight": take("model.embed_tokens.weight"),
+          "norm.weight": take("model.norm.weight")}
+    if not mc.tie_word_embeddings:
+        sd["lm_head.weight"] = take("lm_head.weight")
+    for i in range(mc.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        a, m = src + "self_attn.", src + "mlp."
+        sd[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
+        sd[dst + "post_attention_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
+        sd[dst + "self_attn.qkv_proj.weight"] = cat([a + x + "_proj.weight" for x in "qkv"])
+        if mc.attention_bias:
+            sd[dst + "self_attn.qkv_proj.bias"] = cat([a + x + "_proj.bias" for x in "qkv"])
+        sd[dst + "self_attn.o_proj.weight"] = take(a + "o_proj.weight")
+        sd[dst + "mlp.gate_up_proj.weight"] = cat([m + "gate_proj.weight", m + "up_proj.weight"])
+        sd[dst + "mlp.down_proj.weight"] = take(m + "down_proj.weight")
+    return sd
 
 
 # ------------------------------------------------------------------ step messages
