@@ -134,6 +134,8 @@ class ModelRunner(CudaGraphsMixin):
         mc, cc, sc = self.mc, self.config.cache, self.config.scheduler
         self.kv_dtype = DTYPES[cc.kv_dtype] if cc.kv_dtype else self.dtype
         bb = kv_block_bytes(mc, self.block_size, self.kv_dtype)
+        if self.tp is not None:  # GPU: each rank stores its heads' share of a block
+            bb = max(1, int(bb * self.tp.cache_fraction(self.device)))
         self.num_blocks = self._num_kv_blocks(bb)
         self.kv_cache_bytes = self.num_blocks * bb
         limit = min(sc.max_model_len or mc.max_position, mc.max_position)

@@ -146,6 +146,13 @@ class TensorParallel:
             os.close(fd)
         return cache
 
+    def cache_fraction(self, device: torch.device) -> float:
+        """The part of a whole-model KV block that rank 0 stores: all of it on the CPU (one
+        shared cache), its heads' share on a GPU (each rank its own)."""
+        if device.type != "cuda":
+            return 1.0
+        return self.rank_plan.num_kv_heads / self.rank_plan.config.num_kv_heads
+
     # ----------------------------------------------------------------- steps
     def send(self, msg) -> None:
         self.check()
@@ -270,3 +277,6 @@ class TPModel:
 
     def parameters(self):
         return self.model.parameters()
+
+    def buffers(self):
+        return self.model.buffers()

@@ -149,7 +149,8 @@ def _serve(rank: int, size: int, store_path: str, config, conn) -> None:
             kind = msg[0]
             if kind == "forward":
                 ids, pos, meta = unpack_step(msg[1], device)
-                model(ids, pos, head_view(kv, plan), meta, backend)
+                cache = kv if kv is not None else _scratch(meta, mc, plan, config, dtype, device)
+                model(ids, pos, head_view(cache, plan), meta, backend)
             elif kind == "logits":
                 hidden = torch.empty(msg[1], dtype=dtype, device=device)
                 group.broadcast(hidden)
@@ -164,6 +165,20 @@ def _serve(rank: int, size: int, store_path: str, config, conn) -> None:
             else:
                 raise ValueError(f"unknown message {kind!r}")
     del keep
+
+
+def _scratch(meta, mc, plan, config, dtype, device):
+    """A throwaway cache for a step before the real one exists: rank 0's GPU memory
+    profile (engine.kv_memory) runs a step on a scratch cache of its own."""
+    import torch
+
+    from engine.model_runner import DTYPES
+
+    bs = config.cache.block_size
+    n = int(meta.slot_mapping.max().item()) // bs + 1
+    kv_dtype = DTYPES[config.cache.kv_dtype] if config.cache.kv_dtype else dtype
+    return torch.zeros((n, mc.num_layers, 2, bs, plan.num_kv_heads, mc.head_dim),
+                       dtype=kv_dtype, device=device)
 
 
 def _attach_cache(conn, shape, dtype, device, plan):
