@@ -65,6 +65,9 @@ class TensorParallel:
         set_process_env()
         self.config = config
         self.size = n = config.tensor_parallel_size
+        if config.device_kind == "cpu" and not config.num_threads:
+            # N processes share the cores: torch's default (all of them each) oversubscribes
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
         self.dir = tempfile.mkdtemp(prefix="pdserve-tp-")  # 0700: only this user joins
         store = os.path.join(self.dir, "store")
         self.conns, self.procs = [], []

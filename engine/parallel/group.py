@@ -22,9 +22,11 @@ NVLINK_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 
 def set_process_env() -> None:
     """Environment every rank process runs with (before CUDA / NCCL start)."""
-    from pdcore.config_tree import set_library_environ
+    from pdcore.config_tree import environ, set_library_environ
 
     set_library_environ(NVLINK_ENV)
+    if "NCCL_SOCKET_IFNAME" not in environ():  # NCCL's bootstrap sockets: loopback only
+        set_library_environ({"NCCL_SOCKET_IFNAME": "lo"})
 
 
 class TPGroup:

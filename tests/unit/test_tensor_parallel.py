@@ -3,6 +3,7 @@
 Real rank processes, real gloo collectives; two processes per test (rank 0 is pytest's)."""
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -178,3 +179,54 @@ def test_tp3_from_the_gguf_equals_tp1():
     assert outs[0] == outs[1]
     delta = max((a - b).abs().max().item() for a, b in zip(*logits))
     assert delta <= 1e-3, delta  # logits of order 10-30 here; fp32 sums in another order
+
+
+def test_dummy_llama_3_70b_has_the_real_shapes_and_splits_on_2_4_8_ranks():
+    c = dummy_config("llama-3-70b")
+    assert (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+            c.head_dim, c.vocab_size) == (80, 8192, 28672, 64, 8, 128, 128256)
+    params = sum(math.prod(s) for s in weight_shapes(c).values())
+    assert 70.5e9 < params < 70.6e9  # Llama-3-70B: 70.55B parameters
+    for n in (2, 4, 8):
+        check_shardable(c, n)
+        assert [ShardPlan(c, r, n).kv_heads for r in range(n)] == [
+            (r * 8 // n, (r + 1) * 8 // n) for r in range(n)]
+    with pytest.raises(ValueError, match="does not divide the model's 64 attention heads"):
+        check_shardable(c, 48)
+    odd = ModelConfig(arch="llama", vocab_size=8, hidden_size=8, intermediate_size=12,
+                      num_layers=1, num_heads=12, num_kv_heads=4, head_dim=2)
+    with pytest.raises(ValueError, match="4 KV heads: one must divide the other"):
+        check_shardable(odd, 6)
+
+
+def test_ranks_exit_when_rank_0_is_killed(tmp_path):
+    """Rank 0 (the engine's process) dies by SIGKILL: its ranks see the pipe close and exit
+    (no orphaned process waiting on a collective)."""
+    import subprocess
+    import sys
+
+    code = ("from engine import LLM\n"
+            "llm = LLM('dummy:tiny', device='cpu', tensor_parallel_size=2)\n"
+            "print(llm.engine.runner.tp.pids[0], flush=True)\n"
+            "import time; time.sleep(120)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        rank = int(p.stdout.readline())
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(rank):
+            time.sleep(0.1)
+        assert not _alive(rank)
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
