@@ -142,7 +142,7 @@ def _serve(rank: int, size: int, store_path: str, config, conn) -> None:
     conn.send(("loaded", {"peak_rss": peak_rss_bytes(), "anon_before": before.peak,
                           "anon_peak": anon.peak}))
     kv = None
-    keep = None  # the shared mapping behind ``kv``
+    keep = None  # the shared mapping behind ``kv`` (alive while this loop runs)
     with torch.inference_mode():
         while True:
             msg = conn.recv()
@@ -164,7 +164,6 @@ def _serve(rank: int, size: int, store_path: str, config, conn) -> None:
                 return
             else:
                 raise ValueError(f"unknown message {kind!r}")
-    del keep
 
 
 def _scratch(meta, mc, plan, config, dtype, device):
