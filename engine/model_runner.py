@@ -63,7 +63,8 @@ class ModelRunner(CudaGraphsMixin):
                  packed: dict[str, tuple] | None = None, tp=None):
         """``config`` has its device, dtype and scheduler limits resolved
         (engine.config.resolve_engine_config); the KV cache size and ``max_model_len`` are
-        resolved here (``num_blocks``, ``kv_cache_bytes``, ``max_model_len``).
+        resolved here (``num_blocks``, ``kv_cache_bytes``, ``max_model_len``). ``weights`` is
+        consumed: the model's parameters take its values and the dict is emptied.
         ``tp`` (engine.parallel.TensorParallel): ``weights`` are rank 0's slices; the model
         is rank 0's shard behind a stand-in that drives the other ranks."""
         self.tp = tp
@@ -77,7 +78,7 @@ class ModelRunner(CudaGraphsMixin):
         self.block_size = config.cache.block_size
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        if tp is not None:
+        if tp is not None:  # takes the tensors out of ``weights`` as parameters
             self.model = tp.build(mc, weights, self.device, self.dtype)
         else:
             prev = torch.get_default_dtype()
@@ -88,6 +89,10 @@ class ModelRunner(CudaGraphsMixin):
             finally:
                 torch.set_default_dtype(prev)
             self.model.load_weights(weights)
+        # the parameters hold copies: drop the loaded tensors now, before the KV cache is
+        # sized from free memory (on a GPU they would otherwise stay reserved, a second copy
+        # of the weights that neither the profile nor the KV budget sees)
+        weights.clear()
         self.model.eval()
         self.packed_projections = 0
         if (packed and tp is None and config.kernels.cpu_packed and self.device.type == "cpu"
