@@ -22,6 +22,7 @@ import time
 
 import grpc
 
+from engine.async_engine import EngineDeadError
 from engine.request import FinishReason, RequestOutput
 from pdcore.ids import new_id
 from protos.pdserve.v1 import common_pb2
@@ -139,6 +140,9 @@ class DecodeCall:
                 await self._fail(grpc.StatusCode.INVALID_ARGUMENT, e.message)
             except NoFreeBlocks as e:
                 await self._fail(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except EngineDeadError as e:  # e.g. a tensor-parallel rank died: resume elsewhere
+                await self._fail(grpc.StatusCode.UNAVAILABLE,
+                                 f"decode worker's engine failed: {validation.clip(str(e), 300)}")
             except (Stopped, _Evicted):
                 self.outcome = "abort"
                 if self.stop_reason == "shutdown":

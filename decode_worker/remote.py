@@ -92,7 +92,10 @@ class RemotePrefill:
             kv_transfer=common_pb2.KVTransferParams(
                 transfer_id=self.tid, backend=self.backend,
                 receiver_endpoint=self.receiver.endpoint, num_blocks=self.num_blocks,
-                timeout_ms=max(1, int(transfer_s * 1000)), layout=layout_to_proto(self.env.layout)))
+                timeout_ms=max(1, int(transfer_s * 1000)),
+                layout=layout_to_proto(self.env.layout,
+                                       self.env.engine.config.tensor_parallel_size,
+                                       self.env.engine.kv_heads)))
         return self.env.peers.stub(req.prefill_address).Prefill(
             msg, timeout=self.call.prefill_timeout_s(),
             metadata=telemetry.outgoing_metadata(pspan, self.call.context))

@@ -22,10 +22,11 @@ import time
 
 import grpc
 
+from engine.async_engine import EngineDeadError
 from engine.request import FinishReason
 from kvtransfer import TransferState
 from pdcore.ids import new_id
-from services.kv_proto import layout_from_proto
+from services.kv_proto import heads_from_proto, layout_from_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2
 from services import telemetry, validation
 from services.logging_setup import request_context
@@ -118,6 +119,9 @@ class PrefillCall:
                 await self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
             except _Refused as e:
                 await self.context.abort(e.code, str(e))
+            except EngineDeadError as e:  # e.g. a tensor-parallel rank died
+                await self.context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker's engine "
+                                         f"failed: {validation.clip(str(e), 300)}")
             finally:
                 self.env.metrics.requests.labels("prefill", outcome).inc()
                 self.span.end()
@@ -151,6 +155,14 @@ class PrefillCall:
         if layout != self.env.layout:
             raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
                            "KV layout of the decode worker does not match this worker's")
+        # blocks carry every KV head whatever either side's TP size (engine.parallel.driver)
+        tp, start, end = heads_from_proto(pb)
+        mine = self.env.engine.kv_heads
+        if (start, end) != (0, layout.num_kv_heads) or mine != (0, layout.num_kv_heads):
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"KV heads differ: the decode worker (TP {tp}) takes heads "
+                           f"[{start}, {end}), this worker sends [{mine[0]}, {mine[1]}) of "
+                           f"{layout.num_kv_heads}")
 
     def _block_count(self, kv, num_tokens: int) -> int:
         prompt_blocks = -(-num_tokens // self.env.layout.block_size)
