@@ -124,6 +124,23 @@ def cluster_identity():
     return write_cluster_files(directory)
 
 
+def worker_channel(address: str, role: str = "gateway", identity=None):
+    """A grpc.aio channel to a service of a cluster, with ``identity``'s certificate of
+    ``role`` (None: plaintext, for an insecure cluster)."""
+    import grpc
+    if identity is None:
+        return grpc.aio.insecure_channel(address)
+    from services.tls import CLUSTER_NAME
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+    creds = grpc.ssl_channel_credentials(read(identity.ca_file), read(identity.key(role)),
+                                         read(identity.cert(role)))
+    return grpc.aio.secure_channel(address, creds,
+                                   options=[("grpc.ssl_target_name_override", CLUSTER_NAME)])
+
+
 @dataclass(eq=False)  # a process: equal only to itself (hashable)
 class Service:
     kind: str  # gateway | prefill | decode | colocated
@@ -239,16 +256,7 @@ class LocalCluster:
     def worker_channel(self, address: str, role: str = "gateway"):
         """A grpc.aio channel to a worker as a service of ``role`` would open it (tests,
         operators: ``role="operator"`` may call Stats)."""
-        import grpc
-        if self.identity is None:
-            return grpc.aio.insecure_channel(address)
-        from services.tls import CLUSTER_NAME
-        ident = self.identity
-        read = lambda p: open(p, "rb").read()  # noqa: E731
-        creds = grpc.ssl_channel_credentials(read(ident.ca_file), read(ident.key(role)),
-                                             read(ident.cert(role)))
-        return grpc.aio.secure_channel(address, creds,
-                                       options=[("grpc.ssl_target_name_override", CLUSTER_NAME)])
+        return worker_channel(address, role, self.identity)
 
     def _spawn(self, kind: str, args: list[str]) -> Service:
         if self.metrics:
