@@ -208,7 +208,15 @@ def _cmd_certs(argv) -> int:
                "per role and a Redis password (docs/security.md)")
     p.add_argument("--out", required=True, help="folder to write (made 0700)")
     p.add_argument("--hosts", default="", help="extra DNS names / IPs in every certificate")
+    p.add_argument("--keep", action="store_true", help="do nothing if the folder already "
+                   "holds a CA (a compose volume on the next start)")
+    p.add_argument("--readable", action="store_true", help="keys and passwords readable by "
+                   "every user (0644): a volume only this deployment's containers mount, "
+                   "whose processes run as other users (compose)")
     a = p.parse_args(argv)
+    if a.keep and os.path.exists(os.path.join(a.out, "ca.crt")):
+        print(f"{a.out} already holds a cluster CA: kept")
+        return 0
     hosts = [h for h in a.hosts.split(",") if h]
     files = write_cluster_files(a.out, hosts=["127.0.0.1", "localhost", *hosts])
     with open(files.redis_password_file) as f:
@@ -217,6 +225,10 @@ def _cmd_certs(argv) -> int:
     with open(os.path.join(a.out, "redis.conf"), "w") as f:
         os.chmod(f.name, 0o600)
         f.write(f"requirepass {password}\n")
+    if a.readable:
+        for name in os.listdir(a.out):
+            os.chmod(os.path.join(a.out, name), 0o644)
+        os.chmod(a.out, 0o755)
     print(f"wrote {a.out}: ca.crt, ca.key (keep offline), <role>.crt/.key for gateway, "
           f"prefill, decode, colocated, operator; redis-password, redis.conf")
     return 0

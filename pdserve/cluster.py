@@ -141,6 +141,17 @@ def worker_channel(address: str, role: str = "gateway", identity=None):
                                    options=[("grpc.ssl_target_name_override", CLUSTER_NAME)])
 
 
+def operator_channels(address: str) -> list:
+    """Ways to open a channel to a worker of a local cluster, to try in turn: as an operator
+    with this process's cluster identity (when one was minted), then plaintext."""
+    import grpc
+    makers = []
+    if cluster_identity.cache_info().currsize:
+        makers.append(lambda: worker_channel(address, "operator", cluster_identity()))
+    makers.append(lambda: grpc.aio.insecure_channel(address))
+    return makers
+
+
 @dataclass(eq=False)  # a process: equal only to itself (hashable)
 class Service:
     kind: str  # gateway | prefill | decode | colocated

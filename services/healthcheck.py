@@ -2,7 +2,10 @@
 
     python -m services.healthcheck HOST:PORT [--service NAME] [--timeout SECONDS]
 
-Used by docker-compose healthchecks (Kubernetes uses its native gRPC probes instead).
+Used by the docker-compose health checks and the Kubernetes probes (exec: the kubelet's
+own gRPC probe cannot present a client certificate). When the service's certificate files
+are set (PDSERVE_TLS_CA_FILE, PDSERVE_TLS_CERT_FILE, PDSERVE_TLS_KEY_FILE, as in its own
+environment) the probe speaks mutual TLS with them.
 """
 from __future__ import annotations
 
@@ -13,9 +16,28 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def check(address: str, service: str = "", timeout_s: float = 3.0) -> str:
-    """The health status name of ``service`` at ``address`` (or the gRPC error code name)."""
-    with grpc.insecure_channel(address) as ch:
+def _channel(address: str, files: tuple[str, str, str] | None) -> grpc.Channel:
+    if not files:
+        return grpc.insecure_channel(address)
+    from services.tls import CLUSTER_NAME
+    ca, cert, key = (open(f, "rb").read() for f in files)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert),
+                               options=[("grpc.ssl_target_name_override", CLUSTER_NAME)])
+
+
+def tls_files() -> tuple[str, str, str] | None:
+    """The service's certificate files from its environment (None when unset)."""
+    from pdcore.config_tree import environ
+    env = environ()
+    files = tuple(env.get(f"PDSERVE_TLS_{n}_FILE", "") for n in ("CA", "CERT", "KEY"))
+    return files if all(files) else None
+
+
+def check(address: str, service: str = "", timeout_s: float = 3.0,
+          files: tuple[str, str, str] | None = None) -> str:
+    """The health status name of ``service`` at ``address`` (or the gRPC error code name);
+    ``files``: (CA, certificate, key) for mutual TLS."""
+    with _channel(address, files) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
@@ -30,7 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--service", default="", help="service name ('' = the whole server)")
     p.add_argument("--timeout", type=float, default=3.0)
     a = p.parse_args(argv)
-    status = check(a.address, a.service, a.timeout)
+    status = check(a.address, a.service, a.timeout, tls_files())
     print(status)
     return 0 if status == "SERVING" else 1
 

@@ -8,7 +8,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import client
-from pdserve.cluster import cluster_identity, worker_channel
+from pdserve.cluster import operator_channels
 from protos.pdserve.v1 import common_pb2, gateway_pb2_grpc, worker_pb2_grpc
 
 PROMPTS = [
@@ -32,12 +32,15 @@ def run(coro):
 
 async def worker_stats(address: str) -> common_pb2.StatsResponse:
     """Stats of a worker of a secure cluster (as an operator) or of an insecure one."""
-    try:
-        return await _stats(worker_channel(address, "operator", cluster_identity()))
-    except grpc.aio.AioRpcError as e:
-        if e.code() != grpc.StatusCode.UNAVAILABLE:
-            raise
-        return await _stats(grpc.aio.insecure_channel(address))
+    error = None
+    for make in operator_channels(address):
+        try:
+            return await _stats(make())
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            error = e
+    raise error
 
 
 async def _stats(channel) -> common_pb2.StatsResponse:
