@@ -11,6 +11,11 @@ processes run their event loop as the workers do (uvloop where installed).
 
     python3 -m bench.kv_transfer_cpu --set cpu-mybox
     python3 -m bench.kv_transfer_cpu --tokens 256 --runs 3 --out /tmp/kv.json   (quick)
+    python3 -m bench.kv_transfer_cpu --backends tcp --tls ...    (tcp inside mutual TLS)
+
+``--tls``: both sides get a cluster identity (a throw-away CA, a prefill certificate for the
+sender, a decode one for the receiver), so the control connection and tcp's data run over
+mutual TLS as in a default deployment (kvtransfer/secure.py); shm has no TCP connection.
 """
 
 from __future__ import annotations
@@ -70,9 +75,22 @@ def parse_args(argv: list[str] | None = None,
     harness.add_output_args(p, benchmark)
     p.add_argument("--src-device", default="cpu", help="sender cache device (e.g. cuda:0)")
     p.add_argument("--dst-device", default="cpu", help="receiver cache device (e.g. cuda:1)")
+    p.add_argument("--tls", action="store_true", help="mutual TLS between the two processes")
+    p.add_argument("--tls-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--role", default="sender", choices=["sender", "receiver"])
     p.add_argument("--backend", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def with_tls(shared, directory: str | None, role: str):
+    """``shared`` with the identity of ``role`` from ``directory`` (None: unchanged)."""
+    if not directory:
+        return shared
+    import dataclasses
+    from services.tls import ClusterTls
+    return dataclasses.replace(shared, tls=ClusterTls(
+        os.path.join(directory, "ca.crt"), os.path.join(directory, f"{role}.crt"),
+        os.path.join(directory, f"{role}.key")))
 
 
 def layout_of(args: argparse.Namespace) -> KVLayout:
@@ -106,6 +124,7 @@ async def receiver_main(args: argparse.Namespace) -> None:
     cache = torch.zeros(2 * n, *layout.block_shape, dtype=layout.torch_dtype,
                         device=args.dst_device)
     shared, opts = options_from_env(environ())  # PDSERVE_* sweeps (bench/gpu_suite.sh)
+    shared = with_tls(shared, args.tls_dir, "decode")
     rx = make_receiver(args.backend, cache, layout, opts[args.backend], shared=shared)
     await rx.start()
     print(rx.endpoint, flush=True)
@@ -138,9 +157,16 @@ async def bench_backend(args: argparse.Namespace, backend: str) -> dict:
     if backend == "shm" and args.shm_slots:
         opts["num_slots"] = args.shm_slots
     shared, env_opts = options_from_env(environ())  # PDSERVE_* sweeps (bench/gpu_suite.sh)
+    tls_dir = None
+    if args.tls:
+        import tempfile
+        from services.tls import write_cluster_files
+        tls_dir = write_cluster_files(tempfile.mkdtemp(prefix="kvbench-tls-")).directory
+    shared = with_tls(shared, tls_dir, "prefill")
     tx = make_sender(backend, src, layout, env_opts[backend], shared=shared, **opts)
     child = subprocess.Popen(
         [sys.executable, "-m", "bench.kv_transfer_cpu", "--role", "receiver",
+         *(["--tls-dir", tls_dir] if tls_dir else []),
          "--backend", backend, "--tokens", str(args.tokens), "--layers", str(args.layers), "--kv-heads",
          str(args.kv_heads), "--head-dim", str(args.head_dim), "--block-size",
          str(args.block_size), "--dtype", args.dtype, "--dst-device", args.dst_device],
@@ -293,7 +319,7 @@ async def main(args: argparse.Namespace, benchmark: str = "kv_transfer_cpu",
     print(f"KV of {args.tokens} tokens: {n} blocks x {layout.block_bytes} B = "
           f"{payload / 2**20:.1f} MiB", flush=True)
     cfg = {k: v for k, v in vars(args).items() if k not in ("out", "result_set", "role",
-                                                           "backend")}
+                                                           "backend", "tls_dir")}
     head = harness.header(benchmark, cfg, argv=argv, about=__doc__, figures=figures)
     results = {}
     for b in args.backends.split(","):

@@ -212,6 +212,23 @@ def _load_cert(pem: bytes):
     return x509.load_pem_x509_certificate(pem)
 
 
+@functools.lru_cache(maxsize=16)
+def _cas(pem: bytes) -> tuple:
+    """Every certificate of a CA file (one CA, or old and new during a rotation)."""
+    from cryptography import x509
+    return tuple(x509.load_pem_x509_certificates(pem))
+
+
+def _issued_by_one(cert, ca_pem: bytes) -> bool:
+    for ca in _cas(ca_pem):
+        try:
+            cert.verify_directly_issued_by(ca)
+            return True
+        except Exception:  # noqa: BLE001 - ValueError, TypeError or InvalidSignature
+            continue
+    return False
+
+
 def cert_role(cert) -> str | None:
     """The role a certificate carries (its ``urn:pdserve:role:`` URI SAN), or None."""
     from cryptography import x509
@@ -287,15 +304,13 @@ class ClusterTls:
                 raise TlsError(f"cannot read {name} {path!r}: {e.strerror}") from None
         ca_pem, cert_pem, key_pem = data
         try:
-            ca, cert = _load_cert(ca_pem), _load_cert(cert_pem)
+            cert = _load_cert(cert_pem)
+            _cas(ca_pem)
             key = serialization.load_pem_private_key(key_pem, None)
         except ValueError as e:
             raise TlsError(f"unreadable certificate or key: {e}") from None
-        try:
-            cert.verify_directly_issued_by(ca)
-        except Exception:  # noqa: BLE001 - ValueError, TypeError or InvalidSignature
-            raise TlsError(f"{self.files[1]} is not signed by the CA in {self.files[0]}") \
-                from None
+        if not _issued_by_one(cert, ca_pem):
+            raise TlsError(f"{self.files[1]} is not signed by the CA in {self.files[0]}")
         if key.public_key().public_numbers() != cert.public_key().public_numbers():
             raise TlsError(f"{self.files[2]} is not the key of {self.files[1]}")
         role = cert_role(cert)
@@ -453,9 +468,10 @@ def _verified_cert(ca_pem: bytes, pem: bytes):
     rotated CA re-checks everything)."""
     try:
         cert = _load_cert(pem)
-        cert.verify_directly_issued_by(_load_cert(ca_pem))
-    except Exception:  # noqa: BLE001
-        raise TlsError("certificate not signed by the cluster CA") from None
+    except ValueError:
+        raise TlsError("unreadable certificate") from None
+    if not _issued_by_one(cert, ca_pem):
+        raise TlsError("certificate not signed by the cluster CA")
     now = dt.datetime.now(dt.timezone.utc)
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
         raise TlsError("certificate not valid now")

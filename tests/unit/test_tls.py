@@ -300,3 +300,15 @@ def test_without_certificates_a_service_binds_loopback_only(two_cas):
         worker_settings(["--redis-password", "x"], env=env)
     s = worker_settings([], env={**env, "PDSERVE_REDIS_PASSWORD": "from-env"})
     assert s.redis_auth() == {"password": "from-env"} and "from-env" not in repr(s)
+
+
+def test_a_ca_bundle_trusts_old_and_new_during_a_rotation(two_cas, tmp_path):
+    a, b = two_cas
+    bundle = tmp_path / "both.crt"
+    bundle.write_bytes(open(a.ca_file, "rb").read() + open(b.ca_file, "rb").read())
+    for files in (a, b):
+        t = T.ClusterTls(str(bundle), files.cert("gateway"), files.key("gateway"))
+        assert t.role == "gateway"
+        worker = T.ClusterTls(files.ca_file, files.cert("decode"), files.key("decode"))
+        cert, sig = worker.sign(b"entry")
+        t.check_entry(cert, b"entry", sig, "decode", int(time.time() * 1000) + 1000)
