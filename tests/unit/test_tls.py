@@ -312,3 +312,57 @@ def test_a_ca_bundle_trusts_old_and_new_during_a_rotation(two_cas, tmp_path):
         worker = T.ClusterTls(files.ca_file, files.cert("decode"), files.key("decode"))
         cert, sig = worker.sign(b"entry")
         t.check_entry(cert, b"entry", sig, "decode", int(time.time() * 1000) + 1000)
+
+
+# ------------------------------------------- the kvtransfer conformance suite, inside TLS
+@pytest.fixture
+def kv_tls_by_default(two_cas, monkeypatch):
+    """Every KVTransferOptions() made while the test runs carries a cluster identity (a
+    colocated certificate: it both sends and receives), so the conformance tests below run
+    their tcp transfers over mutual TLS unchanged."""
+    a, _ = two_cas
+    ident = T.ClusterTls(a.ca_file, a.cert("colocated"), a.key("colocated"))
+    defaults = KVTransferOptions.__init__.__defaults__
+    monkeypatch.setattr(KVTransferOptions.__init__, "__defaults__", (*defaults[:-1], ident))
+    assert KVTransferOptions().tls is ident
+    from kvtransfer import secure
+    dialled = []
+    connect = secure.connect
+
+    async def counted(*args, **kw):
+        dialled.append(args[2:4])
+        return await connect(*args, **kw)
+    monkeypatch.setattr(secure, "connect", counted)
+    return dialled
+
+
+def _conformance():
+    import tests.unit.test_kvtransfer as kv
+    import tests.unit.test_kvtransfer_pool as pool
+    import tests.unit.test_kvtransfer_stream as stream
+    cases = [(kv.test_round_trip, ("tcp", "uvloop")), (kv.test_round_trip, ("tcp", "asyncio"))]
+    for fn in (kv.test_destination_given_after_the_sender_connected,
+               kv.test_destination_never_given_times_out_and_cancel_ends_it,
+               kv.test_concurrent_transfers, kv.test_layout_mismatch_fails_both_sides,
+               kv.test_block_count_mismatch_fails_both_sides,
+               kv.test_unknown_and_expired_transfer_ids_are_rejected,
+               kv.test_corrupted_data_fails_the_transfer_naming_the_block,
+               kv.test_sender_without_receiver_fails_fast,
+               kv.test_sender_times_out_when_receiver_never_acks, kv.test_sender_cancel,
+               kv.test_sender_cancel_mid_transfer_fails_receiver, kv.test_receiver_cancel,
+               stream.test_streamed_send_moves_parts_as_they_are_ready,
+               stream.test_failed_stream_fails_both_sides):
+        cases.append((fn, ("tcp",)))
+    for fn in (pool.test_sequential_transfers_share_one_connection,
+               pool.test_concurrent_transfers_take_their_own_connections_and_keep_them,
+               pool.test_a_failed_transfer_closes_its_connection,
+               pool.test_a_restarted_receiver_gets_a_new_connection):
+        cases.append((fn, ()))
+    return cases
+
+
+@pytest.mark.parametrize("case", _conformance(), ids=lambda c: f"{c[0].__name__}{c[1]}")
+def test_kv_conformance_over_tls(kv_tls_by_default, case):
+    fn, args = case
+    fn(*args)
+    assert kv_tls_by_default  # its transfers went through the TLS connect
