@@ -82,6 +82,17 @@ def parse_args(argv: list[str] | None = None,
     return p.parse_args(argv)
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (every thread) or of process ``pid``."""
+    if pid is None:
+        import resource
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def with_tls(shared, directory: str | None, role: str):
     """``shared`` with the identity of ``role`` from ``directory`` (None: unchanged)."""
     if not directory:
@@ -197,6 +208,7 @@ async def _bench_mode(args, backend, tx, endpoint, child, readline, pattern: str
     the time after the last block was handed to the stream (ahead, two_parts)."""
     gbps, data_gbps, tails_ms = [], [], []
     verified = True
+    cpu = [0.0, 0.0]  # CPU seconds of the sender and the receiver process during the sends
     for i in range(args.warmup + args.runs):
         tid = f"{backend}-{pattern}-{mode}-{i}"
         child.stdin.write(f"expect {tid} {pattern} {i}\n")
@@ -204,7 +216,11 @@ async def _bench_mode(args, backend, tx, endpoint, child, readline, pattern: str
         assert await readline() == "ready"
         ids = block_ids(pattern, n, 2 * n, i)
         if mode == "send":
+            before = (cpu_seconds(), cpu_seconds(child.pid))
             res = await tx.send(tid, endpoint, ids, 60)
+            if i >= args.warmup:
+                cpu[0] += cpu_seconds() - before[0]
+                cpu[1] += cpu_seconds(child.pid) - before[1]
         else:
             stream = BlockStream(len(ids))
             task = asyncio.create_task(tx.send(tid, endpoint, stream, 60))
@@ -231,6 +247,11 @@ async def _bench_mode(args, backend, tx, endpoint, child, readline, pattern: str
             if res.data_seconds and mode != "two_parts":
                 data_gbps.append(res.num_bytes / res.data_seconds / 1e9)
     r = {"median_gbps": round(statistics.median(gbps), 3), "data_verified": verified,
+         **({"cpu_s_per_gb": {"sender": round(cpu[0] / (args.runs * n * layout_of(args)
+                                                          .block_bytes / 1e9), 3),
+                              "receiver": round(cpu[1] / (args.runs * n * layout_of(args)
+                                                          .block_bytes / 1e9), 3)}}
+            if mode == "send" else {}),
          "min_gbps": round(min(gbps), 3), "max_gbps": round(max(gbps), 3),
          "runs_gbps": [round(g, 3) for g in gbps],
          "median_ms": round(statistics.median(tails_ms), 3)}
@@ -320,6 +341,13 @@ async def main(args: argparse.Namespace, benchmark: str = "kv_transfer_cpu",
           f"{payload / 2**20:.1f} MiB", flush=True)
     cfg = {k: v for k, v in vars(args).items() if k not in ("out", "result_set", "role",
                                                            "backend", "tls_dir")}
+    backends = args.backends.split(",")
+    patterns = args.patterns.split(",")
+    figures = [f for f in figures if len(f.path) < 3 or f.path[0] != "results"
+               or (f.path[1] in backends and f.path[2] in patterns)]  # what this run measures
+    if args.tls:
+        figures = [harness.Figure(f"{f.name}, inside mutual TLS", f.unit, f.path, f.pattern,
+                                  f.format) for f in figures]
     head = harness.header(benchmark, cfg, argv=argv, about=__doc__, figures=figures)
     results = {}
     for b in args.backends.split(","):
@@ -339,6 +367,10 @@ async def main(args: argparse.Namespace, benchmark: str = "kv_transfer_cpu",
         **head,
         "layout": layout.__dict__, "tokens": args.tokens, "num_blocks": n,
         "payload_bytes": payload, "runs": args.runs, "warmup": args.warmup,
+        "cpu_definition": ("mode send: cpu_s_per_gb = CPU seconds (user + system, all "
+                           "threads) the sender / receiver process used during the measured "
+                           "sends, per GB moved: what a transfer costs whatever the machine's "
+                           "load"),
         "gbps_definition": ("mode send: payload bytes / sender send() seconds (connect..ack); "
                             "modes ahead / two_parts (keys '<pattern>/<mode>'): payload / the "
                             "seconds from handing the last blocks to the sender's BlockStream "

@@ -140,10 +140,12 @@ class _Pump:
 
     def stop(self) -> None:
         self._stopping.set()
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
+        for wake in (lambda: self._wake_w.send(b"x"),
+                     lambda: self._raw.shutdown(socket.SHUT_RDWR)):  # ends a handshake
+            try:
+                wake()
+            except OSError:
+                pass
 
     def join(self) -> None:
         self._thread.join()

@@ -145,6 +145,9 @@ class ServiceSettings:
                 f"host {self.host!r} is not a loopback address: without certificates "
                 f"(tls_ca_file, tls_cert_file, tls_key_file) a service binds loopback "
                 f"only; give certificates, or --insecure to serve plaintext there"))
+        if self.redis_tls_ca_file and not self.redis_url.startswith("rediss://"):
+            raise SettingError("redis_tls_ca_file", "redis_tls_ca_file needs a rediss:// "
+                                                    "redis_url")
         if self.redis_password and self.redis_password_file:
             raise SettingError("redis_password", "redis_password and redis_password_file "
                                                  "exclude each other")

@@ -366,3 +366,42 @@ def test_kv_conformance_over_tls(kv_tls_by_default, case):
     fn, args = case
     fn(*args)
     assert kv_tls_by_default  # its transfers went through the TLS connect
+
+
+def test_gateway_client_port_tls_with_an_optional_client_ca(two_cas, tmp_path):
+    a, b = two_cas
+
+    async def probe(address, creds):
+        ch = (grpc.aio.insecure_channel(address) if creds is None else
+              grpc.aio.secure_channel(address, creds,
+                                      options=[("grpc.ssl_target_name_override", "localhost")]))
+        async with ch:
+            try:
+                await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                           timeout=5)
+                return "OK"
+            except grpc.aio.AioRpcError as e:
+                return e.code().name
+
+    def creds(ca_files, client=None):
+        ca = open(ca_files.ca_file, "rb").read()
+        if client is None:
+            return grpc.ssl_channel_credentials(ca)
+        return grpc.ssl_channel_credentials(ca, open(client.key("operator"), "rb").read(),
+                                            open(client.cert("operator"), "rb").read())
+
+    async def main(client_ca):
+        srv = GrpcServer([], host="127.0.0.1", port=0, credentials=T.client_port_credentials(
+            a.cert("gateway"), a.key("gateway"), client_ca))
+        await srv.start()
+        try:
+            return [await probe(srv.address, c) for c in
+                    (None, creds(a), creds(b), creds(a, client=b), creds(a, client=a))]
+        finally:
+            await srv.stop(0)
+
+    # server TLS only: any client that trusts the gateway's CA; plaintext refused
+    assert run(main(""), "asyncio") == ["UNAVAILABLE", "OK", "UNAVAILABLE", "OK", "OK"]
+    # with a client CA: only clients with a certificate of that CA
+    assert run(main(b.ca_file), "asyncio") == ["UNAVAILABLE", "UNAVAILABLE", "UNAVAILABLE",
+                                               "OK", "UNAVAILABLE"]
