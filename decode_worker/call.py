@@ -19,11 +19,11 @@ import asyncio
 from dataclasses import dataclass, field
 import logging
 import time
-import uuid
 
 import grpc
 
 from engine.request import FinishReason, RequestOutput
+from pdcore.ids import new_id
 from protos.pdserve.v1 import common_pb2
 from services import telemetry, validation
 from services.logging_setup import request_context
@@ -83,7 +83,7 @@ class DecodeCall:
     def __init__(self, env: DecodeEnv, request, context) -> None:
         self.env, self.request, self.context = env, request, context
         self.label = request.request_id
-        self.rid = uuid.uuid4().hex  # the engine's id of this call
+        self.rid = new_id()  # the engine's id of this call
         self.log_id = self.label[:64] or self.rid  # logs: the caller's id (every hop's)
         self.req: _Request | None = None
         self.span = telemetry.server_span("decode.generate", context, {

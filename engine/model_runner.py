@@ -63,7 +63,8 @@ class ModelRunner(CudaGraphsMixin):
                  packed: dict[str, tuple] | None = None):
         """``config`` has its device, dtype and scheduler limits resolved
         (engine.config.resolve_engine_config); the KV cache size and ``max_model_len`` are
-        resolved here (``num_blocks``, ``kv_cache_bytes``, ``max_model_len``)."""
+        resolved here (``num_blocks``, ``kv_cache_bytes``, ``max_model_len``). ``weights`` is
+        consumed: the model's parameters take its values and the dict is emptied."""
         self.config = config
         self.mc = mc
         self.device = torch.device(config.device)
@@ -82,6 +83,10 @@ class ModelRunner(CudaGraphsMixin):
         finally:
             torch.set_default_dtype(prev)
         self.model.load_weights(weights)
+        # the parameters hold copies: drop the loaded tensors now, before the KV cache is
+        # sized from free memory (on a GPU they would otherwise stay reserved, a second copy
+        # of the weights that neither the profile nor the KV budget sees)
+        weights.clear()
         self.model.eval()
         self.packed_projections = 0
         if (packed and config.kernels.cpu_packed and self.device.type == "cpu"

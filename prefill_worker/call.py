@@ -19,12 +19,12 @@ import asyncio
 from dataclasses import dataclass
 import logging
 import time
-import uuid
 
 import grpc
 
 from engine.request import FinishReason
 from kvtransfer import TransferState
+from pdcore.ids import new_id
 from services.kv_proto import layout_from_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2
 from services import telemetry, validation
@@ -83,7 +83,7 @@ class PrefillCall:
     def __init__(self, env: PrefillEnv, request, context) -> None:
         self.env, self.request, self.context = env, request, context
         self.label = request.request_id
-        self.rid = uuid.uuid4().hex
+        self.rid = new_id()
         self.log_id = self.label[:64] or self.rid  # logs: the caller's id (every hop's)
         self.span = telemetry.server_span("prefill", context, {
             "pdserve.request_id": self.label, "pdserve.internal_id": self.rid,
