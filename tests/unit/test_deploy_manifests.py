@@ -162,6 +162,7 @@ def test_compose_services_fit_together():
             assert "@" not in env["PDSERVE_REDIS_URL"]  # no password in a URL
             assert svc["healthcheck"]["test"][1:4] == ["python", "-m", "services.healthcheck"]
             assert svc["healthcheck"]["test"][4].endswith(":" + svc["command"][2])
+            assert ("--plaintext" in svc["healthcheck"]["test"]) == (role == "gateway")
             assert set(svc["depends_on"]) <= set(services)
         if role != "gateway":
             # scalable with --scale: no fixed host ports; the GPU ones reserve a device
@@ -222,8 +223,10 @@ def test_k8s_objects_reference_each_other(k8s):
                 grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
                 for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                     # exec: the kubelet's gRPC probe cannot show a client certificate
+                    # (the gateway's client port is plaintext: not an internal hop)
                     assert c[probe]["exec"]["command"] == [
-                        "python", "-m", "services.healthcheck", f"127.0.0.1:{grpc_port}"]
+                        "python", "-m", "services.healthcheck", f"127.0.0.1:{grpc_port}",
+                        *(["--plaintext"] if name == "pdserve-gateway" else [])]
                 assert "--port" in c["args"] and str(grpc_port) in c["args"]
                 assert c["args"][0] == name.split("-", 1)[1]
                 assert {"configMapRef": {"name": "pdserve-config"}} in c["envFrom"]

@@ -405,3 +405,42 @@ def test_gateway_client_port_tls_with_an_optional_client_ca(two_cas, tmp_path):
     # with a client CA: only clients with a certificate of that CA
     assert run(main(b.ca_file), "asyncio") == ["UNAVAILABLE", "UNAVAILABLE", "UNAVAILABLE",
                                                "OK", "UNAVAILABLE"]
+
+
+def test_rediss_urls_speak_tls_with_the_given_ca(two_cas):
+    """The redis-server here is built without TLS: a listener stands in for it and sees the
+    client's TLS handshake (a ClientHello record) where a plaintext client would send RESP."""
+    import socket
+    import threading
+    from services.redis_client import RedisConn, RedisUnavailable
+    a, _ = two_cas
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    first: list[bytes] = []
+
+    def accept():
+        conn, _ = srv.accept()
+        conn.settimeout(5)
+        first.append(conn.recv(1))
+        conn.close()
+    threading.Thread(target=accept, daemon=True).start()
+    s = worker_settings(["--redis-url", f"rediss://127.0.0.1:{srv.getsockname()[1]}/0",
+                         "--redis-tls-ca-file", a.ca_file], env={"PDSERVE_DEVICE": "cpu"})
+    assert s.redis_auth() == {"ssl_ca_certs": a.ca_file}
+
+    async def main():
+        conn = RedisConn(s.redis_url, timeout_s=2, auth=s.redis_auth())
+        try:
+            with pytest.raises(RedisUnavailable):
+                await conn.call(lambda r: r.ping())
+        finally:
+            await conn.close()
+    try:
+        run(main(), "asyncio")
+    finally:
+        srv.close()
+    assert first == [b"\x16"]  # a TLS handshake record
+    with pytest.raises(ConfigError, match="needs a rediss://"):
+        worker_settings(["--redis-url", "redis://h:1/0", "--redis-tls-ca-file", a.ca_file],
+                        env={"PDSERVE_DEVICE": "cpu"})
