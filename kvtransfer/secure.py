@@ -11,8 +11,8 @@ data outside it (NVLink, NCCL, RDMA), between peers that authenticated each othe
 How: the backends speak to a plain socket (they use ``loop.sock_*``, MSG_PEEK, readers on
 the file descriptor). A TLS connection gives them one end of a ``socketpair``; a pump thread
 (one per connection: the handshake, then a select loop) moves bytes between the other end
-and the TLS socket, in both directions, encrypting without the GIL beside the event loop. End of stream
-travels both ways: the TLS peer closing shows as end of stream on the plain socket; the
+and the TLS socket, in both directions, encrypting without the GIL beside the event loop.
+End of stream travels both ways: the TLS peer closing shows as end of stream on the plain socket; the
 backend closing its socket closes the TLS connection at once, and a half-close (shutdown of
 the write side, to let the peer read an ERROR first) keeps delivering what the peer sends
 for up to LINGER_S, as TCP would.

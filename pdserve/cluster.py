@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import atexit
 import functools
 import os
-import secrets
 import shutil
 import socket
 import subprocess
