@@ -30,6 +30,7 @@ from services import telemetry, validation
 from services.logging_setup import request_context
 from services.protocol import response_from_output
 from pdcore.tasks import Stopped, unless_stopped
+from services.membership import NotMember
 from services.validation import InvalidRequest
 
 from decode_worker.remote import NoFreeBlocks, PrefillFailed, RemotePrefill, early_first
@@ -134,10 +135,14 @@ class DecodeCall:
             logger.debug("request %s: internal id %s", self.log_id, self.rid)
             try:
                 self.req = self._validate()
+                if self.req.prefill_address:  # dial cluster members only
+                    await self.env.runtime.members.admit(self.req.prefill_address, "prefill")
                 async for resp in self._serve():
                     yield resp
             except InvalidRequest as e:
                 await self._fail(grpc.StatusCode.INVALID_ARGUMENT, e.message)
+            except NotMember as e:
+                await self._fail(grpc.StatusCode.PERMISSION_DENIED, str(e))
             except NoFreeBlocks as e:
                 await self._fail(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except EngineDeadError as e:  # e.g. a tensor-parallel rank died: resume elsewhere

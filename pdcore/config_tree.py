@@ -449,6 +449,11 @@ def redact(spec: Spec, value: Any) -> Any:
     return value
 
 
+def redact_url(url: str) -> str:
+    """``url`` with a password in it replaced by ``<redacted>``."""
+    return _URL_PASSWORD.sub(rf"\g<1>{REDACTED}@", url) if "@" in url else url
+
+
 def show_value(spec: Spec, value: Any) -> str:
     """A value as text that parse_text reads back (None: auto; lists comma-separated)."""
     if value is None:

@@ -32,8 +32,13 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
     from prefill_worker.servicer import PrefillServicer
     from protos.pdserve.v1 import worker_pb2_grpc
 
+    from services.tls import RoleInterceptor, cluster_tls
+
     role = settings.role
     shared, kv_opts = kv_options or options_from_env(environ())
+    tls = cluster_tls(settings)  # before the engine loads: bad certificates fail fast
+    if tls is not None:
+        shared = replace(shared, tls=tls)
     engine = LLMEngine(engine_config(settings))
     # the engine resolves what depends on the model and the device (dtype, KV cache size,
     # max_model_len): the configuration logged and exported is the one that runs
@@ -47,7 +52,7 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
     layout = KVLayout.from_cache(cache, settings.block_size)
     metrics = WorkerMetrics(role)
     metrics.export_config(shown)
-    runtime = WorkerRuntime(settings, aengine, engine.model_id, metrics=metrics)
+    runtime = WorkerRuntime(settings, aengine, engine.model_id, metrics=metrics, tls=tls)
 
     services = []
     receivers: list = []  # (backend, receiver), preferred first
@@ -59,7 +64,8 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
                                      listen=_listen_address(settings, backend, i))
             await receiver.start()
             receivers.append((backend, receiver))
-        decode = DecodeServicer(aengine, runtime, receivers, layout, settings, metrics=metrics)
+        decode = DecodeServicer(aengine, runtime, receivers, layout, settings, metrics=metrics,
+                                tls=tls)
         services.append(DECODE_SERVICE)
     # a colocated worker without KV backends (its default) prefills its own requests only
     if role == "prefill" or (role == "colocated" and settings.kv_backends):
@@ -70,7 +76,9 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
 
     srv = GrpcServer(services, host=settings.host, port=settings.port,
                      max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s,
-                     drain_delay_s=settings.drain_delay_s)
+                     drain_delay_s=settings.drain_delay_s,
+                     interceptors=[RoleInterceptor()] if tls is not None else [],
+                     credentials=tls.server_credentials() if tls is not None else None)
     if decode is not None:
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, srv.server)
         srv.add_grace_end_hook(decode.evict_all)  # the gateways resume them elsewhere
@@ -80,7 +88,7 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, srv.server)
     port = await srv.start()
     address = settings.advertise_address(port)
-    await runtime.start(address, receivers[0][1].endpoint if receivers else "")
+    await runtime.start(address, tuple(r.endpoint for _, r in receivers))
     srv.add_shutdown_hook(runtime.stop)
     srv.install_signal_handlers()
     watchdog = asyncio.ensure_future(_watch_engine(engine, aengine, srv))
@@ -151,6 +159,13 @@ def main(argv=None, role: str = "colocated") -> int:
     try:
         settings = worker_settings(argv, role=role)
         kv_options = options_from_env(environ())
+        if settings.tls_cert_file:
+            from services.tls import cluster_tls
+            tls = cluster_tls(settings)  # readable, signed by the CA, carrying a role
+            if tls.role != settings.role:
+                raise ValueError(f"{settings.tls_cert_file} is a {tls.role} certificate; "
+                                 f"a {settings.role} worker needs a {settings.role} one")
+        settings.redis_auth()  # the password file is readable
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ from services.kv_proto import heads_from_proto, layout_from_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2
 from services import telemetry, validation
 from services.logging_setup import request_context
+from services.membership import NotMember
 from services.validation import InvalidRequest
 
 from prefill_worker.feed import ChunkFeed
@@ -112,6 +113,7 @@ class PrefillCall:
                              telemetry.trace_id(self.span, self.context)):
             try:
                 self.req = self._validate()
+                await self._admit_receiver()
                 resp = await self._serve()
                 outcome = "ok"
                 return resp
@@ -146,6 +148,13 @@ class PrefillCall:
                            f"(have {sorted(env.senders)})")
         self._check_layout(kv.layout)
         return _Request(ids, outs, sp, kv, sender, self._block_count(kv, len(ids) + len(outs)))
+
+    async def _admit_receiver(self) -> None:
+        """The receiver must be a cluster member's (services/membership.py)."""
+        try:
+            await self.env.runtime.members.admit(self.req.kv.receiver_endpoint, "receiver")
+        except NotMember as e:
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
 
     def _check_layout(self, pb) -> None:
         try:

@@ -74,7 +74,7 @@ def test_malformed_prefill_requests_get_a_status_and_leave_nothing_held():
             except grpc.aio.AioRpcError as e:
                 return e.code(), e.details()
 
-    with LocalCluster("dummy:tiny", prefill=1, decode=1) as c:
+    with LocalCluster("dummy:tiny", prefill=1, decode=1, secure=False) as c:
         pre = next(w for w in c.workers if w.kind == "prefill")
         dec = next(w for w in c.workers if w.kind == "decode")
         # (it used to pre-allocate, then fail on the transfer id, keeping the blocks)
@@ -121,7 +121,7 @@ def test_decode_worker_without_room_refuses_and_calls_off_the_prefill():
             ok = [r async for r in call("after", sp)]
             return refused, ok
 
-    with LocalCluster("dummy:tiny", prefill=1, decode=1,
+    with LocalCluster("dummy:tiny", prefill=1, decode=1, secure=False,
                       worker_args=("--num-blocks", "8")) as c:
         pre = next(w for w in c.workers if w.kind == "prefill")
         dec = next(w for w in c.workers if w.kind == "decode")
@@ -183,7 +183,7 @@ def test_prefill_answers_once_the_receiver_accepted_and_one_label_twice_is_two_r
         finally:
             await rx.close()
 
-    with LocalCluster("dummy:tiny", prefill=1, decode=0) as c:
+    with LocalCluster("dummy:tiny", prefill=1, decode=0, secure=False) as c:
         pre = next(w for w in c.workers if w.kind == "prefill")
         held, both = run(main(pre.address))
         assert held >= 3  # leased while its transfer ran
@@ -269,7 +269,7 @@ def test_first_token_streams_before_the_kv_and_a_failed_transfer_continues_from_
             await peer.tx.close()
         return late, broken, [t for r in local for t in r[1]]
 
-    with LocalCluster("dummy:tiny", prefill=0, decode=1, kv_backend="tcp") as c:
+    with LocalCluster("dummy:tiny", prefill=0, decode=1, kv_backend="tcp", secure=False) as c:
         dec = next(w for w in c.workers if w.kind == "decode")
         late, broken, want = run(main(dec))
         # late: the first token (and its text) long before the KV, then the rest after it
