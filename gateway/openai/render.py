@@ -29,7 +29,8 @@ def usage(u: common_pb2.Usage) -> dict:
 
 
 class TokenText:
-    """A token id's own text (for logprobs), cached."""
+    """A token id's own text (for logprobs), cached. Special tokens (the EOS that ended a
+    sample) are "": the tokens of a choice join to its text, which leaves them out."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self._cache = tokenizer, {}
@@ -37,7 +38,7 @@ class TokenText:
     def __call__(self, tid: int) -> str:
         s = self._cache.get(tid)
         if s is None:
-            s = self._cache[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
+            s = self._cache[tid] = self.tokenizer.decode([tid], skip_special_tokens=True)
         return s
 
 
@@ -85,10 +86,11 @@ def _merge(acc: dict | None, new: dict) -> dict:
 
 
 class _Sample:
-    __slots__ = ("text", "chars", "logprobs", "finish")
+    __slots__ = ("text", "ids", "chars", "logprobs", "finish")
 
     def __init__(self) -> None:
         self.text: list[str] = []
+        self.ids: list[int] = []
         self.chars = 0  # text length so far (completions' text_offset)
         self.logprobs = None  # chat: list of entries; completions: the legacy dict
         self.finish = None
@@ -126,6 +128,7 @@ class Answer(_Base):
     def add(self, resp) -> None:
         _, s, lp = self._take(resp)
         s.text.append(resp.text)
+        s.ids.extend(resp.token_ids)
         if lp is not None:
             s.logprobs = (s.logprobs or []) + lp if self.job.kind == "chat" \
                 else _merge(s.logprobs, lp)
@@ -143,6 +146,8 @@ class Answer(_Base):
                 c["text"] = text
                 c["logprobs"] = s.logprobs if self.job.logprobs else None
             c["finish_reason"] = s.finish
+            if self.job.token_ids:
+                c["token_ids"] = s.ids
             choices.append(c)
         out["choices"] = choices
         out["usage"] = self.usage
@@ -171,6 +176,8 @@ class Events(_Base):
             c["text"] = resp.text
             c["logprobs"] = lp
         c["finish_reason"] = resp.finish_reason or None
+        if self.job.token_ids:
+            c["token_ids"] = list(resp.token_ids)
         chunk = self._head(self._obj)
         chunk["choices"] = [c]
         if self.job.include_usage:

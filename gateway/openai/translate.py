@@ -15,7 +15,8 @@ Fields: ``model``, ``messages`` (text content; ``developer`` is the system role)
 not used), ``response_format`` (``text``, ``json_object``, ``json_schema``); extensions vLLM
 clients send: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``structured_outputs`` (one of ``json``, ``regex``, ``grammar``,
-``json_object``). Unknown fields are ignored, as vLLM does. Without a max, a chat answer may
+``json_object``), ``return_token_ids`` (each choice, or chunk, also carries its
+``token_ids``). Unknown fields are ignored, as vLLM does. Without a max, a chat answer may
 run to the context limit; a completion stops after 16 tokens (OpenAI's default).
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Job:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    token_ids: bool = False  # return_token_ids (vLLM's extension): each choice's token ids
 
 
 def _typed(body: dict, key: str, types, what: str):
@@ -249,7 +251,8 @@ def chat_job(body: dict, names: tuple[str, ...], label: str, timeout_s: float,
     stream, usage = _stream(body)
     creq = ClientRequest(label=label, messages=messages(body), sampling=sp,
                          api_key=api_key, timeout_s=timeout_s)
-    return Job("chat", creq, model, stream, usage, logprobs, top, n)
+    return Job("chat", creq, model, stream, usage, logprobs, top, n,
+               _flag(body, "return_token_ids"))
 
 
 def _prompt(body: dict) -> tuple[str, list[int]]:
@@ -279,4 +282,5 @@ def completion_job(body: dict, names: tuple[str, ...], label: str, timeout_s: fl
     prompt, ids = _prompt(body)
     creq = ClientRequest(label=label, prompt=prompt, prompt_token_ids=ids, sampling=sp,
                          api_key=api_key, timeout_s=timeout_s)
-    return Job("completion", creq, model, stream, usage, lp is not None, lp or 0, n)
+    return Job("completion", creq, model, stream, usage, lp is not None, lp or 0, n,
+               _flag(body, "return_token_ids"))
