@@ -161,6 +161,10 @@ class Events(_Base):
         super().__init__(*a)
         self._obj = "chat.completion.chunk" if self.job.kind == "chat" else "text_completion"
         self._started: set[int] = set()
+        # every chunk is this head, one choice, this tail: only the choice is encoded
+        head = dumps(self._head(self._obj))
+        self._pre = f"data: {head[:-1]},\"choices\":[".encode()
+        self._post = (b'],"usage":null}' if self.job.include_usage else b"]}") + b"\n\n"
 
     def frame(self, resp) -> bytes:
         i, s, lp = self._take(resp)
@@ -178,11 +182,7 @@ class Events(_Base):
         c["finish_reason"] = resp.finish_reason or None
         if self.job.token_ids:
             c["token_ids"] = list(resp.token_ids)
-        chunk = self._head(self._obj)
-        chunk["choices"] = [c]
-        if self.job.include_usage:
-            chunk["usage"] = None
-        return b"data: " + dumps(chunk).encode() + b"\n\n"
+        return self._pre + dumps(c).encode() + self._post
 
     def tail(self) -> bytes:
         out = b""
