@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+import json
 
 from engine.config import check_settings, setting
 from engine.request import SamplingParams
@@ -19,7 +20,8 @@ from protos.pdserve.v1 import common_pb2
 from services.protocol import sampling_from_proto
 
 ECHO_BYTES = 200  # at most this much of a client's value is quoted back in a message
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name")  # a dict message's keys besides role/content
 
 
 def _lim(default: int, help: str) -> int:
@@ -115,7 +117,13 @@ def check_messages(messages, limits: RequestLimits) -> list[dict[str, str]]:
             raise InvalidRequest(f"unknown chat role {clip(role, 40)} (one of "
                                  f"{', '.join(CHAT_ROLES)})")
         total += _nbytes(content)
-        out.append({"role": role, "content": content})
+        msg = {"role": role, "content": content}
+        if isinstance(m, dict):  # the HTTP front's tool calls and results, for the template
+            for k in TOOL_KEYS:
+                if m.get(k) is not None:
+                    msg[k] = m[k]
+                    total += _nbytes(json.dumps(m[k]))
+        out.append(msg)
     if total > limits.max_prompt_bytes:
         raise InvalidRequest(f"messages are longer than {limits.max_prompt_bytes} bytes")
     return out

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from gateway.admission import key_id
-from gateway.openai import render, translate
+from gateway.openai import render, tools, translate
 from gateway.openai.drive import ClientGone, Drive, unless_gone
 from gateway.openai.errors import ApiError, bad, from_status
 from gateway.pipeline import GatewayEnv, GatewayRequest, RequestError
@@ -50,6 +50,7 @@ class HttpFront:
         self._keys = [k.encode() for k in keys]
         self.names = tuple(dict.fromkeys(n for n in (served_model_name, env.model) if n))
         self.text = render.TokenText(env.tokenizer.tokenizer)
+        self.tool_format = tools.detect(getattr(env.tokenizer.tokenizer, "chat_template", None))
         self.draining = False
 
     def app(self) -> FastAPI:
@@ -127,7 +128,7 @@ class HttpFront:
         label = request.headers.get("x-request-id", "")
         if kind == "chat":
             return translate.chat_job(body, self.names, label, self.timeout_s, key,
-                                      self.env.router.context_limit())
+                                      self.env.router.context_limit(), self.tool_format)
         return translate.completion_job(body, self.names, label, self.timeout_s, key)
 
     # ----------------------------------------------------------- generate

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from gateway.openai import tools
 from gateway.openai.translate import Job
 from protos.pdserve.v1 import common_pb2
 
@@ -86,11 +87,13 @@ def _merge(acc: dict | None, new: dict) -> dict:
 
 
 class _Sample:
-    __slots__ = ("text", "ids", "chars", "logprobs", "finish")
+    __slots__ = ("text", "ids", "chars", "logprobs", "finish", "full", "sent")
 
     def __init__(self) -> None:
         self.text: list[str] = []
         self.ids: list[int] = []
+        self.full = ""  # with tools, streamed: the answer so far, and how much went out
+        self.sent = 0
         self.chars = 0  # text length so far (completions' text_offset)
         self.logprobs = None  # chat: list of entries; completions: the legacy dict
         self.finish = None
@@ -141,6 +144,12 @@ class Answer(_Base):
             c = {"index": i}
             if self.job.kind == "chat":
                 c["message"] = {"role": "assistant", "content": text}
+                if self.job.tools is not None:
+                    content, calls = tools.parse(text, self.job.tools)
+                    if calls:
+                        c["message"] = {"role": "assistant", "content": content,
+                                        "tool_calls": calls}
+                        s.finish = "tool_calls" if s.finish == "stop" else s.finish
                 c["logprobs"] = {"content": s.logprobs or []} if self.job.logprobs else None
             else:
                 c["text"] = text
@@ -169,20 +178,37 @@ class Events(_Base):
     def frame(self, resp) -> bytes:
         i, s, lp = self._take(resp)
         c: dict = {"index": i}
+        finish = resp.finish_reason or None
         if self.job.kind == "chat":
-            delta = {"content": resp.text} if resp.text or not resp.finish_reason else {}
+            text, calls = (resp.text, None) if self.job.tools is None else self._tool(s, resp)
+            delta = {"content": text} if text or not finish else {}
             if i not in self._started:
                 self._started.add(i)
-                delta = {"role": "assistant", "content": resp.text}
+                delta = {"role": "assistant", "content": text}
+            if calls:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                finish = "tool_calls" if finish == "stop" else finish
             c["delta"] = delta
             c["logprobs"] = {"content": lp} if lp is not None else None
         else:
             c["text"] = resp.text
             c["logprobs"] = lp
-        c["finish_reason"] = resp.finish_reason or None
+        c["finish_reason"] = finish
         if self.job.token_ids:
             c["token_ids"] = list(resp.token_ids)
         return self._pre + dumps(c).encode() + self._post
+
+    def _tool(self, s: _Sample, resp) -> tuple[str, list | None]:
+        """With tools: the content that may go out now, and at the end the parsed calls."""
+        s.full += resp.text
+        if not resp.finish_reason:
+            k = tools.releasable(s.full, self.job.tools)
+            text, s.sent = s.full[s.sent:k], max(s.sent, k)
+            return text, None
+        _, calls = tools.parse(s.full, self.job.tools)
+        if not calls:
+            return s.full[s.sent:], None
+        return s.full[s.sent:max(tools.content_end(s.full, self.job.tools), s.sent)], calls
 
     def tail(self) -> bytes:
         out = b""

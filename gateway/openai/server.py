@@ -30,9 +30,13 @@ class HttpServer:
 
     async def start(self) -> int:
         """Bind (errors here, before anything is served) and serve; returns the port."""
-        family = socket.AF_INET6 if ":" in self.host.strip("[]") else socket.AF_INET
-        sock = socket.create_server((self.host.strip("[]") or "0.0.0.0", self.port),
-                                    family=family, backlog=2048)
+        host = self.host.strip("[]") or "0.0.0.0"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            sock = socket.create_server((host, self.port), family=family, backlog=2048)
+        except OSError as e:
+            raise OSError(f"could not bind the HTTP API to {self.host}:{self.port}: "
+                          f"{e.strerror}") from None
         port = sock.getsockname()[1]
         self._task = asyncio.create_task(self.server.serve(sockets=[sock]))
         while not self.server.started and not self._task.done():

@@ -2,8 +2,8 @@
 the answer must look like (a :class:`Job`).
 
 Only the protocol is checked here: JSON types, which fields go together, the model's name
-(404 for an unknown one, as OpenAI does) and what this front cannot do (tools, ``echo``, a
-batch of prompts: 400 saying so). Values travel as they came into the proto, so their ranges
+(404 for an unknown one, as OpenAI does) and what this front cannot do (``echo``, a batch of
+prompts, tools for a template without them: 400 saying so). Values travel as they came into the proto, so their ranges
 and size limits are checked once, by the same code as a gRPC request's
 (services.validation, then the workers).
 
@@ -12,7 +12,9 @@ Fields: ``model``, ``messages`` (text content; ``developer`` is the system role)
 ``temperature``, ``top_p``, ``n``, ``stream`` + ``stream_options.include_usage``, ``stop``,
 ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` (token id strings),
 ``logprobs`` (+ ``top_logprobs`` for chat; an integer for completions), ``user`` (accepted,
-not used), ``response_format`` (``text``, ``json_object``, ``json_schema``); extensions vLLM
+not used), ``response_format`` (``text``, ``json_object``, ``json_schema``), ``tools`` and
+``tool_choice`` (tools.py; messages may carry ``tool_calls``, and ``tool`` messages their
+``tool_call_id``); extensions vLLM
 clients send: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``structured_outputs`` (one of ``json``, ``regex``, ``grammar``,
 ``json_object``), ``return_token_ids`` (each choice, or chunk, also carries its
@@ -24,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import json
 
+from gateway.openai import tools as tool_calls
 from gateway.openai.errors import ApiError, bad
 from gateway.pipeline import ClientRequest
 from protos.pdserve.v1 import common_pb2
@@ -43,6 +46,7 @@ class Job:
     top_logprobs: int = 0
     n: int = 1
     token_ids: bool = False  # return_token_ids (vLLM's extension): each choice's token ids
+    tools: tool_calls.ToolSpec | None = None  # chat with tools: parse tool calls back
 
 
 def _typed(body: dict, key: str, types, what: str):
@@ -215,10 +219,12 @@ def messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string role", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        if role in ("tool", "function") or m.get("tool_calls"):
-            raise bad("tool calls are not supported by this server", "messages")
-        out.append({"role": role, "content": _content(m.get("content"), i)})
-    return out
+        msg = {"role": role, "content": _content(m.get("content"), i)}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if m.get(key) is not None:
+                msg[key] = m[key]
+        out.append(msg)
+    return tool_calls.template_messages(out)
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
@@ -235,12 +241,23 @@ def _unsupported(body: dict, keys: tuple[str, ...]) -> None:
             raise bad(f"{key} is not supported by this server", key)
 
 
+def _forced(sp: common_pb2.SamplingParams, spec: tool_calls.ToolSpec | None) -> None:
+    schema = tool_calls.forced_schema(spec) if spec else None
+    if schema is not None:
+        if sp.HasField("constraint"):
+            raise bad("a forced tool_choice cannot be combined with response_format",
+                      "tool_choice")
+        sp.constraint.json_schema = json.dumps(schema)
+
+
 def chat_job(body: dict, names: tuple[str, ...], label: str, timeout_s: float,
-             api_key: str, default_max_tokens: int) -> Job:
+             api_key: str, default_max_tokens: int, tool_format: str | None = None) -> Job:
     model = check_model(body, names)
-    _unsupported(body, ("tools", "tool_choice", "functions", "function_call", "audio"))
+    _unsupported(body, ("functions", "function_call", "audio"))
+    spec = tool_calls.tool_spec(body, tool_format)
     n = _int(body, "n", 1, 128) or 1
     sp = sampling(body, "max_completion_tokens", n)
+    _forced(sp, spec)
     if not sp.HasField("max_tokens"):
         sp.max_tokens = default_max_tokens  # to the context limit, as OpenAI's chat does
     logprobs = _flag(body, "logprobs")
@@ -250,9 +267,10 @@ def chat_job(body: dict, names: tuple[str, ...], label: str, timeout_s: float,
     sp.logprobs, sp.top_logprobs = logprobs, top
     stream, usage = _stream(body)
     creq = ClientRequest(label=label, messages=messages(body), sampling=sp,
-                         api_key=api_key, timeout_s=timeout_s)
+                         api_key=api_key, timeout_s=timeout_s,
+                         tools=spec.tools if spec else None)
     return Job("chat", creq, model, stream, usage, logprobs, top, n,
-               _flag(body, "return_token_ids"))
+               _flag(body, "return_token_ids"), spec)
 
 
 def _prompt(body: dict) -> tuple[str, list[int]]:
