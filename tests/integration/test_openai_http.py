@@ -443,3 +443,94 @@ def test_json_object_response_format(pd):
         max_tokens=200, temperature=0, response_format={"type": "json_object"})
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+# ---------------------------------------------------------------------------------------
+# Tool calls: SmolLM2's weights in a Hugging Face folder whose chat template is Hermes-style
+# (the format of Qwen2.5's: tools in the system turn, calls as <tool_call>{json}</tool_call>).
+
+HERMES = (
+    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>{% for t in tools %}"
+    "{{ t | tojson }}\n{% endfor %}</tools>\nCall one as <tool_call>{\"name\": ..., "
+    "\"arguments\": ...}</tool_call><|im_end|>\n{%- endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}"
+    "{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory):
+    from engine.loader import load_model, load_tokenizer
+    from tests.reference import save_hf_folder
+    path = str(tmp_path_factory.mktemp("hermes") / "model")
+    tok = load_tokenizer(MODEL)
+    save_hf_folder(load_model(MODEL, keep_packed=False), path,
+                   tokenizer_json=tok.backend.to_str(),
+                   tokenizer_config={"chat_template": HERMES, "eos_token": tok.eos_token,
+                                     "bos_token": tok.bos_token})
+    with LocalCluster(path, prefill=0, decode=0, colocated=1, http_port=0) as c:
+        yield c
+
+
+def _answer_calls(msg):
+    return [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls or []]
+
+
+@pytest.mark.slow
+def test_tools_render_in_the_template_and_answers_parse(hermes):
+    c = openai.OpenAI(base_url=f"http://{hermes.http_address}/v1", api_key="x", max_retries=0)
+    model = c.models.list().data[0].id
+    ask = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+    plain = c.chat.completions.create(model=model, messages=ask, max_tokens=40, temperature=0)
+    with_tools = c.chat.completions.create(model=model, messages=ask, max_tokens=40,
+                                           temperature=0, tools=[WEATHER])
+    # the template rendered the tool's definition into the prompt
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+    msg, fin = with_tools.choices[0].message, with_tools.choices[0].finish_reason
+    assert (fin == "tool_calls") == bool(msg.tool_calls)
+    # streamed: the same greedy answer, the same content and calls
+    content, calls, finish = "", [], None
+    for ch in c.chat.completions.create(model=model, messages=ask, max_tokens=40,
+                                        temperature=0, tools=[WEATHER], stream=True):
+        d = ch.choices[0].delta
+        content += d.content or ""
+        calls += [(t.function.name, json.loads(t.function.arguments)) for t in d.tool_calls or []]
+        finish = ch.choices[0].finish_reason or finish
+    assert (content or None, calls, finish) == (msg.content or None, _answer_calls(msg), fin)
+    # a conversation that went through a call: the call and its result render
+    history = ask + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    after = c.chat.completions.create(model=model, messages=history, max_tokens=8,
+                                      temperature=0, tools=[WEATHER])
+    assert after.usage.prompt_tokens > with_tools.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=model, messages=ask, tools=[{"type": "function"}])
+
+
+def test_tools_for_a_template_without_them_are_400(pd):
+    with pytest.raises(openai.BadRequestError) as e:  # SmolLM2's own template has no tools
+        sdk(pd).chat.completions.create(model=MODEL, messages=CHATS[0], tools=[WEATHER])
+    assert e.value.param == "tools" and "defines no tool calls" in e.value.message
+
+
+@needs_engine("constraint")
+@pytest.mark.slow
+def test_forced_tool_choice_returns_a_valid_call(hermes):
+    import jsonschema
+    c = openai.OpenAI(base_url=f"http://{hermes.http_address}/v1", api_key="x", max_retries=0)
+    model = c.models.list().data[0].id
+    r = c.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        max_tokens=60, temperature=0, tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (name, args), = _answer_calls(r.choices[0].message)
+    assert name == "get_weather"
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
