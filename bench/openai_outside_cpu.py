@@ -74,7 +74,12 @@ def aiperf_round(a, http: str, tok: Path, work: Path, i: int) -> dict:
     return {"output_tok_s": val("output_token_throughput"),
             "request_s": val("request_throughput"), "ttft_p50_ms": val("time_to_first_token", "p50"),
             "itl_p50_ms": val("inter_token_latency", "p50"),
-            "requests": val("request_count"), "raw_keys": sorted(m)}
+            "requests": val("request_count"), "prompt_tokens_mean": val("usage_prompt_tokens"),
+            "output_tokens_mean": val("output_sequence_length"),
+            "aiperf_export": {k: m[k] for k in ("output_token_throughput", "request_throughput",
+                                                "time_to_first_token", "inter_token_latency",
+                                                "request_latency", "benchmark_duration")
+                              if k in m}}
 
 
 def pdserve_round(a, http: str, vocab: int, i: int) -> dict:
@@ -83,11 +88,15 @@ def pdserve_round(a, http: str, vocab: int, i: int) -> dict:
         vocab_size=vocab, input_len=(a.isl, a.isl), output_len=(a.osl, a.osl)))
     load = LoadSpec(concurrency=a.concurrency, api="openai")
     asyncio.run(run_load(http, its[:a.concurrency], load, progress=False))  # warm-up
-    s = metrics.summarize(asyncio.run(run_load(http, its[a.concurrency:], load,
-                                               progress=False)))
+    res = asyncio.run(run_load(http, its[a.concurrency:], load, progress=False))
+    s = metrics.summarize(res)
+    ok = [r for r in res if r.ok] or [None]
     return {"output_tok_s": s["output_token_throughput"], "request_s": s["request_throughput"],
             "ttft_p50_ms": s["ttft_ms"]["p50"], "itl_p50_ms": s["itl_ms"]["p50"],
-            "requests": s["num_ok"]}
+            "requests": s["num_ok"], "errors": s["errors_by_code"],
+            "prompt_tokens_mean": statistics.mean(r.prompt_tokens for r in ok) if ok[0] else 0,
+            "output_tokens_mean": statistics.mean(r.completion_tokens for r in ok) if ok[0]
+            else 0}
 
 
 def main(argv: list[str] | None = None) -> dict:
