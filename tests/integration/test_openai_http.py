@@ -386,6 +386,17 @@ def test_curl_streams_sse(pd):
 # ---------------------------------------------------------------------------------------
 # Fields whose engine side is issue 25's sampler work: they skip until the engine has them.
 
+@pytest.mark.skipif("presence_penalty" in {f.name for f in dataclasses.fields(EngineSampling)},
+                    reason="the engine has presence_penalty")
+def test_fields_the_engine_lacks_are_400_not_ignored(pd):
+    with pytest.raises(openai.BadRequestError) as e:
+        sdk(pd).chat.completions.create(model=MODEL, messages=CHATS[0], presence_penalty=0.5)
+    assert "presence_penalty is not supported yet" in e.value.message
+    # the "off" values clients send by default pass
+    r = sdk(pd).chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=2,
+                                        presence_penalty=0, frequency_penalty=0, n=1)
+    assert r.usage.completion_tokens >= 1
+
 @needs_engine("n")
 def test_n_samples(pd):
     r = sdk(pd).chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=8, n=3,

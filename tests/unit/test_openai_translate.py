@@ -209,3 +209,29 @@ def test_stream_events_role_first_usage_chunk_and_done():
     assert len(frames) == 2 and "usage" not in frames[0]
     err = _frames(render.Events.error(from_status(grpc.StatusCode.UNAVAILABLE, "gone")))
     assert err[0]["error"]["code"] == "unavailable" and err[1] == "[DONE]"
+
+
+def test_sampling_fields_the_engine_lacks_are_refused_when_turned_on():
+    """services.validation.check_supported: one check for both fronts, keyed on the engine's
+    SamplingParams, so it lets a field through as soon as the engine has it."""
+    import dataclasses
+    from engine.request import SamplingParams
+    from services import validation
+    have = {f.name for f in dataclasses.fields(SamplingParams)}
+    off = common_pb2.SamplingParams(presence_penalty=0.0, frequency_penalty=0.0,
+                                    repetition_penalty=1.0, min_p=0.0, n=1)
+    validation.check_supported(off)  # the values clients send by default are "off"
+    validation.check_supported(common_pb2.SamplingParams())
+    on = {"presence_penalty": dict(presence_penalty=0.5), "n": dict(n=2),
+          "repetition_penalty": dict(repetition_penalty=1.2), "min_p": dict(min_p=0.1),
+          "logit_bias": dict(logit_bias={3: 1.0}), "min_tokens": dict(min_tokens=2),
+          "top_logprobs": dict(top_logprobs=2),
+          "constraint": dict(constraint=common_pb2.Constraint(json_object=True))}
+    for name, kw in on.items():
+        pb = common_pb2.SamplingParams(**kw)
+        if name in have:
+            validation.check_supported(pb)
+        else:
+            with pytest.raises(validation.InvalidRequest, match=f"sampling.{name} is not "
+                               "supported yet"):
+                validation.check_supported(pb)
