@@ -8,6 +8,7 @@ metrics and tracing are the pipeline's, written once.
     errors.py     ApiError and the OpenAI error body; gRPC status -> HTTP status
     translate.py  request bodies (chat, completions) -> ClientRequest + what to render
     render.py     GenerateResponse stream -> chat.completion(.chunk) / text_completion
+    tools.py      tools / tool_choice: the template's format, tool_calls parsed from answers
     drive.py      one pipeline request on its own task; the client leaving cancels it
     app.py        the routes, API keys, the body limit, the handlers
     server.py     uvicorn on the running loop, without its signal handlers
