@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 import time
 
 from fastapi import FastAPI, Request
@@ -31,6 +32,7 @@ from services.auth import presented_key
 logger = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class _Headers:
@@ -60,6 +62,7 @@ class HttpFront:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_exception_handler(HTTPException, self._http_error)
+        app.add_exception_handler(Exception, self._crash)
         return app
 
     # ------------------------------------------------------------- routes
@@ -112,12 +115,21 @@ class HttpFront:
             if size > self.max_body:
                 raise self._too_big()
             chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
-            body = json.loads(b"".join(chunks))
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise bad(f"the body is not valid JSON: {str(e)[:200]}") from None
+        except RecursionError:
+            raise bad("the body is not valid JSON: nested too deeply") from None
         if not isinstance(body, dict):
             raise bad("the body must be a JSON object")
+        if _SURROGATE.search(raw):  # an escape may spell a lone surrogate: not text
+            try:
+                json.dumps(body, ensure_ascii=False).encode()
+            except UnicodeEncodeError:
+                raise bad("a string in the body is not valid Unicode (a lone surrogate)") \
+                    from None
         return body
 
     def _too_big(self) -> ApiError:
@@ -188,6 +200,10 @@ class HttpFront:
     def _count(self, resp: Response, route: str) -> Response:
         self.env.metrics.http_requests.labels(route, str(resp.status_code)).inc()
         return resp
+
+    async def _crash(self, request: Request, exc: Exception) -> Response:
+        logger.error("HTTP %s %s failed", request.method, request.url.path, exc_info=exc)
+        return self._error(ApiError(500, "internal error", "internal_error"), "other")
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
