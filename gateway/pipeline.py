@@ -280,11 +280,14 @@ class GatewayRequest:
             dreq, timeout=max(deadline - loop.time(), 0.001),
             metadata=telemetry.outgoing_metadata(self.span, self.ctx))
         route.decode.watchers.add(self.cut)
+        samples, ended = max(getattr(sp, "n", 1) or 1, 1), set()  # n > 1: each sample ends
         try:
             async for resp in self._read(call, route):
                 yield resp
                 if resp.finish_reason:
-                    return
+                    ended.add(resp.index)
+                    if len(ended) >= samples:
+                        return
             raise self._broken("eof", "the decode worker ended the stream early")
         finally:
             route.decode.watchers.discard(self.cut)
