@@ -78,7 +78,10 @@ def aiperf_round(a, http: str, tok: Path, work: Path, i: int) -> dict:
             "output_tokens_mean": val("output_sequence_length"),
             "aiperf_export": {k: m[k] for k in ("output_token_throughput", "request_throughput",
                                                 "time_to_first_token", "inter_token_latency",
-                                                "request_latency", "benchmark_duration")
+                                                "request_latency", "benchmark_duration",
+                                                "effective_concurrency",
+                                                "credit_to_start_latency",
+                                                "usage_prompt_cache_read_tokens")
                               if k in m}}
 
 
