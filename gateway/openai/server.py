@@ -8,24 +8,27 @@ import contextlib
 import logging
 import socket
 
-import uvicorn
-
 logger = logging.getLogger(__name__)
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):  # the gateway's GrpcServer handles SIGTERM / SIGINT
-        yield
+def _server_class():
+    import uvicorn  # here, not at import: a gateway with --http-port 0 never loads it
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # the gateway's GrpcServer handles SIGTERM / SIGINT
+            yield
+    return uvicorn, _Server
 
 
 class HttpServer:
     def __init__(self, app, *, host: str, port: int, grace_s: float = 5.0) -> None:
         self.host, self.port = host, port
+        uvicorn, server_cls = _server_class()
         config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
                                 timeout_graceful_shutdown=max(grace_s, 0.1),
                                 timeout_keep_alive=30, http="auto", loop="none")
-        self.server = _Server(config)
+        self.server = server_cls(config)
         self._task: asyncio.Task | None = None
 
     async def start(self) -> int:
