@@ -86,6 +86,7 @@ def _server(settings: GatewaySettings, keys, metrics):
 async def serve_gateway(settings: GatewaySettings) -> None:
     from engine.loader import load_config, load_tokenizer, resolve_spec
     from gateway.health import HealthProber
+    from gateway.openai.server import start_front
     from gateway.server import GatewayServicer
     from protos.pdserve.v1 import gateway_pb2_grpc
     from services.auth import load_api_keys
@@ -119,13 +120,15 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     if router.index is not None:
         tasks.append(asyncio.create_task(router.index.run_reaper(settings.reaper_interval_s)))
     port = await srv.start()
+    http = await start_front(settings, env, keys, srv)  # the OpenAI HTTP API (None: off)
     srv.install_signal_handlers()
     mport = serve_metrics(metrics.registry, settings.metrics_port, settings.host)
-    print(f"READY gateway {settings.host}:{port}" + (f" metrics={mport}" if mport else ""),
-          flush=True)
+    print(f"READY gateway {settings.host}:{port}" + (f" metrics={mport}" if mport else "")
+          + (f" http={http.port}" if http else ""), flush=True)
     try:
         await srv.wait_stopped()
     finally:
+        await (http.stop() if http else asyncio.sleep(0))
         await cancel_and_wait(tasks)
         await servicer.close()
         await prober.close()

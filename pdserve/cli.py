@@ -40,6 +40,10 @@ def _up_args(argv):
     p.add_argument("--decode", type=integer(0), default=1)
     p.add_argument("--colocated", type=integer(0), default=0)
     p.add_argument("--port", type=integer(0, 65535), default=50051, help="gateway port")
+    p.add_argument("--http-port", type=integer(0, 65535), default=8000,
+                   help="gateway's OpenAI-compatible HTTP port (0: off)")
+    p.add_argument("--served-model-name", default="",
+                   help="model name the HTTP API accepts besides the model's id")
     p.add_argument("--device", default=None, help="every worker's device (cpu, cuda, cuda:N); "
                    "workers sharing a GPU split its memory; default: the workers' (auto)")
     p.add_argument("--kv-backend", default=None, choices=sorted(backend_devices()),
@@ -71,7 +75,10 @@ def _cmd_up(argv) -> int:
         devices = {role: [a.device] for role in ("prefill", "decode", "colocated")}
     cluster = LocalCluster(a.model, prefill=a.prefill, decode=a.decode, colocated=a.colocated,
                            gateway_port=a.port, kv_backend=a.kv_backend, echo=a.verbose,
-                           devices=devices, secure=not a.insecure)
+                           devices=devices, secure=not a.insecure,
+                           http_port=a.http_port or None,
+                           gateway_args=(("--served-model-name", a.served_model_name)
+                                         if a.served_model_name else ()))
     # SIGTERM (docker stop, timeout, kill) must stop the cluster too, like Ctrl-C: the
     # services run in their own sessions and would otherwise outlive us
     signal.signal(signal.SIGTERM, _interrupt)
@@ -85,7 +92,9 @@ def _cmd_up(argv) -> int:
     print(f"up in {time.monotonic() - t0:.1f}s: gateway {cluster.address}, redis "
           f"{redact_url(cluster.redis_url)}, "
           + (f"mutual TLS (certificates in {cluster.identity.directory})" if cluster.identity
-             else "INSECURE (plaintext, no Redis password)"))
+             else "INSECURE (plaintext, no Redis password)")
+          + (f", OpenAI API http://{cluster.http_address}/v1" if cluster.http_address
+             else ""))
     for w in cluster.workers:
         print(f"  {w.kind:9s} {w.address}  {w.worker_id}")
     try:

@@ -158,6 +158,7 @@ class Service:
     address: str = ""
     worker_id: str = ""
     metrics_port: int = 0  # Prometheus /metrics port (LocalCluster(metrics=True))
+    http_port: int = 0  # a gateway's OpenAI HTTP port (LocalCluster(http_port=...))
     log: list[str] = field(default_factory=list)
     args: list[str] = field(default_factory=list)  # its command-line flags (for a restart)
     restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts
@@ -183,6 +184,8 @@ def _pump(svc: Service, ready: threading.Event, echo: bool) -> None:
                     svc.worker_id = p.split("=", 1)[1]
                 elif p.startswith("metrics="):
                     svc.metrics_port = int(p.split("=", 1)[1])
+                elif p.startswith("http="):
+                    svc.http_port = int(p.split("=", 1)[1])
             ready.set()
 
 
@@ -226,10 +229,12 @@ class LocalCluster:
                  gateway_args: tuple[str, ...] = (), env: dict | None = None, echo: bool = False,
                  startup_timeout_s: float = 180.0, metrics: bool = False,
                  devices: dict[str, list[str]] | None = None,
-                 role_args: dict[str, tuple[str, ...]] | None = None, secure: bool = True):
+                 role_args: dict[str, tuple[str, ...]] | None = None, secure: bool = True,
+                 http_port: int | None = None):
         self.model = model
         self.secure = secure
         self.identity = cluster_identity() if secure else None
+        self.http_port = http_port  # the gateway's OpenAI HTTP API: None off, 0 a free port
         self.counts = {"prefill": prefill, "decode": decode, "colocated": colocated}
         self.role_args = {role: tuple(a) for role, a in (role_args or {}).items()}
         self.devices = _check_devices(devices, self.counts, worker_args, self.role_args)
@@ -252,6 +257,13 @@ class LocalCluster:
     @property
     def address(self) -> str:
         return self.gateway.address if self.gateway else ""
+
+    @property
+    def http_address(self) -> str:
+        """The gateway's OpenAI HTTP API as host:port ("" when off)."""
+        if not (self.gateway and self.gateway.http_port):
+            return ""
+        return f"127.0.0.1:{self.gateway.http_port}"
 
     @property
     def redis_url(self) -> str:
@@ -339,7 +351,8 @@ class LocalCluster:
     def gateway_cmd_args(self) -> list[str]:
         """The gateway's flags: Redis when the cluster has it, else the started workers."""
         args = ["--model", self.model, "--host", "127.0.0.1", "--port", str(self.gateway_port),
-                "--log-format", "text", "--log-level", "WARNING"]
+                "--log-format", "text", "--log-level", "WARNING", "--http-port",
+                str(0 if self.http_port is None else self.http_port or free_port())]
         if self.redis:
             args += ["--redis-url", self.redis.url]
         args += self.security_args("gateway")

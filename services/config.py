@@ -243,6 +243,14 @@ class GatewaySettings(ServiceSettings):
     key_max_tokens_per_s: float = setting(0.0, "prompt + completion tokens per second one API "
                                                "key may use, averaged over 10 s (0: no limit)",
                                           ge=0.0)
+    http_port: int = _port(8000, "OpenAI-compatible HTTP API port, bound on host like the "
+                                 "gRPC port (0: off)")
+    served_model_name: str = setting("", "model name the HTTP API lists and accepts besides "
+                                         "the model's own id (empty: the model's id only)")
+    http_max_body_bytes: int = setting(
+        8 * 1024 * 1024, "largest HTTP request body (bigger: 413 before it is parsed; JSON "
+                         "escapes make it larger than the gRPC message)", ge=1024,
+        unit="bytes")
     limits: RequestLimits = section(RequestLimits, "request limits")
 
     def __post_init__(self) -> None:
