@@ -72,18 +72,19 @@ def presented_key(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | N
     return None
 
 
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Ends every non-exempt RPC without a valid key with UNAUTHENTICATED."""
+class ApiKeys:
+    """The configured keys, plain or stored as ``sha256:`` hashes: the one check both fronts
+    (gRPC's interceptor, the HTTP API) use."""
 
-    def __init__(self, keys: Iterable[str], on_reject: Callable[[str], None] | None = None):
+    def __init__(self, keys: Iterable[str]):
         keys = list(keys)
-        if not keys:
-            raise ValueError("ApiKeyInterceptor needs at least one key")
         self._keys = [k.encode() for k in keys if not _HASH.fullmatch(k)]
         self._hashes = [bytes.fromhex(k[len(HASH_PREFIX):]) for k in keys if _HASH.fullmatch(k)]
-        self._on_reject = on_reject
 
-    def _valid(self, key: str) -> bool:
+    def __bool__(self) -> bool:
+        return bool(self._keys or self._hashes)
+
+    def valid(self, key: str) -> bool:
         given = key.encode()
         digest = hashlib.sha256(given).digest()
         ok = False
@@ -92,6 +93,19 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         for h in self._hashes:
             ok |= hmac.compare_digest(digest, h)
         return ok
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Ends every non-exempt RPC without a valid key with UNAUTHENTICATED."""
+
+    def __init__(self, keys: Iterable[str], on_reject: Callable[[str], None] | None = None):
+        self._check = ApiKeys(keys)
+        if not self._check:
+            raise ValueError("ApiKeyInterceptor needs at least one key")
+        self._on_reject = on_reject
+
+    def _valid(self, key: str) -> bool:
+        return self._check.valid(key)
 
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails],

@@ -11,7 +11,6 @@ route and status) besides the request metrics every front shares.
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import re
@@ -27,7 +26,7 @@ from gateway.openai.drive import ClientGone, Drive, unless_gone
 from gateway.openai.errors import ApiError, bad, from_status
 from gateway.pipeline import GatewayEnv, GatewayRequest, RequestError
 from services import telemetry
-from services.auth import presented_key
+from services.auth import ApiKeys, presented_key
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ class HttpFront:
     def __init__(self, env: GatewayEnv, *, keys=(), served_model_name: str = "",
                  request_timeout_s: float = 600.0, max_body_bytes: int = 8 << 20) -> None:
         self.env, self.timeout_s, self.max_body = env, request_timeout_s, max_body_bytes
-        self._keys = [k.encode() for k in keys]
+        self._keys = ApiKeys(keys)
         self.names = tuple(dict.fromkeys(n for n in (served_model_name, env.model) if n))
         self.text = render.TokenText(env.tokenizer.tokenizer)
         self.tool_format = tools.detect(getattr(env.tokenizer.tokenizer, "chat_template", None))
@@ -93,11 +92,7 @@ class HttpFront:
         key = presented_key(request.headers.items())
         if not self._keys:
             return ""
-        ok = False
-        given = (key or "").encode()
-        for k in self._keys:  # no early exit: the time does not depend on which key matched
-            ok |= hmac.compare_digest(given, k)
-        if key is None or not ok:
+        if key is None or not self._keys.valid(key):
             self.env.metrics.requests.labels("UNAUTHENTICATED").inc()
             raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'"
                            if key is None else "invalid API key", "authentication_error",

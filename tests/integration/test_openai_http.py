@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import socket
 import subprocess
@@ -37,6 +38,7 @@ CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
          [{"role": "system", "content": "You are terse."},
           {"role": "user", "content": "Name a color."}]]
 KEY = "http-test-key-0123"
+HASHED = "http-test-key-stored-hashed"  # configured as its sha256 only
 N = 16
 
 
@@ -57,7 +59,8 @@ def pd():
 def colo():
     with LocalCluster(MODEL, prefill=0, decode=0, colocated=1, http_port=0, metrics=True,
                       gateway_args=("--key-max-concurrent", "1"),
-                      env={"PDSERVE_API_KEYS": KEY}) as c:
+                      env={"PDSERVE_API_KEYS": KEY + ",sha256:"
+                           + hashlib.sha256(HASHED.encode()).hexdigest()}) as c:
         yield c
 
 
@@ -269,6 +272,7 @@ def test_api_keys_and_per_key_limit(colo):
     assert code == 401 and "missing API key" in body
     assert curl(f"http://{colo.http_address}/health")[0] == 200  # exempt, like gRPC health
     assert curl(f"http://{colo.http_address}/v1/models")[0] == 401
+    assert [m.id for m in sdk(colo, HASHED).models.list()]  # a key stored as its hash
     c = sdk(colo, KEY)
     stream = c.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=400,
                                        stream=True, extra_body={"ignore_eos": True})
