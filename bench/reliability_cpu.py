@@ -22,7 +22,7 @@ import time
 from pdserve.benchlib import harness
 from pdserve.chaos.fuzz import rss_bytes, run_fuzz
 from pdserve.chaos.scenarios import SCENARIOS
-from pdserve.chaos.soak import capacity, soak
+from pdserve.chaos.soak import capacity, fill_kv_caches, soak
 from pdserve.chaos.streams import settle
 from pdserve.cluster import LocalCluster
 
@@ -86,6 +86,7 @@ def soak_part(a, rec) -> None:
     with LocalCluster(a.model, prefill=1, decode=1) as c:
         cap = asyncio.run(capacity(c.address, seconds=60))
         rec["capacity_req_s"] = cap
+        rec["kv_fill_prompt_tokens"] = asyncio.run(fill_kv_caches(c.address, c.workers))
         procs = {"gateway": c.gateway.proc.pid, **{w.kind: w.proc.pid for w in c.workers}}
         rep = asyncio.run(soak(c.address, procs, rate=cap / 2, duration_s=a.duration,
                                warmup_s=a.warmup))

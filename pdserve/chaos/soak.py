@@ -5,6 +5,12 @@ resident memory and the workers' KV blocks.
 :func:`soak` then sends Poisson arrivals at a given rate for ``duration_s``, samples each
 process's RSS every ``sample_s``, and reports the drift of each process between the end of
 the warm-up and the end of the run, with every request's outcome.
+
+A CPU worker's KV cache is backed lazily (engine.model_runner._zeros): its pages become
+resident as blocks are first used, so a worker's RSS climbs until every block has been used
+once (1 GiB by default; the allocator takes never-used blocks before evicting cached ones).
+That is the cache coming into use, not a leak. :func:`fill_kv_caches` uses every block
+of every worker before the soak starts, so the drift it reports is what keeps growing.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import grpc
 
 from pdserve import client
 from pdserve.chaos.fuzz import rss_bytes
-from pdserve.chaos.streams import PROMPTS
+from pdserve.chaos.streams import PROMPTS, stats
 from protos.pdserve.v1 import gateway_pb2_grpc
 
 
@@ -35,6 +41,34 @@ async def _one(stub, req, codes: Counter, timeout: float, tokens: list[int]) -> 
         codes["OK"] += 1
     except grpc.aio.AioRpcError as e:
         codes[e.code().name] += 1
+
+
+async def fill_kv_caches(address: str, workers, *, concurrency: int = 4,
+                         prompt_tokens: int = 1024, seed: int = 7) -> int:
+    """Send prompts of distinct random tokens (no prefix shared, one output token each)
+    until their blocks cover every KV block of the largest worker's cache, 1.2 times over.
+    Returns the prompt tokens sent."""
+    sizes = [await stats(w.address, w.kind) for w in workers]
+    need = int(1.2 * max(st.kv_blocks_total * st.block_size for st in sizes))
+    limit = min(st.max_model_len for st in sizes if st.max_model_len) or prompt_tokens + 1
+    n = max(16, min(prompt_tokens, limit - 2))
+    rng = random.Random(seed)
+    sent = [0]
+    codes: Counter = Counter()
+    async with client.channel(address) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+
+        async def lane():
+            while sent[0] < need:
+                sent[0] += n
+                req = client.make_request(token_ids=[rng.randrange(100, 20000) for _ in range(n)],
+                                          max_tokens=1, ignore_eos=True)
+                await _one(stub, req, codes, 300, [0])
+
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+    if set(codes) != {"OK"}:
+        raise RuntimeError(f"filling the KV caches failed: {dict(codes)}")
+    return sent[0]
 
 
 async def capacity(address: str, *, seconds: float = 60.0, concurrency: int = 16,
