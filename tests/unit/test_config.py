@@ -127,7 +127,8 @@ def test_unknown_and_bad_names_in_files_and_env(tmp_path, where, text, message):
     (["--kv-cache-memory-bytes", "lots"], "expected a byte count"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be <= 1, got 1.5"),
     (["--gpu-memory-utilization", "0"], "gpu_memory_utilization must be > 0, got 0.0"),
-    (["--kv-dtype", "int8"], "kv_dtype must be one of float32, bfloat16, float16, got 'int8'"),
+    (["--kv-dtype", "int4"], "kv_dtype must be one of float32, bfloat16, float16, int8, fp8, got 'int4'"),
+    (["--quantization", "nf4"], "quantization must be one of none, fp8, int8, int4, got 'nf4'"),
     (["--dtype", "fp8"], "dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"),
     (["--device", "gpu"], "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
     (["--attention-backend", "flash"], "attention_backend must be one of auto, torch, triton"),
@@ -280,9 +281,12 @@ def test_llm_builder_accepts_every_engine_setting():
         engine_config("dummy:tiny", env={}, max_num_seq=4)
 
 
-def test_llm_runs_with_every_engine_setting_set():
+def test_llm_runs_with_every_engine_setting_set(tmp_path):
     """LLM(model, **kw) with all engine settings at once (CPU-compatible values)."""
     from engine import LLM, SamplingParams
+    from engine.quant.plan import QuantPlan
+    plan = tmp_path / "plan.json"
+    QuantPlan(default="int8", layers={"layers.0.down": "int4"}).save(str(plan))
     kw = dict(dtype="float32", device="cpu", seed=3, attention_backend="torch",
               enforce_eager=True, mixed_graph_tokens=0, cuda_graph_max_len=256, num_threads=1,
               async_decode=True, block_size=8, num_blocks=64, kv_cache_memory_bytes=1 << 20,
@@ -290,7 +294,8 @@ def test_llm_runs_with_every_engine_setting_set():
               kv_dtype="float32", kv_block_runs=False, max_num_seqs=4,
               max_num_batched_tokens=32, max_model_len=200, policy="short_first",
               schedule_max_wait_s=0.5, gemv="off", gemv_pdl=False, gemv_split_k=True,
-              fuse_rotary=False, split_mixed=False, cpu_packed=False)
+              fuse_rotary=False, split_mixed=False, cpu_packed=False, quantization="int8",
+              quantization_plan=str(plan))
     assert set(kw) | {"model", "schedule_policy"} - {"policy"} >= set(tree(EngineConfig)) - {
         "model", "schedule_policy"}
     llm = LLM("dummy:tiny", **kw)
@@ -298,6 +303,7 @@ def test_llm_runs_with_every_engine_setting_set():
     assert (c.scheduler.schedule_policy, c.cache.num_blocks, c.scheduler.max_model_len) == (
         "short_first", 64, 200)
     assert llm.engine.block_manager._runs is False and c.kernels.cpu_packed is False
+    assert llm.engine.runner.quantization["projections"] == {"int4": 1, "int8": 7}
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 4
 
