@@ -84,9 +84,11 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, loaded.config, loaded.weights,
-                                  packed=getattr(loaded, "packed", None))
+                                  packed=getattr(loaded, "packed", None),
+                                  prequantized=getattr(loaded, "prequantized", None))
         loaded.weights = None  # the runner owns the parameters now
         loaded.packed = None
+        loaded.prequantized = None
         self.max_model_len = self.runner.max_model_len
         config = replace(config, cache=replace(config.cache, num_blocks=self.runner.num_blocks,
                                                kv_cache_memory_bytes=self.runner.kv_cache_bytes),

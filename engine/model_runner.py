@@ -76,7 +76,8 @@ class ModelRunner(CudaGraphsMixin):
     """Model, KV cache and step execution (eager here; CUDA graphs in CudaGraphsMixin)."""
 
     def __init__(self, config: EngineConfig, mc: ModelConfig, weights: dict[str, torch.Tensor],
-                 packed: dict[str, tuple] | None = None):
+                 packed: dict[str, tuple] | None = None,
+                 prequantized: dict[str, dict] | None = None):
         """``config`` has its device, dtype and scheduler limits resolved
         (engine.config.resolve_engine_config); the KV cache size and ``max_model_len`` are
         resolved here (``num_blocks``, ``kv_cache_bytes``, ``max_model_len``)."""
@@ -99,7 +100,7 @@ class ModelRunner(CudaGraphsMixin):
             torch.set_default_dtype(prev)
         self.model.load_weights(weights)
         self.model.eval()
-        self.quantization = self._quantize_weights(weights)
+        self.quantization = self._quantize_weights(weights, prequantized)
         self.packed_projections = 0
         if (packed and config.kernels.cpu_packed and not self.quantization and self.device.type == "cpu"
                 and self.dtype == torch.float32 and hasattr(self.model, "load_packed")):
@@ -139,11 +140,19 @@ class ModelRunner(CudaGraphsMixin):
             if not config.enforce_eager:
                 self._capture_graphs()
 
-    def _quantize_weights(self, weights: dict) -> dict | None:
-        """quantization / quantization_plan: swap the projections for QuantLinear modules
-        (engine.quant); the summary (projections per format, weight bytes), or None."""
+    def _quantize_weights(self, weights: dict, prequantized: dict | None) -> dict | None:
+        """quantization / quantization_plan, or a pre-quantized checkpoint's projections:
+        swap them for QuantLinear modules (engine.quant); the summary (projections per
+        format, weight bytes), or None."""
         from engine.quant.plan import plan_for
         plan = plan_for(self.config.quantization, self.config.quantization_plan)
+        if prequantized:
+            if plan is not None:
+                raise ValueError("the checkpoint is already quantized (quantization_config "
+                                 "in its config.json): leave quantization none")
+            from engine.quant import quantize_loaded
+            weights.clear()
+            return quantize_loaded(self.model, prequantized)
         if plan is None:
             return None
         from engine.quant import quantize_model

@@ -41,6 +41,42 @@ def quantize_model(model, plan: QuantPlan) -> dict:
     return summary
 
 
+_PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+          "down": ("mlp.down_proj",)}
+
+
+def quantize_loaded(model, quantized: dict[str, dict]) -> dict:
+    """Swap in a pre-quantized checkpoint's projections (engine.quant.checkpoint: HF weight
+    name -> quantized dict); q/k/v and gate/up are concatenated along the output rows like
+    the dense weights. Returns the summary of :func:`quantize_model`."""
+    import torch
+    from engine.quant.linear import QuantLinear
+
+    counts: dict[str, int] = {}
+    for name, parent, attr in projections(model):
+        i, proj = name.split(".")[1], name.split(".")[2]
+        parts = [quantized.get(f"model.layers.{i}.{p}.weight") for p in _PARTS[proj]]
+        if all(p is None for p in parts):
+            counts["none"] = counts.get("none", 0) + 1
+            continue
+        if any(p is None for p in parts) or len({p["format"] for p in parts}) != 1 or len(
+                {p.get("group") for p in parts}) != 1:
+            raise ValueError(f"{name}: its parts {_PARTS[proj]} are not quantized alike")
+        qw = dict(parts[0])
+        for key in ("q", "scale", "zero"):
+            if qw.get(key) is not None:
+                qw[key] = torch.cat([p[key] for p in parts]).contiguous()
+        lin = getattr(parent, attr)
+        bias = None if lin.bias is None else lin.bias.detach().clone()
+        setattr(parent, attr, QuantLinear(qw, bias, lin.out_features))
+        counts[qw["format"]] = counts.get(qw["format"], 0) + 1
+    summary = {"projections": counts, "weight_bytes": model_weight_bytes(model),
+               "checkpoint": True}
+    logger.info("pre-quantized weights: %s", counts)
+    return summary
+
+
 def projections(model):
     for i, layer in enumerate(model.layers):
         for attr, (sub, proj) in zip(PROJECTIONS, (("self_attn", "qkv_proj"),

@@ -3,8 +3,9 @@ gpt-fast's: the model file stays plain).
 
 It holds the codes and scales of one format (engine.quant.reference) as buffers and picks
 its kernel by device: on a GPU the Triton kernels of engine.quant.kernels (FP8 GEMMs through
-torch._scaled_mm), on the CPU the torch reference, whose float32 codes (int4: dequantized weight) are
-kept after the first call (the CPU measures quality, not speed: the same values, computed once).
+torch._scaled_mm), on the CPU the torch reference, whose float32 codes (int4: the
+dequantized weight) are kept after the first call (the CPU measures quality, not speed:
+the same values, computed once).
 """
 from __future__ import annotations
 

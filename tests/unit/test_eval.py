@@ -92,11 +92,13 @@ def test_pdserve_eval_command(tmp_path, capsys):
     assert rc == 0
     doc = json.loads(out.read_text())
     same, q = doc["candidates"]["same"], doc["candidates"]["int8"]
-    assert doc["benchmark"] == "eval" and doc["corpus"]["sha256"] == file_corpus(str(corpus)).sha256
+    assert doc["benchmark"] == "eval"
+    assert doc["corpus"]["sha256"] == file_corpus(str(corpus)).sha256
     assert same["kl_mean"] == 0.0 and same["top1_agreement"] == 1.0
     assert same["greedy"]["identical"] == 2 and same["perplexity"] == same["perplexity_base"]
     assert q["kl_mean"] > 0 and q["weight_bytes"] < same["weight_bytes"]
-    assert q["config"].items() >= {"num_blocks": 64, "quantization": "int8", "model": "dummy:tiny"}.items()
+    assert q["config"].items() >= {"num_blocks": 64, "quantization": "int8",
+                                   "model": "dummy:tiny"}.items()
     assert "int8" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--candidate", "quantisation=int8"])
