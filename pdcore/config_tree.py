@@ -471,6 +471,15 @@ def standard_environ() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(STANDARD_PREFIXES)}
 
 
+def set_library_environ(values: Mapping[str, str]) -> None:
+    """Write libraries' own variables (NCCL_*, NVSHMEM_*: read by them when they start) into
+    this process's environment; never pdserve settings (written here only)."""
+    for k, v in values.items():
+        if k.startswith("PDSERVE_"):
+            raise ValueError(f"{k} is a pdserve setting, not a library variable")
+        os.environ[k] = v
+
+
 def child_environ(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment for a child process: ours plus ``extra``."""
     return {**os.environ, **(extra or {})}

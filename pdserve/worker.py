@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 import json
 import logging
@@ -39,6 +40,7 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
     settings = replace(settings, engine=engine.config)
     shown = redacted_flat(settings)
     logger.info("%s worker configuration: %s", role, json.dumps(shown))
+    _check_parallel_kv(engine, settings)
     aengine = AsyncEngine(engine)
     await aengine.start()
     cache = engine.runner.kv_cache
@@ -81,6 +83,7 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
     await runtime.start(address, receivers[0][1].endpoint if receivers else "")
     srv.add_shutdown_hook(runtime.stop)
     srv.install_signal_handlers()
+    watchdog = asyncio.ensure_future(_watch_engine(engine, aengine, srv))
     mport = serve_metrics(metrics.registry, settings.metrics_port, settings.host)
     print(f"READY {role} {address} worker_id={runtime.worker_id}"
           + (f" metrics={mport}" if mport else ""), flush=True)
@@ -88,6 +91,7 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
     try:
         await srv.wait_stopped()
     finally:
+        watchdog.cancel()
         if prefill is not None:
             await prefill.drain()
         await aengine.stop()
@@ -97,6 +101,32 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
             await receiver.close()
         for s in senders.values():
             await s.close()
+
+
+def _check_parallel_kv(engine, settings: WorkerSettings) -> None:
+    """A tensor-parallel engine on GPUs keeps each rank's KV heads on that rank's GPU, so
+    rank 0's cache holds only its heads: moving it would send part of every block. Refused
+    until the gather/scatter over the ranks' GPUs exists (issue 28). (On the CPU the ranks
+    share one cache of every head: any TP size sends and receives whole blocks.)"""
+    lo, hi = engine.kv_heads
+    if settings.kv_backends and (lo, hi) != (0, engine.model_config.num_kv_heads):
+        raise ValueError(f"tensor_parallel_size {engine.config.tensor_parallel_size} on "
+                         f"{engine.config.device}: KV transfer of a per-GPU sharded cache is "
+                         "not built yet (issue 28); run this worker colocated without "
+                         "kv_backends, or on the CPU")
+
+
+async def _watch_engine(engine, aengine, srv, period_s: float = 0.25) -> None:
+    """End the worker once its engine cannot go on (a tensor-parallel rank exited or hangs,
+    a step failed): requests in flight already ended with UNAVAILABLE (the gateways resume
+    them elsewhere); stopping deregisters this worker and stops every rank."""
+    while True:
+        await asyncio.sleep(period_s)
+        why = engine.failure or (repr(aengine.dead) if aengine.dead is not None else None)
+        if why is not None:
+            logger.error("engine failed (%s): shutting the worker down", why)
+            srv.stop(grace_s=1.0)
+            return
 
 
 def _listen_address(settings: WorkerSettings, backend: str, index: int):

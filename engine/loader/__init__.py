@@ -131,8 +131,11 @@ def load_tokenizer(spec: str) -> Tokenizer | ByteTokenizer:
 
 
 def load_model(spec: str, dtype: "torch.dtype | None" = None, device: str = "cpu",
-               seed: int = 0, keep_packed: bool | None = None) -> LoadedModel:
+               seed: int = 0, keep_packed: bool | None = None, shard=None) -> LoadedModel:
     """Config, weights (in `dtype`, default float32, on `device`), tokenizer and model id.
+
+    shard: a callable ``ModelConfig -> engine.parallel.ShardPlan`` (tensor parallelism): only
+    that rank's slices of each weight are kept (and, from safetensors, read); no GGUF blocks.
 
     keep_packed: also keep GGUF Q4_1 / Q8_0 blocks (`LoadedModel.packed`); default: on for
     a float32 CPU load (the engine passes False when its kernels.cpu_packed is off)."""
@@ -147,7 +150,8 @@ def load_model(spec: str, dtype: "torch.dtype | None" = None, device: str = "cpu
         from engine.loader.dummy import dummy_config, random_weights
 
         config = dummy_config(location)
-        weights = random_weights(config, dtype, device, seed)
+        weights = random_weights(config, dtype, device, seed,
+                                 shard=shard(config) if shard else None)
         tokenizer: Tokenizer | ByteTokenizer = ByteTokenizer()
     elif kind == "gguf":
         from engine.loader.gguf_loader import (GGUFFile, gguf_config, gguf_tokenizer,
@@ -155,10 +159,11 @@ def load_model(spec: str, dtype: "torch.dtype | None" = None, device: str = "cpu
 
         if keep_packed is None:
             keep_packed = device == "cpu" and dtype == torch.float32
-        packed = {} if keep_packed else None
+        packed = {} if keep_packed and shard is None else None
         with GGUFFile(location) as g:  # weights own copies of their bytes: safe to close
             config = gguf_config(g)
-            weights = load_gguf_weights(g, config, dtype, device, packed=packed)
+            weights = load_gguf_weights(g, config, dtype, device, packed=packed,
+                                        shard=shard(config) if shard else None)
             tokenizer = gguf_tokenizer(g)
     else:
         from engine.loader.hf_loader import hf_config, hf_tokenizer, load_hf_weights
@@ -167,11 +172,15 @@ def load_model(spec: str, dtype: "torch.dtype | None" = None, device: str = "cpu
         config = hf_config(location)
         qcfg = hf_quantization_config(location)
         if qcfg:
+            if shard:
+                raise ValueError(f"{location}: a pre-quantized checkpoint cannot be loaded "
+                                 "with tensor parallelism yet")
             from engine.quant.checkpoint import convert
             raw = load_hf_weights(location, config, None, "cpu")
             weights, prequantized = convert(raw, qcfg, dtype, device)
         else:
-            weights = load_hf_weights(location, config, dtype, device)
+            weights = load_hf_weights(location, config, dtype, device,
+                                      shard=shard(config) if shard else None)
         tokenizer = hf_tokenizer(location, config)
     logger.info("loaded %s (%s, %d tensors, %s on %s) in %.2fs", model_id, kind, len(weights),
                 dtype, device, time.perf_counter() - t0)

@@ -176,9 +176,12 @@ def hf_quantization_config(path: str) -> dict | None:
     return _read_json(os.path.join(path, "config.json")).get("quantization_config") or None
 
 
-def load_hf_weights(path: str, config: ModelConfig, dtype, device: str = "cpu") -> dict:
+def load_hf_weights(path: str, config: ModelConfig, dtype, device: str = "cpu",
+                    shard=None) -> dict:
     """Weights from the folder's safetensors under HF names, in `dtype` on `device`
-    (dtype None: as stored, e.g. a quantized checkpoint's int32 / fp8 tensors)."""
+    (dtype None: as stored, e.g. a quantized checkpoint's int32 / fp8 tensors).
+    ``shard`` (engine.parallel.ShardPlan): read only a tensor-parallel rank's slices (a
+    safetensors slice reads just those bytes from the file)."""
     from safetensors import safe_open
 
     weights = {}
@@ -189,7 +192,13 @@ def load_hf_weights(path: str, config: ModelConfig, dtype, device: str = "cpu") 
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
-                t = f.get_tensor(name)
+                if shard is not None:
+                    sl = f.get_slice(name)
+                    t = shard.take(name, tuple(sl.get_shape()),
+                                   lambda ix, sl=sl, n=name: f.get_tensor(n) if ix is None
+                                   else sl[ix])
+                else:
+                    t = f.get_tensor(name)
                 weights[name] = t.to(device=device, dtype=dtype or t.dtype).contiguous()
     if not config.tie_word_embeddings and "lm_head.weight" not in weights:
         raise ValueError(f"{path}: lm_head.weight is missing and tie_word_embeddings is false")

@@ -34,6 +34,11 @@ def test_malformed_prefill_requests_get_a_status_and_leave_nothing_held():
         "other-layout": (req("b", layout=common_pb2.KVLayout(
             num_layers=3, num_kv_heads=1, head_dim=8, block_size=16, dtype="float32")),
             grpc.StatusCode.FAILED_PRECONDITION, "layout"),
+        # a decode worker whose blocks would hold one of the two KV heads (TP 2, per-rank
+        # caches): refused, never sent whole blocks it would misread
+        "part-heads": (req("j", layout=layout_to_proto(
+            KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, 16, "float32"), 2, (1, 2))),
+            grpc.StatusCode.FAILED_PRECONDITION, "takes heads [1, 2), this worker sends [0, 2)"),
         "backend": (req("c", backend="pigeon"), grpc.StatusCode.FAILED_PRECONDITION, "pigeon"),
         "blocks": (req("d", dst_block_ids=[1, 2, 3, 4]), grpc.StatusCode.INVALID_ARGUMENT,
                    "expects 4 blocks"),

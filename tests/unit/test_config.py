@@ -281,12 +281,9 @@ def test_llm_builder_accepts_every_engine_setting():
         engine_config("dummy:tiny", env={}, max_num_seq=4)
 
 
-def test_llm_runs_with_every_engine_setting_set(tmp_path):
+def test_llm_runs_with_every_engine_setting_set():
     """LLM(model, **kw) with all engine settings at once (CPU-compatible values)."""
     from engine import LLM, SamplingParams
-    from engine.quant.plan import QuantPlan
-    plan = tmp_path / "plan.json"
-    QuantPlan(default="int8", layers={"layers.0.down": "int4"}).save(str(plan))
     kw = dict(dtype="float32", device="cpu", seed=3, attention_backend="torch",
               enforce_eager=True, mixed_graph_tokens=0, cuda_graph_max_len=256, num_threads=1,
               async_decode=True, block_size=8, num_blocks=64, kv_cache_memory_bytes=1 << 20,
@@ -294,8 +291,9 @@ def test_llm_runs_with_every_engine_setting_set(tmp_path):
               kv_dtype="float32", kv_block_runs=False, max_num_seqs=4,
               max_num_batched_tokens=32, max_model_len=200, policy="short_first",
               schedule_max_wait_s=0.5, gemv="off", gemv_pdl=False, gemv_split_k=True,
-              fuse_rotary=False, split_mixed=False, cpu_packed=False, quantization="int8",
-              quantization_plan=str(plan))
+              fuse_rotary=False, split_mixed=False, cpu_packed=False,
+              tensor_parallel_size=2, tensor_parallel_timeout_s=20.0,
+              quantization="none", quantization_plan=None)  # (TP refuses quantized weights)
     assert set(kw) | {"model", "schedule_policy"} - {"policy"} >= set(tree(EngineConfig)) - {
         "model", "schedule_policy"}
     llm = LLM("dummy:tiny", **kw)
@@ -303,9 +301,10 @@ def test_llm_runs_with_every_engine_setting_set(tmp_path):
     assert (c.scheduler.schedule_policy, c.cache.num_blocks, c.scheduler.max_model_len) == (
         "short_first", 64, 200)
     assert llm.engine.block_manager._runs is False and c.kernels.cpu_packed is False
-    assert llm.engine.runner.quantization["projections"] == {"int4": 1, "int8": 7}
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 4
+    assert c.tensor_parallel_size == 2 and len(llm.engine.runner.tp.pids) == 1
+    llm.close()
 
 
 def test_max_model_len_auto_is_the_model_maximum_capped_by_the_kv_cache():
