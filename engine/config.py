@@ -218,13 +218,18 @@ class EngineConfig:
         if not _DEVICE_RE.match(self.device):
             raise SettingError("device", f"device must be auto, cpu, cuda or cuda:N, "
                                          f"got {self.device!r}")
-        if self.cache.kv_dtype in KV_QUANT_DTYPES and self.attention_backend == "triton":
-            raise SettingError("kv_dtype", f"kv_dtype {self.cache.kv_dtype} needs the torch "
-                                           "attention backend (attention_backend=torch or auto)")
         for name, cls in (("cache", CacheConfig), ("scheduler", SchedulerConfig),
                           ("kernels", KernelConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise SettingError(name, f"{name} must be a {cls.__name__}")
+        if self.tensor_parallel_size > 1 and (self.quantization != "none"
+                                              or self.quantization_plan
+                                              or self.cache.kv_dtype in KV_QUANT_DTYPES):
+            raise SettingError("quantization", "quantized weights or KV cache with "
+                                               "tensor_parallel_size > 1 are not supported yet")
+        if self.cache.kv_dtype in KV_QUANT_DTYPES and self.attention_backend == "triton":
+            raise SettingError("kv_dtype", f"kv_dtype {self.cache.kv_dtype} needs the torch "
+                                           "attention backend (attention_backend=torch or auto)")
 
     @property
     def device_kind(self) -> str:

@@ -143,3 +143,13 @@ def test_sensitivity_sweep_writes_a_plan_within_the_budget(tmp_path):
     assert model_weight_bytes(q.model) == plan.meta["bytes_plan"]
     assert q.quantization["projections"] == {"int4": n - len(plan.layers),
                                              "int8": len(plan.layers)}
+
+
+def test_quantization_with_tensor_parallelism_is_refused():
+    from engine.config import CacheConfig, EngineConfig
+    from pdcore.settings import SettingError
+    for kw in ({"quantization": "int8"}, {"quantization_plan": "p.json"},
+               {"cache": CacheConfig(kv_dtype="int8")}):
+        with pytest.raises(SettingError, match="tensor_parallel_size > 1"):
+            EngineConfig(tensor_parallel_size=2, **kw)
+    EngineConfig(tensor_parallel_size=2, cache=CacheConfig(kv_dtype="bfloat16"))
