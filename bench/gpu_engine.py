@@ -276,6 +276,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--model", default="dummy:llama-3-8b")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="none", choices=("none", "fp8", "int8", "int4"),
+                    help="weights quantized at load (engine.quant); kept with --defaults")
+    ap.add_argument("--quantization-plan", default=None, help="a mixed-precision plan file")
+    ap.add_argument("--kv-dtype", default=None,
+                    help="KV cache dtype (int8 / fp8: engine.quant.kv, torch attention); kept "
+                         "with --defaults")
     harness.add_output_args(ap, "gpu_engine")
     args = ap.parse_args(argv)
     sections = args.sections or ("a,c,e,b" if args.defaults else "d,a,c,b")
@@ -300,11 +306,14 @@ def main(argv: list[str] | None = None) -> dict:
         rec.save()
 
     t0 = time.time()
+    quant = {"quantization": args.quantization,
+             **({"quantization_plan": args.quantization_plan} if args.quantization_plan else {}),
+             **({"kv_dtype": args.kv_dtype} if args.kv_dtype else {})}
     if args.defaults:
-        llm = LLM(args.model, **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs
-                                 else {}))
+        llm = LLM(args.model, **quant, **({"max_num_seqs": args.max_num_seqs}
+                                          if args.max_num_seqs else {}))
     else:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device,
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, **quant,
                   max_num_seqs=args.max_num_seqs or 512,
                   max_num_batched_tokens=args.max_batched_tokens,
                   max_model_len=args.long_prompt + 256,
@@ -322,6 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     rec["graph_buckets"] = getattr(eng.runner, "graph_buckets", None)
     rec["num_kv_blocks"] = eng.runner.num_blocks
     rec["gemv_tuning"] = getattr(eng.runner, "gemv_tuning", None)
+    rec["quantization"] = getattr(eng.runner, "quantization", None)
     vocab = eng.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     print("engine built", rec["engine_build_s"], "s", flush=True)

@@ -25,6 +25,8 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "short_first")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 GEMV_MODES = ("auto", "off", "force")
+QUANTIZATIONS = ("none", "fp8", "int8", "int4")  # engine.quant
+KV_QUANT_DTYPES = ("int8", "fp8")  # engine.quant.kv: 8-bit codes + a scale per token and head
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 # Per-device defaults of the "auto" limits. GPU: measured on an H200 with dummy:llama-3-8b
@@ -106,8 +108,11 @@ class CacheConfig:
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of cached prompt prefixes")
     hash_seed: str = setting("pdserve-v1", "block-hash seed (the same on every process of a "
                                            "cluster, the gateway's included)")
-    kv_dtype: str | None = setting(None, "KV cache dtype; auto: the model dtype",
-                                   choices=DTYPE_NAMES)
+    kv_dtype: str | None = setting(
+        None, "KV cache dtype; auto: the model dtype; int8 / fp8 (e4m3): 8-bit codes with a "
+              "float32 scale per token and KV head stored in the block (torch attention "
+              "backend; both workers of a 1P1D pair must use the same)",
+        choices=DTYPE_NAMES + KV_QUANT_DTYPES)
     kv_block_runs: bool = setting(True, "allocations of 16+ blocks take runs of consecutive "
                                         "block ids (KV transfers then move a few large pieces); "
                                         "off: strict eviction order")
@@ -194,6 +199,14 @@ class EngineConfig:
     async_decode: bool | None = setting(
         None, "launch the next decode step before reading this one's tokens (hides host work "
               "behind the GPU); auto: on with CUDA graphs, off otherwise")
+    quantization: str = setting(
+        "none", "weights quantized at load: none, fp8 (e4m3 per-channel weights, per-token "
+                "activation scales), int8 (weight-only, per channel) or int4 (weight-only, "
+                "groups of 128); embeddings, norms and the LM head keep the model dtype",
+        choices=QUANTIZATIONS)
+    quantization_plan: str | None = setting(
+        None, "a mixed-precision plan file (pdserve quantize --plan): the format of each "
+              "projection of each layer; its default replaces quantization")
     cache: CacheConfig = section(CacheConfig, "KV cache")
     scheduler: SchedulerConfig = section(SchedulerConfig, "scheduler")
     kernels: KernelConfig = section(KernelConfig, "kernels")
@@ -209,6 +222,14 @@ class EngineConfig:
                           ("kernels", KernelConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise SettingError(name, f"{name} must be a {cls.__name__}")
+        if self.tensor_parallel_size > 1 and (self.quantization != "none"
+                                              or self.quantization_plan
+                                              or self.cache.kv_dtype in KV_QUANT_DTYPES):
+            raise SettingError("quantization", "quantized weights or KV cache with "
+                                               "tensor_parallel_size > 1 are not supported yet")
+        if self.cache.kv_dtype in KV_QUANT_DTYPES and self.attention_backend == "triton":
+            raise SettingError("kv_dtype", f"kv_dtype {self.cache.kv_dtype} needs the torch "
+                                           "attention backend (attention_backend=torch or auto)")
 
     @property
     def device_kind(self) -> str:

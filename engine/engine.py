@@ -98,13 +98,15 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         try:
             self.runner = ModelRunner(config, loaded.config, loaded.weights,
-                                      packed=getattr(loaded, "packed", None), tp=tp)
+                                      packed=getattr(loaded, "packed", None), tp=tp,
+                                      prequantized=getattr(loaded, "prequantized", None))
         except BaseException:
             if tp is not None:
                 tp.close()
             raise
         loaded.weights = None  # the runner owns the parameters now
         loaded.packed = None
+        loaded.prequantized = None
         self.max_model_len = self.runner.max_model_len
         config = replace(config, cache=replace(config.cache, num_blocks=self.runner.num_blocks,
                                                kv_cache_memory_bytes=self.runner.kv_cache_bytes),
@@ -403,6 +405,31 @@ class LLMEngine:
         return out
 
     # ----------------------------------------------------------------- stats
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced scoring (engine.evaluation): the log-probabilities [T, vocab]
+        (float32, on the CPU) of the next token after each of ``token_ids``, computed by the
+        engine's own model, KV cache and attention backend (prompt chunks of up to
+        max_num_batched_tokens, each attending to the earlier ones through the cache). Runs
+        between requests only; its blocks are freed (never prefix-cached) when it returns."""
+        if self.has_work:
+            raise RuntimeError("score() runs only while the engine has no requests")
+        if not token_ids or len(token_ids) > self.max_model_len:
+            raise ValueError(f"score() takes 1 to {self.max_model_len} tokens, "
+                             f"got {len(token_ids)}")
+        seq = Sequence("score", list(token_ids), SamplingParams(max_tokens=1))
+        if not self.block_manager.allocate_slots(seq, len(token_ids)):
+            raise ValueError("the KV cache cannot hold the scored text")
+        chunk = self.config.scheduler.max_num_batched_tokens
+        try:
+            parts = []
+            for start in range(0, len(token_ids), chunk):
+                seq.num_computed_tokens = start
+                n = min(chunk, len(token_ids) - start)
+                parts.append(self.runner.score_logprobs(SchedulerOutput([ScheduledSeq(seq, n)])))
+            return torch.cat(parts)
+        finally:
+            self.block_manager.free_seq(seq)
+
     def stats(self, detail: bool = False) -> EngineStats:
         """Counters (cheap: taken after every step by a serving worker); ``detail`` adds the
         block ownership audit (``kv_blocks_orphaned``, ``request_blocks``: a pass over every

@@ -57,7 +57,8 @@ def profile_step(runner, lengths: list[int]) -> None:
     bs = runner.block_size
     mc = runner.mc
     blocks = [-(-(n + 1) // bs) for n in lengths]
-    scratch = torch.zeros((sum(blocks), mc.num_layers, 2, bs, mc.num_kv_heads, mc.head_dim),
+    scratch = torch.zeros((sum(blocks), mc.num_layers, 2, bs, mc.num_kv_heads,
+                           getattr(runner, "kv_row", mc.head_dim)),
                           dtype=runner.kv_dtype, device=runner.device)
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=True, ignore_eos=True)
     items, first = [], 0

@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import torch
 
-from engine.config import CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
+from engine.config import CPU_KV_CACHE_BYTES, KV_QUANT_DTYPES, EngineConfig, ModelConfig
 from engine.cuda_graphs import CudaGraphsMixin
 from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from engine.layers.sampler import Sampler, SamplingBatch
@@ -25,13 +25,29 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def kv_block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+def kv_block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype,
+                   row: int | None = None) -> int:
+    """Bytes of one KV block; ``row``: elements per (token, head), head_dim unless the cache
+    is quantized (engine.quant.kv: head_dim + 4)."""
+    return mc.num_layers * 2 * block_size * mc.num_kv_heads * (row or mc.head_dim) * dtype.itemsize
+
+
+def kv_layout_of(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype
+                 ) -> tuple[torch.dtype, int]:
+    """(cache tensor dtype, elements per token and head) of the configured KV cache."""
+    kd = config.cache.kv_dtype
+    if kd in KV_QUANT_DTYPES:
+        from engine.quant.kv import CODE_DTYPES, SCALE_BYTES
+        return CODE_DTYPES[kd], mc.head_dim + SCALE_BYTES
+    return (DTYPES[kd] if kd else model_dtype), mc.head_dim
 
 
 def make_attention_backend(config: EngineConfig, mc: ModelConfig) -> AttentionBackend:
     scale = mc.head_dim ** -0.5
     want = config.attention_backend
+    if config.cache.kv_dtype in KV_QUANT_DTYPES:  # int8 / fp8 codes + scales in the block
+        from engine.quant.kv import CODE_DTYPES, QuantKVAttention
+        return QuantKVAttention(scale, CODE_DTYPES[config.cache.kv_dtype])
     if want == "auto":
         want = "triton" if config.device.startswith("cuda") else "torch"
     if want == "triton":
@@ -60,7 +76,8 @@ class ModelRunner(CudaGraphsMixin):
     """Model, KV cache and step execution (eager here; CUDA graphs in CudaGraphsMixin)."""
 
     def __init__(self, config: EngineConfig, mc: ModelConfig, weights: dict[str, torch.Tensor],
-                 packed: dict[str, tuple] | None = None, tp=None):
+                 packed: dict[str, tuple] | None = None, tp=None,
+                 prequantized: dict[str, dict] | None = None):
         """``config`` has its device, dtype and scheduler limits resolved
         (engine.config.resolve_engine_config); the KV cache size and ``max_model_len`` are
         resolved here (``num_blocks``, ``kv_cache_bytes``, ``max_model_len``). ``weights`` is
@@ -94,8 +111,10 @@ class ModelRunner(CudaGraphsMixin):
         # of the weights that neither the profile nor the KV budget sees)
         weights.clear()
         self.model.eval()
+        self.quantization = self._quantize_weights(weights, prequantized)
         self.packed_projections = 0
-        if (packed and tp is None and config.kernels.cpu_packed and self.device.type == "cpu"
+        if (packed and tp is None and config.kernels.cpu_packed and not self.quantization
+                and self.device.type == "cpu"
                 and self.dtype == torch.float32 and hasattr(self.model, "load_packed")):
             # decode (<= 8 tokens per step) reads GGUF Q4_1 / Q8_0 blocks instead of fp32
             # (kernels.cpu_packed); builds the C++ extension on first use
@@ -123,7 +142,7 @@ class ModelRunner(CudaGraphsMixin):
         self._make_kv_cache()
         if gpu_kernels:
             kc = config.kernels
-            if hasattr(self.model, "set_gemv_plan"):
+            if hasattr(self.model, "set_gemv_plan") and not self.quantization:
                 # one-token projections: Triton GEMV or cuBLAS, timed per shape once per
                 # process (kernels.gemv: off|auto|force)
                 from engine.kernels.gemv_tune import tune_gemv_plan
@@ -133,12 +152,36 @@ class ModelRunner(CudaGraphsMixin):
             if not config.enforce_eager:
                 self._capture_graphs()
 
+    def _quantize_weights(self, weights: dict, prequantized: dict | None) -> dict | None:
+        """quantization / quantization_plan, or a pre-quantized checkpoint's projections:
+        swap them for QuantLinear modules (engine.quant); the summary (projections per
+        format, weight bytes), or None."""
+        from engine.quant.plan import plan_for
+        plan = plan_for(self.config.quantization, self.config.quantization_plan)
+        if self.tp is not None and (plan is not None or prequantized
+                                    or self.config.cache.kv_dtype in KV_QUANT_DTYPES):
+            raise ValueError("quantized weights or KV cache with tensor parallelism are not "
+                             "supported yet (issue 26): use tensor_parallel_size 1")
+        if prequantized:
+            if plan is not None:
+                raise ValueError("the checkpoint is already quantized (quantization_config "
+                                 "in its config.json): leave quantization none")
+            from engine.quant import quantize_loaded
+            weights.clear()
+            return quantize_loaded(self.model, prequantized)
+        if plan is None:
+            return None
+        from engine.quant import quantize_model
+        plan.check_model(self.mc.num_layers)
+        weights.clear()  # the float copies the loader handed over: free them first
+        return quantize_model(self.model, plan)
+
     def _make_kv_cache(self) -> None:
         """Size (see :meth:`_num_kv_blocks`) and allocate the KV cache; cap max_model_len by
         what it holds."""
         mc, cc, sc = self.mc, self.config.cache, self.config.scheduler
-        self.kv_dtype = DTYPES[cc.kv_dtype] if cc.kv_dtype else self.dtype
-        bb = kv_block_bytes(mc, self.block_size, self.kv_dtype)
+        self.kv_dtype, self.kv_row = kv_layout_of(self.config, mc, self.dtype)
+        bb = kv_block_bytes(mc, self.block_size, self.kv_dtype, self.kv_row)
         if self.tp is not None:  # GPU: each rank stores its heads' share of a block
             bb = max(1, int(bb * self.tp.cache_fraction(self.device)))
         self.num_blocks = self._num_kv_blocks(bb)
@@ -151,7 +194,7 @@ class ModelRunner(CudaGraphsMixin):
                                sc.max_model_len, held, held)
             limit = held
         self.max_model_len = limit
-        shape = (self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, self.kv_row)
         if self.tp is not None:  # shared with the other ranks (engine.parallel.driver)
             self.kv_cache = self.tp.kv_cache(shape, self.kv_dtype, self.device)
         else:
@@ -374,6 +417,15 @@ class ModelRunner(CudaGraphsMixin):
         hidden = self.model(x, pos, self.kv_cache, meta, self.backend)
         tokens, _ = self.sampler(self.model.compute_logits(hidden[rows]), batch)
         return StepHandle(out, ids, tokens=tokens, chained=True)
+
+    @torch.inference_mode()
+    def score_logprobs(self, out: SchedulerOutput) -> torch.Tensor:
+        """One eager step of ``out`` returning the log-softmax of every row's next-token
+        logits (float32, CPU) instead of sampling (LLMEngine.score)."""
+        ids, pos, meta, _ = self.prepare(out)
+        self.eager_steps += 1
+        hidden = self.model(ids, pos, self.kv_cache, meta, self.backend)
+        return self.model.compute_logits(hidden).float().log_softmax(-1).cpu()
 
     def collect(self, h: StepHandle) -> tuple[dict[str, int], dict[str, float]]:
         """``{request_id: token}`` and ``{request_id: logprob}`` of a launched step (waits

@@ -7,6 +7,8 @@
     pdserve run --model SPEC [engine flags] "prompt"    (offline, in-process engine)
     pdserve bench ...                                   (serving benchmark)
     pdserve chaos [--scenario NAME] [--model SPEC]      (fault injection against a local cluster)
+    pdserve eval [--base k=v,..] --candidate [NAME=]k=v,..  (output quality vs a baseline)
+    pdserve quantize --plan --out PLAN.json [--model SPEC] (mixed-precision sensitivity sweep)
     pdserve config show [--role R] [flags]              (the resolved configuration)
     pdserve config docs [--out FILE | --check]          (docs/configuration.md)
     pdserve certs --out DIR [--hosts H,...]             (a cluster CA, per-role certificates
@@ -269,6 +271,12 @@ def main(argv=None) -> int:
     if cmd == "chaos":
         from pdserve.chaos.cli import main as chaos
         return chaos(rest)
+    if cmd == "eval":
+        from pdserve.eval_cli import main as evaluate
+        return evaluate(rest)
+    if cmd == "quantize":
+        from pdserve.quantize_cli import main as quantize
+        return quantize(rest)
     if cmd == "config":
         from pdserve.config_cli import main as config
         return config(rest)

@@ -47,6 +47,11 @@ STATE_PB = {
 }
 
 
+def _layout_text(layout) -> str:
+    return (f"{layout.dtype} x {layout.num_layers} layers x {layout.num_kv_heads} heads x "
+            f"{layout.head_dim} per row, blocks of {layout.block_size}")
+
+
 @dataclass
 class PrefillEnv:
     """What every call of one prefill worker shares."""
@@ -163,7 +168,9 @@ class PrefillCall:
             raise InvalidRequest(f"bad KV layout: {e}") from None
         if layout != self.env.layout:
             raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
-                           "KV layout of the decode worker does not match this worker's")
+                           f"KV layout of the decode worker does not match this worker's: "
+                           f"{_layout_text(layout)} there, {_layout_text(self.env.layout)} "
+                           "here (kv_dtype int8 / fp8 rows carry head_dim + 4: codes, scale)")
         # blocks carry every KV head whatever either side's TP size (engine.parallel.driver)
         tp, start, end = heads_from_proto(pb)
         mine = self.env.engine.kv_heads

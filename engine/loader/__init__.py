@@ -48,6 +48,9 @@ class LoadedModel:
     # CPU + GGUF: Q4_1 / Q8_0 weights also in block form, HF name -> ("q4_1", qs, d, m) or
     # ("q8_0", qs, d) (engine.kernels.cpu_quant); used by the packed GEMV for decode
     packed: dict[str, tuple] | None = None
+    # a pre-quantized HF checkpoint: HF weight name -> the engine's quantized form
+    # (engine.quant.checkpoint); the runner swaps those projections in
+    prequantized: dict[str, dict] | None = None
 
 
 def smollm2_gguf_path() -> str:
@@ -142,7 +145,7 @@ def load_model(spec: str, dtype: "torch.dtype | None" = None, device: str = "cpu
     device = str(device)
     t0 = time.perf_counter()
     kind, location, model_id = resolve_spec(spec)
-    packed = None
+    packed = prequantized = None
     if kind == "dummy":
         from engine.loader.dummy import dummy_config, random_weights
 
@@ -165,11 +168,21 @@ def load_model(spec: str, dtype: "torch.dtype | None" = None, device: str = "cpu
     else:
         from engine.loader.hf_loader import hf_config, hf_tokenizer, load_hf_weights
 
+        from engine.loader.hf_loader import hf_quantization_config
         config = hf_config(location)
-        weights = load_hf_weights(location, config, dtype, device,
-                                  shard=shard(config) if shard else None)
+        qcfg = hf_quantization_config(location)
+        if qcfg:
+            if shard:
+                raise ValueError(f"{location}: a pre-quantized checkpoint cannot be loaded "
+                                 "with tensor parallelism yet")
+            from engine.quant.checkpoint import convert
+            raw = load_hf_weights(location, config, None, "cpu")
+            weights, prequantized = convert(raw, qcfg, dtype, device)
+        else:
+            weights = load_hf_weights(location, config, dtype, device,
+                                      shard=shard(config) if shard else None)
         tokenizer = hf_tokenizer(location, config)
     logger.info("loaded %s (%s, %d tensors, %s on %s) in %.2fs", model_id, kind, len(weights),
                 dtype, device, time.perf_counter() - t0)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, model_id=model_id,
-                       packed=packed or None)
+                       packed=packed or None, prequantized=prequantized)

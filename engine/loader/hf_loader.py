@@ -171,9 +171,15 @@ def _safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
+def hf_quantization_config(path: str) -> dict | None:
+    """config.json's ``quantization_config`` (a pre-quantized checkpoint), or None."""
+    return _read_json(os.path.join(path, "config.json")).get("quantization_config") or None
+
+
 def load_hf_weights(path: str, config: ModelConfig, dtype, device: str = "cpu",
                     shard=None) -> dict:
-    """Weights from the folder's safetensors under HF names, in `dtype` on `device`.
+    """Weights from the folder's safetensors under HF names, in `dtype` on `device`
+    (dtype None: as stored, e.g. a quantized checkpoint's int32 / fp8 tensors).
     ``shard`` (engine.parallel.ShardPlan): read only a tensor-parallel rank's slices (a
     safetensors slice reads just those bytes from the file)."""
     from safetensors import safe_open
@@ -193,7 +199,7 @@ def load_hf_weights(path: str, config: ModelConfig, dtype, device: str = "cpu",
                                    else sl[ix])
                 else:
                     t = f.get_tensor(name)
-                weights[name] = t.to(device=device, dtype=dtype).contiguous()
+                weights[name] = t.to(device=device, dtype=dtype or t.dtype).contiguous()
     if not config.tie_word_embeddings and "lm_head.weight" not in weights:
         raise ValueError(f"{path}: lm_head.weight is missing and tie_word_embeddings is false")
     if "model.embed_tokens.weight" not in weights:

@@ -127,7 +127,8 @@ def test_unknown_and_bad_names_in_files_and_env(tmp_path, where, text, message):
     (["--kv-cache-memory-bytes", "lots"], "expected a byte count"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be <= 1, got 1.5"),
     (["--gpu-memory-utilization", "0"], "gpu_memory_utilization must be > 0, got 0.0"),
-    (["--kv-dtype", "int8"], "kv_dtype must be one of float32, bfloat16, float16, got 'int8'"),
+    (["--kv-dtype", "int4"], "kv_dtype must be one of float32, bfloat16, float16, int8, fp8, got 'int4'"),
+    (["--quantization", "nf4"], "quantization must be one of none, fp8, int8, int4, got 'nf4'"),
     (["--dtype", "fp8"], "dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"),
     (["--device", "gpu"], "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
     (["--attention-backend", "flash"], "attention_backend must be one of auto, torch, triton"),
@@ -291,7 +292,8 @@ def test_llm_runs_with_every_engine_setting_set():
               max_num_batched_tokens=32, max_model_len=200, policy="short_first",
               schedule_max_wait_s=0.5, gemv="off", gemv_pdl=False, gemv_split_k=True,
               fuse_rotary=False, split_mixed=False, cpu_packed=False,
-              tensor_parallel_size=2, tensor_parallel_timeout_s=20.0)
+              tensor_parallel_size=2, tensor_parallel_timeout_s=20.0,
+              quantization="none", quantization_plan=None)  # (TP refuses quantized weights)
     assert set(kw) | {"model", "schedule_policy"} - {"policy"} >= set(tree(EngineConfig)) - {
         "model", "schedule_policy"}
     llm = LLM("dummy:tiny", **kw)

@@ -1,0 +1,89 @@
+"""The int8 / fp8 KV cache (engine.quant.kv): rows, attention, the engine, the layout."""
+import pytest
+import torch
+
+from engine.layers.attention import AttentionMetadata, TorchAttention
+from engine.quant.kv import CODE_DTYPES, QuantKVAttention, dequantize_rows, quantize_rows
+
+
+@pytest.mark.parametrize("kind,rel", [("int8", 0.5 / 127), ("fp8", 1 / 16)])
+def test_rows_round_trip_with_the_scale_in_the_last_four_bytes(kind, rel):
+    x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(0)) * 3
+    rows = quantize_rows(x, CODE_DTYPES[kind])
+    assert rows.dtype == torch.uint8 and rows.shape == (5, 3, 68)
+    scale = rows[..., 64:].contiguous().view(torch.float32)
+    amax = x.abs().amax(-1, keepdim=True)
+    assert torch.allclose(scale, amax / (127 if kind == "int8" else 448))
+    back = dequantize_rows(rows, CODE_DTYPES[kind], torch.float32)
+    assert ((back - x).abs() <= amax * rel + 1e-6).all()
+
+
+def _meta(qlens, slens, bs, tables):
+    slots = []
+    for q, s, t in zip(qlens, slens, tables):
+        slots += [t[p // bs] * bs + p % bs for p in range(s - q, s)]
+    qsl = [0]
+    for q in qlens:
+        qsl.append(qsl[-1] + q)
+    width = max(len(t) for t in tables)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots), seq_lens=torch.tensor(slens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens_list=slens,
+        query_lens_list=qlens, max_seq_len=max(slens), max_query_len=max(qlens))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_attention_equals_float_attention_over_the_dequantized_kv(kind):
+    """Prefill then decode through QuantKVAttention equal TorchAttention run on the K/V
+    values the quantized cache holds (the only difference is the codes' rounding)."""
+    g = torch.Generator().manual_seed(1)
+    bs, L, hk, hq, d = 4, 2, 2, 4, 16
+    code = CODE_DTYPES[kind]
+    qcache = torch.zeros(8, L, 2, bs, hk, d + 4, dtype=code)
+    fcache = torch.zeros(8, L, 2, bs, hk, d)
+    tables = [[3, 1, 6], [2, 5]]
+    q1, k1, v1 = (torch.randn(17, h, d, generator=g) for h in (hq, hk, hk))
+    kq = dequantize_rows(quantize_rows(k1, code), code, torch.float32)
+    vq = dequantize_rows(quantize_rows(v1, code), code, torch.float32)
+    qa, fa = QuantKVAttention(d ** -0.5, code), TorchAttention(d ** -0.5)
+    m = _meta([10, 7], [10, 7], bs, tables)
+    got = qa.forward(1, q1, k1, v1, qcache, m)
+    want = fa.forward(1, q1, kq, vq, fcache, _meta([10, 7], [10, 7], bs, tables))
+    assert torch.allclose(got, want, atol=1e-5)
+    q2, k2, v2 = (torch.randn(2, h, d, generator=g) for h in (hq, hk, hk))
+    got = qa.forward(1, q2, k2, v2, qcache, _meta([1, 1], [11, 8], bs, tables))
+    want = fa.forward(1, q2, dequantize_rows(quantize_rows(k2, code), code, torch.float32),
+                      dequantize_rows(quantize_rows(v2, code), code, torch.float32), fcache,
+                      _meta([1, 1], [11, 8], bs, tables))
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_engine_with_a_quantized_kv_cache(kind):
+    from engine import LLM, SamplingParams
+    from kvtransfer import KVLayout
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    base = LLM("dummy:tiny", num_blocks=64)
+    llm = LLM("dummy:tiny", num_blocks=64, kv_dtype=kind)
+    r, mc = llm.engine.runner, llm.engine.model_config
+    assert r.kv_cache.dtype == CODE_DTYPES[kind] and r.kv_cache.shape[-1] == mc.head_dim + 4
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11] * 3, [20, 21, 22]]
+    want = [o.token_ids for o in base.generate(prompts, sp)]
+    got = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert [g[:3] for g in got] == [w[:3] for w in want]
+    # the layout two workers compare at the handshake tells the formats apart
+    lq = KVLayout.from_cache(r.kv_cache)
+    lf = KVLayout.from_cache(base.engine.runner.kv_cache)
+    assert lq != lf and lq.head_dim == mc.head_dim + 4
+    assert lq.dtype == {"int8": "int8", "fp8": "float8_e4m3fn"}[kind]
+    # block bytes: 8-bit codes + a 4-byte scale per row, against float32's 4 bytes a value
+    assert lq.block_bytes * 4 * mc.head_dim == lf.block_bytes * (mc.head_dim + 4)
+
+
+def test_quantized_kv_refuses_the_triton_backend():
+    from engine.config import EngineConfig
+    from pdcore.settings import SettingError
+    from engine.config import CacheConfig
+    with pytest.raises(SettingError, match="needs the torch attention backend"):
+        EngineConfig(attention_backend="triton", cache=CacheConfig(kv_dtype="fp8"))
