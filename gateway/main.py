@@ -90,7 +90,6 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     from gateway.server import GatewayServicer
     from protos.pdserve.v1 import gateway_pb2_grpc
     from services.auth import load_api_keys
-    from services.memory import trim_periodically
     from services.metrics import GatewayMetrics, serve_metrics
     from services.tls import cluster_tls
 
@@ -115,10 +114,7 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     srv = _server(settings, keys, metrics)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, srv.server)
     srv.add_grace_end_hook(lambda: env.end_all("shutdown"))
-    tasks = [asyncio.create_task(router.run_refresh(settings.refresh_s)),
-             asyncio.create_task(prober.run()), asyncio.create_task(trim_periodically())]
-    if router.index is not None:
-        tasks.append(asyncio.create_task(router.index.run_reaper(settings.reaper_interval_s)))
+    tasks = _background(settings, router, prober)
     port = await srv.start()
     http = await start_front(settings, env, keys, srv)  # the OpenAI HTTP API (None: off)
     srv.install_signal_handlers()
@@ -135,6 +131,16 @@ async def serve_gateway(settings: GatewaySettings) -> None:
         for c in (router.registry, router.index):
             if c is not None:
                 await c.close()
+
+
+def _background(settings: GatewaySettings, router, prober) -> list[asyncio.Task]:
+    """The gateway's loops: registry refresh, health probes, heap trims, index reaping."""
+    from services.memory import trim_periodically
+    tasks = [asyncio.create_task(router.run_refresh(settings.refresh_s)),
+             asyncio.create_task(prober.run()), asyncio.create_task(trim_periodically())]
+    if router.index is not None:
+        tasks.append(asyncio.create_task(router.index.run_reaper(settings.reaper_interval_s)))
+    return tasks
 
 
 def _check_files(settings: GatewaySettings) -> None:

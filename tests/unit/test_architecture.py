@@ -238,3 +238,17 @@ def test_the_checks_see_what_they_check():
     reached = _executed([m for m in modules if _top(m) == "gateway"], modules, graph, True)
     assert "engine.loader" in reached  # gateway.main's function-local import (the tokenizer)
     assert "torch" in _executed(["engine.model_runner"], modules, graph, False)
+
+
+def test_no_function_over_50_lines_in_the_servicer_packages():
+    """The request paths stay small lifecycle objects (DESIGN.md; issue 21.6, 24)."""
+    long = []
+    for pkg in ("gateway", "prefill_worker", "decode_worker"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > 50:
+                        long.append(f"{path.relative_to(ROOT)}:{node.name} ({n} lines)")
+    assert not long, long
