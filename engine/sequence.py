@@ -37,7 +37,7 @@ class Sequence:
         "num_computed_tokens", "block_table", "num_cached_tokens", "arrival_time",
         "order", "block_hashes", "finish_reason", "logprobs", "prefill_only",
         "detok", "stop_text_len", "num_preemptions", "first_token_time", "report_progress",
-        "num_hashed_blocks",
+        "num_hashed_blocks", "group_id", "sample_index", "top_logprobs",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -66,6 +66,11 @@ class Sequence:
         self.first_token_time: float | None = None
         self.report_progress = False  # prefill role, streamed KV: report each finished chunk
         self.num_hashed_blocks = 0  # leading blocks the prefix cache has already looked at
+        # sampling.n > 1: every sample is a Sequence; its outputs go out under the request's
+        # id (``group_id``) with its ``sample_index`` (sample 0 is the request's own)
+        self.group_id = request_id
+        self.sample_index = 0
+        self.top_logprobs: list | None = [] if sampling.top_logprobs else None
 
     @property
     def num_tokens(self) -> int:
