@@ -133,8 +133,9 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} token id {bad[0]!r} is outside the vocabulary "
                                  f"[0, {vocab})")
-        if sampling.n > 1 and output_token_ids:
-            raise ValueError("a resumed request (output tokens given) has one sample (n=1)")
+        bad = next((t for t, _ in sampling.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
         if len(output_token_ids) >= sampling.max_tokens:
             raise ValueError(f"{len(output_token_ids)} tokens were already generated; "
                              f"max_tokens is {sampling.max_tokens}")
