@@ -68,44 +68,59 @@ def _seqs(batch: int, ctx: int, vocab: int, sp: SamplingParams, rng) -> list[Seq
     return out
 
 
-def sampler_rows(vocab: int, ctx: int, reps: int) -> list[dict]:
+def _timed_sample(sampler, logits, batch, cuda: bool):
+    """(device ms, host launch ms, ran without a host sync) of one sampler call."""
+    if not cuda:
+        t0 = time.perf_counter()
+        sampler(logits, batch).to_host()
+        ms = (time.perf_counter() - t0) * 1e3
+        return ms, ms, True
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    start.record()
+    sync_free = True
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sampler(logits, batch)
+    except RuntimeError:
+        sync_free = False
+        torch.cuda.set_sync_debug_mode(0)
+        out = sampler(logits, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    end.record()
+    host = (time.perf_counter() - t0) * 1e3
+    out.start_copy()
+    out.to_host()
+    return start.elapsed_time(end), host, sync_free
+
+
+def sampler_rows(vocab: int, ctx: int, reps: int, device: str = "cuda") -> list[dict]:
     rng = random.Random(0)
-    sampler = Sampler(torch.Generator(device="cuda").manual_seed(0))
+    cuda = device.startswith("cuda")
+    sampler = Sampler(torch.Generator(device=device).manual_seed(0))
     rows = []
     for b in (1, 64):
-        logits = torch.randn(b, vocab, device="cuda", dtype=torch.bfloat16) * 4
+        logits = torch.randn(b, vocab, device=device, dtype=torch.bfloat16) * 4
         for name, kw in CONTROLS.items():
             sp = SamplingParams(max_tokens=1 << 20, **({"temperature": 0} | kw))
             seqs = _seqs(b, ctx, vocab, sp, rng)
-            gens = [torch.Generator(device="cuda").manual_seed(i) if sp.temperature else None
+            gens = [torch.Generator(device=device).manual_seed(i) if sp.temperature else None
                     for i in range(b)]
-            times, sync_free = [], True
+            times = []
             for i in range(reps + 3):
-                batch = SamplingBatch.from_seqs(seqs, gens, (2,))  # host work included
-                start, end = torch.cuda.Event(enable_timing=True), \
-                    torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
+                batch = SamplingBatch.from_seqs(seqs, gens, (2,))  # host work: timed below
                 t0 = time.perf_counter()
-                start.record()
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    out = sampler(logits, batch)
-                except RuntimeError:
-                    sync_free = False
-                    torch.cuda.set_sync_debug_mode(0)
-                    out = sampler(logits, batch)
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
-                end.record()
-                host = time.perf_counter() - t0
-                out.start_copy()
-                out.to_host()
-                if i >= 3:
-                    times.append((start.elapsed_time(end), host * 1e3))
+                SamplingBatch.from_seqs(seqs, gens, (2,))
+                build = (time.perf_counter() - t0) * 1e3
+                times.append((*_timed_sample(sampler, logits, batch, cuda), build))
+            times = times[3:]
             row = {"batch": b, "controls": name, "ctx": ctx,
-                   "ms": round(statistics.median(t for t, _ in times), 4),
-                   "host_launch_ms": round(statistics.median(h for _, h in times), 4),
-                   "sync_free": sync_free}
+                   "ms": round(statistics.median(t[0] for t in times), 4),
+                   "host_launch_ms": round(statistics.median(t[1] for t in times), 4),
+                   "host_batch_build_ms": round(statistics.median(t[3] for t in times), 4),
+                   "sync_free": all(t[2] for t in times)}
             rows.append(row)
             print(row, flush=True)
     return rows

@@ -45,8 +45,9 @@ class SamplingBatch:
     bias: list[tuple[int, int, float]] = field(default_factory=list)
     # (row, token) masked to -inf (min_tokens not reached: EOS and stop tokens)
     banned: list[tuple[int, int]] = field(default_factory=list)
-    # rows with a penalty: (row, presence, frequency, repetition, prompt ids, output ids)
-    penalties: list[tuple[int, float, float, float, list[int], list[int]]] = \
+    # rows with a penalty: (row, presence, frequency, repetition, token ids (prompt then
+    # output, an int64 array), number of prompt tokens)
+    penalties: list[tuple[int, float, float, float, np.ndarray, int]] = \
         field(default_factory=list)
 
     @property
@@ -89,10 +90,9 @@ class SamplingBatch:
                     stops |= set(eos_token_ids)
                 b.banned.extend((i, t) for t in sorted(stops))
             if sp.penalized:
-                ids = s.token_ids
-                n = s.num_prompt_tokens
                 b.penalties.append((i, sp.presence_penalty, sp.frequency_penalty,
-                                    sp.repetition_penalty, ids[:n], ids[n:]))
+                                    sp.repetition_penalty, _token_array(s),
+                                    s.num_prompt_tokens))
         return b
 
 
@@ -132,6 +132,12 @@ class SampleOutput:
             tops = [list(zip(ids[r][:k], vals[r][:k])) if k else None
                     for r, k in enumerate(self.top_k)]
         return tokens, lps, tops
+
+
+def _token_array(seq) -> np.ndarray:
+    if hasattr(seq, "token_array"):  # engine Sequences keep it incrementally
+        return seq.token_array()
+    return np.asarray(seq.token_ids, dtype=np.int64)
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -266,7 +272,7 @@ def _apply_penalties(x: torch.Tensor, rows: list) -> None:
     rep = [r[3] for r in rows]
     if any(p != 1.0 for p in rep):
         seen = torch.zeros(R * V, dtype=torch.bool, device=dev)
-        ids = [np.asarray(r[4] + r[5], dtype=np.int64) + j * V for j, r in enumerate(rows)]
+        ids = [r[4] + j * V for j, r in enumerate(rows)]
         seen.index_fill_(0, _dev(np.concatenate(ids), torch.int64, dev), True)
         seen = seen.view(R, V)
         p = _dev(rep, torch.float32, dev).view(-1, 1)
@@ -274,7 +280,7 @@ def _apply_penalties(x: torch.Tensor, rows: list) -> None:
     pres = [r[1] for r in rows]
     freq = [r[2] for r in rows]
     if any(pres) or any(freq):
-        ids = [np.asarray(r[5], dtype=np.int64) + j * V for j, r in enumerate(rows)]
+        ids = [r[4][r[5]:] + j * V for j, r in enumerate(rows)]
         flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
         counts = torch.zeros(R * V, dtype=torch.float32, device=dev)
         if flat.size:

@@ -7,6 +7,7 @@ prompt's KV blocks.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
@@ -194,8 +195,8 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     for step in range(20):
         b = _batch(rows, others, min_ps=[0.1, 0, 0, 0.2, 0],
                    bias=[(0, 3, 5.0), (4, 7, -100.0)], banned=[(3, 1)],
-                   penalties=[(1, 0.5, 0.5, 1.2, [1, 2, 3], [4, 4]),
-                              (3, 0.0, 0.3, 1.0, [], list(range(step)))])
+                   penalties=[(1, 0.5, 0.5, 1.2, np.array([1, 2, 3, 4, 4]), 3),
+                              (3, 0.0, 0.3, 1.0, np.arange(step), 0)])
         mixed.append(s(logits, b).to_host()[0][target])
     assert mixed == alone
     assert len(set(alone)) > 3  # it samples, not a constant
