@@ -117,8 +117,9 @@ def test_n_samples_one_prefill_one_transfer(cluster, offline):
 def test_controls_and_top_logprobs_match_the_engine(cluster, offline):
     kw = dict(max_tokens=12, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5,
               frequency_penalty=0.4, min_tokens=3, logprobs=True, top_logprobs=4)
-    prompts = [PROMPTS[0], PROMPTS[8], "<|im_start|>user\nSay nothing.<|im_end|>\n"
-               "<|im_start|>assistant\n"]
+    # the last: greedy SmolLM2 ends it at once; min_tokens holds EOS off
+    prompts = [PROMPTS[0], PROMPTS[8], "<|im_start|>user\nHi<|im_end|>\n<|im_start|>"
+               "assistant\nHello! How can I help you today?"]
     first = offline.generate(prompts[0], SamplingParams(max_tokens=1, temperature=0))[0]
     bias = {first.token_ids[0]: -100.0, 13: 2.0}
     outs = run(collect_many(cluster.address,
@@ -126,7 +127,7 @@ def test_controls_and_top_logprobs_match_the_engine(cluster, offline):
     refs = offline.generate(prompts, SamplingParams(logit_bias=bias, **kw))
     for (samples, _), ref in zip(outs, refs):
         s = samples[0]
-        assert s.tokens == ref.token_ids
+        assert s.tokens == ref.token_ids and len(s.tokens) >= 3
         assert s.tokens[0] != first.token_ids[0]
         assert max(abs(a - b) for a, b in zip(s.logprobs, ref.logprobs)) < 1e-4
         assert len(s.tops) == len(s.tokens)

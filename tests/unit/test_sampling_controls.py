@@ -24,6 +24,9 @@ from tests.reference import hf_model_from_loaded
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
            "Q: Name three colors.\nA: red, green, blue. Q: Name three colors.\nA:"]
 N_TOKENS = 10
+# greedy SmolLM2 ends this at once (EOS first)
+EOS_PROMPT = ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+              "Hello! How can I help you today?")
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +101,7 @@ def test_controls_match_transformers_processors(models, case):
                           for t, v in CASES[case]["bias"].items()}
         if case == "min_tokens" and i == 0:
             # an EOS-loving prompt: without the mask the model ends at once
-            ids = llm.engine.encode("<|im_start|>user\nSay nothing.<|im_end|>\n"
-                                    "<|im_start|>assistant\n")
+            ids = llm.engine.encode(EOS_PROMPT)
         ref, ref_lp, ref_top = hf_reference(hf, ids, eos, **kw)
         sp = SamplingParams(max_tokens=N_TOKENS, temperature=0, logprobs=True, top_logprobs=5,
                             repetition_penalty=kw.get("repetition", 1.0),
@@ -129,10 +131,13 @@ def test_controls_change_the_output(models):
                dict(logit_bias={plain[0]: -100.0})):
         got = llm.generate([ids], SamplingParams(max_tokens=N_TOKENS, temperature=0, **kw))
         assert got[0].token_ids != plain, kw
-    chat = llm.engine.encode("<|im_start|>user\nSay nothing.<|im_end|>\n<|im_start|>assistant\n")
+    chat = llm.engine.encode(EOS_PROMPT)
     eos = llm.engine.eos_token_ids
     free = llm.generate([chat], SamplingParams(max_tokens=N_TOKENS, temperature=0))[0]
-    assert free.token_ids[-1] in eos and len(free.token_ids) < N_TOKENS
+    assert len(free.token_ids) == 1 and free.token_ids[0] in eos
+    held = llm.generate([chat], SamplingParams(max_tokens=N_TOKENS, temperature=0,
+                                               min_tokens=4))[0]
+    assert len(held.token_ids) >= 4 and not set(held.token_ids[:3]) & eos
 
 
 def _hf_warp(scores, temperature, top_k, top_p, min_p):
@@ -308,3 +313,27 @@ def test_sampling_state_survives_the_proto_round_trip():
                         logit_bias={7: -100.0, 2: 0.5}, min_tokens=2, top_logprobs=3, n=4)
     assert sampling_from_proto(sampling_to_proto(sp)) == sp
     assert sampling_from_proto(sampling_to_proto(SamplingParams())) == SamplingParams()
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("n", 17, "at most 16 samples"), ("top_logprobs", 21, "at most 20"),
+    ("logit_bias", 301, "at most 300 logit_bias"), ("constraint", True, "structured output"),
+])
+def test_request_limits(field, value, words):
+    from protos.pdserve.v1 import common_pb2
+    from services import validation
+    pb = common_pb2.SamplingParams()
+    if field == "logit_bias":
+        for t in range(value):
+            pb.logit_bias[t] = 1.0
+    elif field == "constraint":
+        pb.constraint.json_object = True
+    else:
+        setattr(pb, field, value)
+    with pytest.raises(validation.InvalidRequest, match=words):
+        validation.sampling(pb, validation.RequestLimits())
+    ok = validation.sampling(common_pb2.SamplingParams(n=16, top_logprobs=20),
+                             validation.RequestLimits())
+    assert (ok.n, ok.top_logprobs) == (16, 20)
+    with pytest.raises(validation.InvalidRequest, match="outside the vocabulary"):
+        validation.check_sampling_vocab(SamplingParams(logit_bias={100: 1.0}), 100)
