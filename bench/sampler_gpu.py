@@ -102,7 +102,8 @@ def sampler_rows(vocab: int, ctx: int, reps: int, device: str = "cuda") -> list[
     sampler = Sampler(torch.Generator(device=device).manual_seed(0))
     rows = []
     for b in (1, 64):
-        logits = torch.randn(b, vocab, device=device, dtype=torch.bfloat16) * 4
+        dtype = torch.bfloat16 if cuda else torch.float32  # the CPU engine runs fp32
+        logits = torch.randn(b, vocab, device=device, dtype=dtype) * 4
         for name, kw in CONTROLS.items():
             sp = SamplingParams(max_tokens=1 << 20, **({"temperature": 0} | kw))
             seqs = _seqs(b, ctx, vocab, sp, rng)
