@@ -162,6 +162,9 @@ def _flat_index(rows, tokens, width: int, device) -> torch.Tensor:
     return _dev(idx, torch.int64, device)
 
 
+TOP_P_CANDIDATES = 1024  # CPU top-p: tokens sorted first (see _top_p_drop)
+
+
 class Sampler:
     def __init__(self, shared_generator: torch.Generator):
         self.shared = shared_generator
@@ -247,18 +250,45 @@ def warp(w: torch.Tensor, top_ks: list[int], top_ps: list[float],
         off = _dev([k == 0 for k in ks], torch.bool, dev).view(-1, 1)
         w = w.masked_fill((w < kth) & ~off, ninf)
     if any(p < 1.0 for p in top_ps):
-        probs = torch.softmax(w, dim=-1)
-        sp, order = probs.sort(dim=-1, descending=True)
-        cum = sp.cumsum(dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (always keep the first)
-        drop = (cum - sp) >= _dev(top_ps, torch.float32, dev).view(-1, 1)
-        mask = torch.zeros_like(drop).scatter_(1, order, drop)
-        w = w.masked_fill(mask, ninf)
+        w = w.masked_fill(_top_p_drop(torch.softmax(w, dim=-1), top_ps), ninf)
     if any(min_ps):
         probs = torch.softmax(w, dim=-1)
         floor = probs.amax(dim=-1, keepdim=True) * _dev(min_ps, torch.float32, dev).view(-1, 1)
         w = w.masked_fill(probs < floor, ninf)
     return w
+
+
+def _nucleus_drop(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Which of ``probs`` [R, n] (sorted descending) fall outside the smallest prefix whose
+    mass reaches top_p (the first always stays)."""
+    return (probs.cumsum(dim=-1) - probs) >= top_ps.view(-1, 1)
+
+
+def _top_p_drop(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """The top-p mask [R, V] (True: dropped). A full sort of each row, except on the CPU,
+    where sorting 10^5 entries per row dominates a sampled step: a row whose
+    TOP_P_CANDIDATES most likely tokens already hold top_p of the mass sorts only those
+    (everything after them is dropped either way); which way a row goes depends on that
+    row alone, so a seeded row's mask does not depend on the batch."""
+    R, V = probs.shape
+    tp = _dev(top_ps, torch.float32, probs.device)
+    on = _dev([p < 1.0 for p in top_ps], torch.bool, probs.device).view(-1, 1)  # top_p 1: off
+    k = TOP_P_CANDIDATES
+    if probs.device.type != "cpu" or V <= 2 * k:
+        sp, order = probs.sort(dim=-1, descending=True)
+        drop = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order,
+                                                                  _nucleus_drop(sp, tp))
+        return drop & on
+    cand, idx = probs.topk(k, dim=-1)  # sorted, descending
+    short = [i for i, (p, mass) in enumerate(zip(top_ps, cand.sum(dim=-1).tolist()))
+             if p < 1.0 and mass < p]  # (the CPU: reading it costs no sync)
+    drop = torch.ones_like(probs, dtype=torch.bool).scatter_(1, idx, _nucleus_drop(cand, tp))
+    if short:  # too flat: these rows sort everything
+        rows = torch.tensor(short)
+        sp, order = probs[rows].sort(dim=-1, descending=True)
+        drop[rows] = torch.zeros_like(sp, dtype=torch.bool).scatter_(
+            1, order, _nucleus_drop(sp, tp[rows]))
+    return drop & on
 
 
 def _apply_penalties(x: torch.Tensor, rows: list) -> None:

@@ -173,3 +173,23 @@ def test_bad_sampling_values_are_invalid_argument(cluster):
         assert words in details, details
     samples, _ = run(collect(cluster.address, request("Hello", max_tokens=3)))
     assert len(samples[0].tokens) == 3
+
+
+def test_colocated_n_samples_and_top_logprobs(offline):
+    """A colocated worker (the prompt computed by the decode worker itself): the same samples
+    and top logprobs as the offline engine, each sample ending once, blocks freed."""
+    ids = offline.engine.encode(LONG)
+    kw = dict(max_tokens=8, temperature=0.7, seed=9, n=2, top_logprobs=3, logprobs=True,
+              frequency_penalty=0.5, ignore_eos=True)
+    ref = offline.generate([ids], SamplingParams(**kw))[0]
+    with LocalCluster("smollm2-135m", prefill=0, decode=0, colocated=1) as c:
+        samples, usages = run(collect(c.address, request(token_ids=ids, **kw)))
+        stats = run(wait_all_free([w.address for w in c.workers]))
+    assert [samples[i].tokens for i in (0, 1)] == [s.token_ids for s in ref.samples]
+    for i in (0, 1):
+        assert samples[i].finish == "length" and len(samples[i].tops) == 8
+        want = ref.samples[i].top_logprobs
+        assert max(abs(a[1] - b[1]) for g, w in zip(samples[i].tops, want)
+                   for a, b in zip(g, w)) < 1e-4
+    assert len(usages) == 1 and usages[0][1].completion_tokens == 16
+    assert all(s.kv_blocks_used == 0 for s in stats)

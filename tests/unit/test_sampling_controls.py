@@ -161,6 +161,14 @@ def test_warpers_match_transformers():
     rows = [(0.7, 0, 1.0, 0.1), (1.0, 40, 1.0, 0.0), (1.3, 0, 0.9, 0.0), (0.9, 50, 0.8, 0.05),
             (1.0, 0, 1.0, 0.0), (0.5, 7, 0.95, 0.2), (2.0, 0, 0.5, 0.3)]
     logits = torch.randn(len(rows), 4096, generator=g) * 3
+    # V = 49152 (SmolLM2): the CPU's top-p sorts only the 1024 most likely tokens of a row
+    # that hold top_p of its mass; a flat row (the last) sorts them all
+    rows += [(0.8, 0, 0.9, 0.0), (1.0, 0, 0.7, 0.0), (1.0, 0, 0.95, 0.0)]
+    wide = torch.randn(len(rows), 49152, generator=g) * 4
+    wide[:len(logits), :4096] = logits
+    wide[len(logits):len(logits) + 2, :50] += 12  # peaked: the candidates hold the mass
+    wide[-1] = torch.rand(49152, generator=g)  # flat
+    logits = wide
     temps = torch.tensor([r[0] for r in rows]).view(-1, 1)
     got = warp(logits / temps, [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows])
     for i, (t, k, p, m) in enumerate(rows):
@@ -169,7 +177,7 @@ def test_warpers_match_transformers():
         assert torch.equal(torch.isfinite(got[i]), keep), rows[i]
         assert torch.allclose(got[i][keep], ref[keep], atol=1e-6)
         if (k, p, m) != (0, 1.0, 0.0):
-            assert keep.sum() < 4096  # the filter did something
+            assert keep.sum() < 49152  # the filter did something
 
 
 def _batch(rows, gens, **extra):
