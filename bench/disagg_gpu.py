@@ -281,7 +281,9 @@ async def sample_workers(workers: dict[str, str], interval_s: float = 0.5) -> di
 
     fields = ("num_running", "num_waiting", "active_transfers", "kv_blocks_used")
     seen: dict[str, dict[str, list[int]]] = {n: {f: [] for f in fields} for n in workers}
-    channels = {n: grpc.aio.insecure_channel(a) for n, a in workers.items()}
+    from pdserve.cluster import operator_channels
+    # as an operator of the (secure by default) local cluster; plaintext for --insecure ones
+    channels = {n: operator_channels(a)[0]() for n, a in workers.items()}
     stubs = {n: (worker_pb2_grpc.PrefillWorkerStub if n.startswith("prefill") else
                  worker_pb2_grpc.DecodeWorkerStub)(ch) for n, ch in channels.items()}
     try:

@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     cuda = args.device.startswith("cuda")
-    rec = harness.Recorder.start("gpu_engine", args, argv=argv, about=__doc__, figures=FIGURES)
+    figures = [f for f in FIGURES if f.path[0] in args.section_list]  # the sections that run
+    rec = harness.Recorder.start("gpu_engine", args, argv=argv, about=__doc__, figures=figures)
     rec["device"] = torch.cuda.get_device_name(0) if cuda else "cpu"
     hf = None
     if "d" in args.section_list:

@@ -32,6 +32,8 @@
 #   xfer-sweep   bench/kv_transfer_gpu.py per backend setting (env): cuda_ipc copy lanes,
 #                NCCL channel / chunk settings, NIXL descriptor size (2 GPUs)               ~4
 #   xfer-tests   pytest -m gpu tests/gpu/test_kvtransfer_gpu.py (2 GPUs)                    ~2
+#   openai       bench/openai_front_gpu.py: the OpenAI HTTP front vs gRPC, colocated
+#                dummy:llama-3-8b, concurrency 64 and 256 (1 GPU)                          ~6
 #   disagg       bench/disagg_gpu.py nccl 1P1D vs colocated, rates 4,8,...,32 (2 GPUs)    ~8
 #   ttft         bench/ttft_breakdown.py: where a 1P1D request's TTFT goes (2 GPUs)         ~1
 #   ipc16        bench/disagg_gpu.py 1P1D only, 16 req/s, cuda_ipc then nccl (2 GPUs)      ~4
@@ -97,6 +99,7 @@ PY
             --no-plots --no-progress --out "$OUT/serving_defaults_h200_${dep%%:*}_c$c.json"
         done
       done ;;
+    openai) run python3 -m bench.openai_front_gpu --out "$OUT/openai_front_gpu.json" ;;
     xfer-tests) run python3 -m pytest -q -m gpu tests/gpu/test_kvtransfer_gpu.py \
         -p no:cacheprovider ;;
     xfer-sweep)  # one process pair per setting; "name|backend|env"

@@ -11,6 +11,11 @@ processes run their event loop as the workers do (uvloop where installed).
 
     python3 -m bench.kv_transfer_cpu --set cpu-mybox
     python3 -m bench.kv_transfer_cpu --tokens 256 --runs 3 --out /tmp/kv.json   (quick)
+    python3 -m bench.kv_transfer_cpu --backends tcp --tls ...    (tcp inside mutual TLS)
+
+``--tls``: both sides get a cluster identity (a throw-away CA, a prefill certificate for the
+sender, a decode one for the receiver), so the control connection and tcp's data run over
+mutual TLS as in a default deployment (kvtransfer/secure.py); shm has no TCP connection.
 """
 
 from __future__ import annotations
@@ -70,9 +75,33 @@ def parse_args(argv: list[str] | None = None,
     harness.add_output_args(p, benchmark)
     p.add_argument("--src-device", default="cpu", help="sender cache device (e.g. cuda:0)")
     p.add_argument("--dst-device", default="cpu", help="receiver cache device (e.g. cuda:1)")
+    p.add_argument("--tls", action="store_true", help="mutual TLS between the two processes")
+    p.add_argument("--tls-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--role", default="sender", choices=["sender", "receiver"])
     p.add_argument("--backend", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (every thread) or of process ``pid``."""
+    if pid is None:
+        import resource
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def with_tls(shared, directory: str | None, role: str):
+    """``shared`` with the identity of ``role`` from ``directory`` (None: unchanged)."""
+    if not directory:
+        return shared
+    import dataclasses
+    from services.tls import ClusterTls
+    return dataclasses.replace(shared, tls=ClusterTls(
+        os.path.join(directory, "ca.crt"), os.path.join(directory, f"{role}.crt"),
+        os.path.join(directory, f"{role}.key")))
 
 
 def layout_of(args: argparse.Namespace) -> KVLayout:
@@ -106,6 +135,7 @@ async def receiver_main(args: argparse.Namespace) -> None:
     cache = torch.zeros(2 * n, *layout.block_shape, dtype=layout.torch_dtype,
                         device=args.dst_device)
     shared, opts = options_from_env(environ())  # PDSERVE_* sweeps (bench/gpu_suite.sh)
+    shared = with_tls(shared, args.tls_dir, "decode")
     rx = make_receiver(args.backend, cache, layout, opts[args.backend], shared=shared)
     await rx.start()
     print(rx.endpoint, flush=True)
@@ -138,9 +168,16 @@ async def bench_backend(args: argparse.Namespace, backend: str) -> dict:
     if backend == "shm" and args.shm_slots:
         opts["num_slots"] = args.shm_slots
     shared, env_opts = options_from_env(environ())  # PDSERVE_* sweeps (bench/gpu_suite.sh)
+    tls_dir = None
+    if args.tls:
+        import tempfile
+        from services.tls import write_cluster_files
+        tls_dir = write_cluster_files(tempfile.mkdtemp(prefix="kvbench-tls-")).directory
+    shared = with_tls(shared, tls_dir, "prefill")
     tx = make_sender(backend, src, layout, env_opts[backend], shared=shared, **opts)
     child = subprocess.Popen(
         [sys.executable, "-m", "bench.kv_transfer_cpu", "--role", "receiver",
+         *(["--tls-dir", tls_dir] if tls_dir else []),
          "--backend", backend, "--tokens", str(args.tokens), "--layers", str(args.layers), "--kv-heads",
          str(args.kv_heads), "--head-dim", str(args.head_dim), "--block-size",
          str(args.block_size), "--dtype", args.dtype, "--dst-device", args.dst_device],
@@ -171,6 +208,7 @@ async def _bench_mode(args, backend, tx, endpoint, child, readline, pattern: str
     the time after the last block was handed to the stream (ahead, two_parts)."""
     gbps, data_gbps, tails_ms = [], [], []
     verified = True
+    cpu = [0.0, 0.0]  # CPU seconds of the sender and the receiver process during the sends
     for i in range(args.warmup + args.runs):
         tid = f"{backend}-{pattern}-{mode}-{i}"
         child.stdin.write(f"expect {tid} {pattern} {i}\n")
@@ -178,7 +216,11 @@ async def _bench_mode(args, backend, tx, endpoint, child, readline, pattern: str
         assert await readline() == "ready"
         ids = block_ids(pattern, n, 2 * n, i)
         if mode == "send":
+            before = (cpu_seconds(), cpu_seconds(child.pid))
             res = await tx.send(tid, endpoint, ids, 60)
+            if i >= args.warmup:
+                cpu[0] += cpu_seconds() - before[0]
+                cpu[1] += cpu_seconds(child.pid) - before[1]
         else:
             stream = BlockStream(len(ids))
             task = asyncio.create_task(tx.send(tid, endpoint, stream, 60))
@@ -205,6 +247,11 @@ async def _bench_mode(args, backend, tx, endpoint, child, readline, pattern: str
             if res.data_seconds and mode != "two_parts":
                 data_gbps.append(res.num_bytes / res.data_seconds / 1e9)
     r = {"median_gbps": round(statistics.median(gbps), 3), "data_verified": verified,
+         **({"cpu_s_per_gb": {"sender": round(cpu[0] / (args.runs * n * layout_of(args)
+                                                          .block_bytes / 1e9), 3),
+                              "receiver": round(cpu[1] / (args.runs * n * layout_of(args)
+                                                          .block_bytes / 1e9), 3)}}
+            if mode == "send" else {}),
          "min_gbps": round(min(gbps), 3), "max_gbps": round(max(gbps), 3),
          "runs_gbps": [round(g, 3) for g in gbps],
          "median_ms": round(statistics.median(tails_ms), 3)}
@@ -293,7 +340,14 @@ async def main(args: argparse.Namespace, benchmark: str = "kv_transfer_cpu",
     print(f"KV of {args.tokens} tokens: {n} blocks x {layout.block_bytes} B = "
           f"{payload / 2**20:.1f} MiB", flush=True)
     cfg = {k: v for k, v in vars(args).items() if k not in ("out", "result_set", "role",
-                                                           "backend")}
+                                                           "backend", "tls_dir")}
+    backends = args.backends.split(",")
+    patterns = args.patterns.split(",")
+    figures = [f for f in figures if len(f.path) < 3 or f.path[0] != "results"
+               or (f.path[1] in backends and f.path[2] in patterns)]  # what this run measures
+    if args.tls:
+        figures = [harness.Figure(f"{f.name}, inside mutual TLS", f.unit, f.path, f.pattern,
+                                  f.format) for f in figures]
     head = harness.header(benchmark, cfg, argv=argv, about=__doc__, figures=figures)
     results = {}
     for b in args.backends.split(","):
@@ -313,6 +367,10 @@ async def main(args: argparse.Namespace, benchmark: str = "kv_transfer_cpu",
         **head,
         "layout": layout.__dict__, "tokens": args.tokens, "num_blocks": n,
         "payload_bytes": payload, "runs": args.runs, "warmup": args.warmup,
+        "cpu_definition": ("mode send: cpu_s_per_gb = CPU seconds (user + system, all "
+                           "threads) the sender / receiver process used during the measured "
+                           "sends, per GB moved: what a transfer costs whatever the machine's "
+                           "load"),
         "gbps_definition": ("mode send: payload bytes / sender send() seconds (connect..ack); "
                             "modes ahead / two_parts (keys '<pattern>/<mode>'): payload / the "
                             "seconds from handing the last blocks to the sender's BlockStream "

@@ -12,7 +12,9 @@ tok/s, TTFT p50/p90 under that load (mostly queueing), the TTFT p50 of requests 
 time (the path's own latency: gRPC hops, routing, KV transfer), and the ratios/differences to
 the in-process engine (AsyncEngine driven by the same asyncio client loop in this process).
 Deployments: colocated (1 worker, gateway in front) and 1P1D (prefill and decode workers, KV
-over tcp). The KV transfer GB/s comes from bench/kv_transfer_cpu.py (tcp and shm between two
+over tcp). The clusters are what ``pdserve up`` runs: mutual TLS between the services, KV
+inside TLS, Redis with a password; ``--insecure`` runs them plaintext (the TLS cost is the
+ratio of the two). The KV transfer GB/s comes from bench/kv_transfer_cpu.py (tcp and shm between two
 processes).
 """
 from __future__ import annotations
@@ -105,7 +107,7 @@ async def bench_cluster(args, prompts, **kw):
     from pdserve import client
     from pdserve.cluster import LocalCluster
     from protos.pdserve.v1 import gateway_pb2_grpc
-    c = LocalCluster(args.model, **kw).start()
+    c = LocalCluster(args.model, secure=not args.insecure, **kw).start()
     try:
         async with client.channel(c.address) as ch:
             stub = gateway_pb2_grpc.GatewayStub(ch)
@@ -136,26 +138,39 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--worker-threads", type=int, default=1,
                     help="torch threads per worker process (the gateway and the client need "
                          "a core too: more threads than free cores stalls OpenMP)")
+    ap.add_argument("--insecure", action="store_true",
+                    help="plaintext clusters (no mutual TLS, Redis without a password)")
+    ap.add_argument("--deployments", default="colocated,1p1d",
+                    help="comma list of colocated, 1p1d")
+    ap.add_argument("--skip-inprocess", action="store_true",
+                    help="no in-process baseline (ratios are then left out)")
     harness.add_output_args(ap, "serving_cpu")
     a = ap.parse_args(argv)
     from engine.loader import load_config
     prompts = make_prompts(a.streams * a.rounds, load_config(a.model).vocab_size)
-    rec = harness.Recorder.start("serving_cpu", a, argv=argv, about=__doc__, figures=FIGURES)
-    rec["inprocess"] = asyncio.run(bench_inprocess(a, prompts))
-    print("in-process", rec["inprocess"], flush=True)
+    figures = FIGURES if not a.skip_inprocess else [
+        harness.Figure(f"{d} output tok/s", "tok/s", (d, "output_tok_s"), format=".1f")
+        for d in a.deployments.split(",") if d]
+    rec = harness.Recorder.start("serving_cpu", a, argv=argv, about=__doc__, figures=figures)
+    if not a.skip_inprocess:
+        rec["inprocess"] = asyncio.run(bench_inprocess(a, prompts))
+        print("in-process", rec["inprocess"], flush=True)
     wargs = ("--num-threads", str(a.worker_threads))
-    rec["colocated"] = asyncio.run(bench_cluster(a, prompts, prefill=0, decode=0, colocated=1,
-                                                 worker_args=wargs))
-    print("colocated", rec["colocated"], flush=True)
-    rec["1p1d"] = asyncio.run(bench_cluster(a, prompts, prefill=1, decode=1, worker_args=wargs))
-    print("1p1d", rec["1p1d"], flush=True)
+    names = [d for d in a.deployments.split(",") if d]
+    shapes = {"colocated": dict(prefill=0, decode=0, colocated=1), "1p1d": {}}
+    for name in names:
+        rec[name] = asyncio.run(bench_cluster(a, prompts, worker_args=wargs, **shapes[name]))
+        print(name, rec[name], flush=True)
+    if a.skip_inprocess:
+        print(f"wrote {rec.save()}")
+        return rec.doc
     base = rec["inprocess"]
     summary = {
         name: {"throughput_ratio": rec[name]["output_tok_s"] / base["output_tok_s"],
                "added_ttft_p50_ms_under_load": rec[name]["ttft_p50_ms"] - base["ttft_p50_ms"],
                "added_ttft_p50_ms_single": rec[name]["single_ttft_p50_ms"]
                - base["single_ttft_p50_ms"]}
-        for name in ("colocated", "1p1d")}
+        for name in names}
     summary["targets"] = {"throughput_ratio": ">= 0.85", "added_ttft_p50_ms": "<= 20"}
     rec["summary"] = summary
     print(json.dumps(summary, indent=2))

@@ -19,16 +19,18 @@ import asyncio
 from dataclasses import dataclass, field
 import logging
 import time
-import uuid
 
 import grpc
 
+from engine.async_engine import EngineDeadError
 from engine.request import FinishReason, RequestOutput
+from pdcore.ids import new_id
 from protos.pdserve.v1 import common_pb2
 from services import telemetry, validation
 from services.logging_setup import request_context
 from services.protocol import response_from_output
 from pdcore.tasks import Stopped, unless_stopped
+from services.membership import NotMember
 from services.validation import InvalidRequest
 
 from decode_worker.remote import NoFreeBlocks, PrefillFailed, RemotePrefill, early_first
@@ -82,7 +84,7 @@ class DecodeCall:
     def __init__(self, env: DecodeEnv, request, context) -> None:
         self.env, self.request, self.context = env, request, context
         self.label = request.request_id
-        self.rid = uuid.uuid4().hex  # the engine's id of this call
+        self.rid = new_id()  # the engine's id of this call
         self.log_id = self.label[:64] or self.rid  # logs: the caller's id (every hop's)
         self.req: _Request | None = None
         self.span = telemetry.server_span("decode.generate", context, {
@@ -134,12 +136,19 @@ class DecodeCall:
             logger.debug("request %s: internal id %s", self.log_id, self.rid)
             try:
                 self.req = self._validate()
+                if self.req.prefill_address:  # dial cluster members only
+                    await self.env.runtime.members.admit(self.req.prefill_address, "prefill")
                 async for resp in self._serve():
                     yield resp
             except InvalidRequest as e:
                 await self._fail(grpc.StatusCode.INVALID_ARGUMENT, e.message)
+            except NotMember as e:
+                await self._fail(grpc.StatusCode.PERMISSION_DENIED, str(e))
             except NoFreeBlocks as e:
                 await self._fail(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except EngineDeadError as e:  # e.g. a tensor-parallel rank died: resume elsewhere
+                await self._fail(grpc.StatusCode.UNAVAILABLE,
+                                 f"decode worker's engine failed: {validation.clip(str(e), 300)}")
             except (Stopped, _Evicted):
                 self.outcome = "abort"
                 if self.stop_reason == "shutdown":

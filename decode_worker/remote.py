@@ -19,11 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 
 import grpc
 
 from engine.request import RequestOutput
+from pdcore.ids import new_id
 from protos.pdserve.v1 import common_pb2, worker_pb2
 from services import telemetry
 from services.kv_proto import layout_to_proto
@@ -49,7 +49,7 @@ class RemotePrefill:
         already streamed, which the continuation keeps whatever the prefill worker samples."""
         self.call, self.env = call, call.env
         self.backend, self.receiver, self.pinned = backend, receiver, pinned
-        self.tid = f"{call.rid}-{uuid.uuid4().hex[:8]}"
+        self.tid = f"{call.rid}-{new_id()}"
         self.num_blocks = -(-call.req.num_tokens // self.env.layout.block_size)
         self.kspan = telemetry.child(call.span, "kv.receive", {
             "pdserve.kv.backend": backend, "pdserve.kv.blocks": self.num_blocks,
@@ -92,7 +92,10 @@ class RemotePrefill:
             kv_transfer=common_pb2.KVTransferParams(
                 transfer_id=self.tid, backend=self.backend,
                 receiver_endpoint=self.receiver.endpoint, num_blocks=self.num_blocks,
-                timeout_ms=max(1, int(transfer_s * 1000)), layout=layout_to_proto(self.env.layout)))
+                timeout_ms=max(1, int(transfer_s * 1000)),
+                layout=layout_to_proto(self.env.layout,
+                                       self.env.engine.config.tensor_parallel_size,
+                                       self.env.engine.kv_heads)))
         return self.env.peers.stub(req.prefill_address).Prefill(
             msg, timeout=self.call.prefill_timeout_s(),
             metadata=telemetry.outgoing_metadata(pspan, self.call.context))

@@ -22,13 +22,14 @@ logger = logging.getLogger(__name__)
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, aengine, runtime, receivers: list, layout, settings,
-                 allow_local_prefill: bool = True, metrics=None):
+                 allow_local_prefill: bool = True, metrics=None, tls=None):
         """``receivers``: ``[(backend, KVReceiver), ...]``, preferred first; a transfer that
         fails on one is retried on the next (the prefill worker's prefix cache still holds
-        the prompt, so the retry costs little compute)."""
+        the prompt, so the retry costs little compute). ``tls``: the worker's cluster
+        identity (mutual TLS to prefill workers)."""
         self.env = DecodeEnv(aengine, runtime, list(receivers), layout, settings,
                              metrics or WorkerMetrics("decode"),
-                             ChannelPool(worker_pb2_grpc.PrefillWorkerStub),
+                             ChannelPool(worker_pb2_grpc.PrefillWorkerStub, tls=tls),
                              allow_local_prefill)
         self.calls: CallRegistry[DecodeCall] = CallRegistry()
 

@@ -61,6 +61,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.close()  # tensor-parallel ranks: stopped with the engine
 
     def _run(self) -> None:
         try:

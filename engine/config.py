@@ -185,6 +185,12 @@ class EngineConfig:
               "(their block tables are this wide, whatever max_model_len is); longer contexts "
               "step eagerly", ge=1)
     num_threads: int = setting(0, "CPU: torch intra-op threads; 0: torch's default", ge=0)
+    tensor_parallel_size: int = setting(
+        1, "tensor-parallel ranks (one process each, on this host: gloo on the CPU, NCCL on "
+           "GPUs cuda:N..N+size-1); each loads only its slice of the weights", ge=1)
+    tensor_parallel_timeout_s: float = setting(
+        30.0, "a tensor-parallel collective that waits longer on a rank fails the engine (a "
+              "rank that exits fails it at once)", gt=0)
     async_decode: bool | None = setting(
         None, "launch the next decode step before reading this one's tokens (hides host work "
               "behind the GPU); auto: on with CUDA graphs, off otherwise")
@@ -228,8 +234,11 @@ def resolve_engine_config(c: EngineConfig, *, cuda_available: bool,
             dtype = "bfloat16"
     sc = c.scheduler
     limits = {k: getattr(sc, k) or v for k, v in DEVICE_DEFAULTS[kind].items()}
+    # tensor parallel on GPUs runs eagerly: all-reduces inside CUDA graphs need two GPUs to
+    # build and test (issue 28)
+    eager = c.enforce_eager or (kind == "cuda" and c.tensor_parallel_size > 1)
     async_decode = c.async_decode
     if async_decode is None:
-        async_decode = kind == "cuda" and not c.enforce_eager
+        async_decode = kind == "cuda" and not eager
     return replace(c, device=device, dtype=dtype, async_decode=async_decode,
-                   scheduler=replace(sc, **limits))
+                   enforce_eager=eager, scheduler=replace(sc, **limits))

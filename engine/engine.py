@@ -74,17 +74,35 @@ class LLMEngine:
         """``config`` may hold "auto" values; ``self.config`` is the resolved tree (device,
         dtype, limits, KV cache size, max_model_len as this engine runs them)."""
         config = resolve_on_this_machine(config)
+        tp = None
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("tensor_parallel_size > 1 loads the weights per rank: pass "
+                                 "no preloaded model")
+            from engine.parallel import TensorParallel  # starts the other ranks' processes
+            tp = TensorParallel(config)
         if loaded is None:
             from engine.loader import load_model  # heavy: weights
-            loaded = load_model(config.model, dtype=DTYPES[config.dtype], device=config.device,
-                                seed=config.seed, keep_packed=None if config.kernels.cpu_packed
-                                else False)
+            try:
+                loaded = load_model(config.model, dtype=DTYPES[config.dtype],
+                                    device=config.device, seed=config.seed,
+                                    keep_packed=None if config.kernels.cpu_packed else False,
+                                    shard=tp.plan if tp is not None else None)
+            except BaseException:
+                if tp is not None:
+                    tp.close()
+                raise
         self.model_id = loaded.model_id
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, loaded.config, loaded.weights,
-                                  packed=getattr(loaded, "packed", None))
+        try:
+            self.runner = ModelRunner(config, loaded.config, loaded.weights,
+                                      packed=getattr(loaded, "packed", None), tp=tp)
+        except BaseException:
+            if tp is not None:
+                tp.close()
+            raise
         loaded.weights = None  # the runner owns the parameters now
         loaded.packed = None
         self.max_model_len = self.runner.max_model_len
@@ -119,6 +137,24 @@ class LLMEngine:
         # async_decode: a step launched before the previous one's tokens were read
         self._ahead: StepHandle | None = None
         self.chained_steps = 0  # steps launched ahead (their host work overlapped the device)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (idempotent)."""
+        self.runner.close()
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine cannot step any more (a tensor-parallel rank exited), else None."""
+        return self.runner.tp.failure if self.runner.tp is not None else None
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        """The model's KV heads ``[start, end)`` that ``runner.kv_cache`` holds: all of them,
+        except on GPUs under tensor parallelism (rank 0's own there)."""
+        mc = self.model_config
+        if self.runner.kv_cache.shape[4] == mc.num_kv_heads:
+            return 0, mc.num_kv_heads
+        return self.runner.tp.rank_plan.kv_heads
 
     # ------------------------------------------------------------ validation
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams,

@@ -92,6 +92,17 @@ class LLM:
             outs.append(first)
         return outs
 
+    def close(self) -> None:
+        """Release what outlives the Python objects: the tensor-parallel rank processes
+        (also stopped when the LLM is garbage-collected or the interpreter exits)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def chat(self, messages, params: SamplingParams | None = None) -> list[RequestOutput]:
         """``messages``: one conversation (list of {role, content}) or a list of them."""
         if self.tokenizer is None or not self.tokenizer.has_chat_template:

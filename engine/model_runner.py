@@ -60,10 +60,14 @@ class ModelRunner(CudaGraphsMixin):
     """Model, KV cache and step execution (eager here; CUDA graphs in CudaGraphsMixin)."""
 
     def __init__(self, config: EngineConfig, mc: ModelConfig, weights: dict[str, torch.Tensor],
-                 packed: dict[str, tuple] | None = None):
+                 packed: dict[str, tuple] | None = None, tp=None):
         """``config`` has its device, dtype and scheduler limits resolved
         (engine.config.resolve_engine_config); the KV cache size and ``max_model_len`` are
-        resolved here (``num_blocks``, ``kv_cache_bytes``, ``max_model_len``)."""
+        resolved here (``num_blocks``, ``kv_cache_bytes``, ``max_model_len``). ``weights`` is
+        consumed: the model's parameters take its values and the dict is emptied.
+        ``tp`` (engine.parallel.TensorParallel): ``weights`` are rank 0's slices; the model
+        is rank 0's shard behind a stand-in that drives the other ranks."""
+        self.tp = tp
         self.config = config
         self.mc = mc
         self.device = torch.device(config.device)
@@ -74,17 +78,24 @@ class ModelRunner(CudaGraphsMixin):
         self.block_size = config.cache.block_size
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                self.model = model_class(mc)(mc)
-        finally:
-            torch.set_default_dtype(prev)
-        self.model.load_weights(weights)
+        if tp is not None:  # takes the tensors out of ``weights`` as parameters
+            self.model = tp.build(mc, weights, self.device, self.dtype)
+        else:
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                with torch.device(self.device):
+                    self.model = model_class(mc)(mc)
+            finally:
+                torch.set_default_dtype(prev)
+            self.model.load_weights(weights)
+        # the parameters hold copies: drop the loaded tensors now, before the KV cache is
+        # sized from free memory (on a GPU they would otherwise stay reserved, a second copy
+        # of the weights that neither the profile nor the KV budget sees)
+        weights.clear()
         self.model.eval()
         self.packed_projections = 0
-        if (packed and config.kernels.cpu_packed and self.device.type == "cpu"
+        if (packed and tp is None and config.kernels.cpu_packed and self.device.type == "cpu"
                 and self.dtype == torch.float32 and hasattr(self.model, "load_packed")):
             # decode (<= 8 tokens per step) reads GGUF Q4_1 / Q8_0 blocks instead of fp32
             # (kernels.cpu_packed); builds the C++ extension on first use
@@ -129,6 +140,8 @@ class ModelRunner(CudaGraphsMixin):
         mc, cc, sc = self.mc, self.config.cache, self.config.scheduler
         self.kv_dtype = DTYPES[cc.kv_dtype] if cc.kv_dtype else self.dtype
         bb = kv_block_bytes(mc, self.block_size, self.kv_dtype)
+        if self.tp is not None:  # GPU: each rank stores its heads' share of a block
+            bb = max(1, int(bb * self.tp.cache_fraction(self.device)))
         self.num_blocks = self._num_kv_blocks(bb)
         self.kv_cache_bytes = self.num_blocks * bb
         limit = min(sc.max_model_len or mc.max_position, mc.max_position)
@@ -140,7 +153,10 @@ class ModelRunner(CudaGraphsMixin):
             limit = held
         self.max_model_len = limit
         shape = (self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_cache = _zeros(shape, self.kv_dtype, self.device)
+        if self.tp is not None:  # shared with the other ranks (engine.parallel.driver)
+            self.kv_cache = self.tp.kv_cache(shape, self.kv_dtype, self.device)
+        else:
+            self.kv_cache = _zeros(shape, self.kv_dtype, self.device)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len %d",
                     self.num_blocks, self.block_size, self.kv_cache_bytes / 2**20, limit)
 
@@ -405,6 +421,11 @@ class ModelRunner(CudaGraphsMixin):
         thread of a worker on cuda:1 would otherwise launch on cuda:0."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do without them)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def drop_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)

@@ -30,12 +30,12 @@ ROLE_NAMES = {common_pb2.WORKER_ROLE_PREFILL: "prefill", common_pb2.WORKER_ROLE_
 
 class HealthProber:
     def __init__(self, router, *, interval_s: float = 1.0, timeout_s: float = 1.0,
-                 failures: int = 2):
+                 failures: int = 2, tls=None):
         self.router = router
         self.interval_s, self.timeout_s, self.failures = interval_s, timeout_s, failures
         self._strikes: dict[str, int] = {}
-        self._decode = ChannelPool(worker_pb2_grpc.DecodeWorkerStub)
-        self._prefill = ChannelPool(worker_pb2_grpc.PrefillWorkerStub)
+        self._decode = ChannelPool(worker_pb2_grpc.DecodeWorkerStub, tls=tls)
+        self._prefill = ChannelPool(worker_pb2_grpc.PrefillWorkerStub, tls=tls)
 
     async def run(self) -> None:
         while True:

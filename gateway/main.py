@@ -15,14 +15,16 @@ from pdcore.tasks import cancel_and_wait
 logger = logging.getLogger(__name__)
 
 
-def _router(settings: GatewaySettings, model_id: str, model_max_len: int):
+def _router(settings: GatewaySettings, model_id: str, model_max_len: int, tls=None):
+    """``tls``: the gateway's cluster identity; with it only signed registry entries count."""
     from gateway.router import Router
     from services.prefix_index import PrefixIndex
     from services.registry import WorkerRegistry
     registry = index = None
     if settings.redis_url:
-        kw = dict(namespace=settings.namespace, timeout_s=settings.redis_timeout_s)
-        registry = WorkerRegistry(settings.redis_url, **kw)
+        kw = dict(namespace=settings.namespace, timeout_s=settings.redis_timeout_s,
+                  auth=settings.redis_auth())
+        registry = WorkerRegistry(settings.redis_url, verifier=tls, **kw)
         index = PrefixIndex(settings.redis_url, model_id, **kw)
     return Router(model=model_id, block_size=settings.block_size,
                   prefix_weight=settings.prefix_weight, registry=registry, index=index,
@@ -35,7 +37,7 @@ def _router(settings: GatewaySettings, model_id: str, model_max_len: int):
 
 
 def _env(settings: GatewaySettings, router, tokenizer, model_id: str, vocab_size: int,
-         num_keys: int, metrics):
+         num_keys: int, metrics, tls=None):
     from gateway.admission import Admission
     from gateway.pipeline import GatewayEnv
     from gateway.tokenize import PromptTokenizer
@@ -53,12 +55,23 @@ def _env(settings: GatewaySettings, router, tokenizer, model_id: str, vocab_size
         hasher=BlockHasher(settings.hash_seed, model_id, settings.block_size),
         metrics=metrics, limits=settings.limits, model=model_id, vocab_size=vocab_size,
         max_migrations=settings.max_migrations,
-        peers=ChannelPool(worker_pb2_grpc.DecodeWorkerStub))
+        peers=ChannelPool(worker_pb2_grpc.DecodeWorkerStub, tls=tls))
 
 
 def _server(settings: GatewaySettings, keys, metrics):
     from services.auth import ApiKeyInterceptor
+    from services.config import is_loopback
     from services.grpc_server import GATEWAY_SERVICE, GrpcServer
+    from services.tls import client_port_credentials
+    credentials = None
+    if settings.client_tls_cert_file:
+        credentials = client_port_credentials(settings.client_tls_cert_file,
+                                              settings.client_tls_key_file,
+                                              settings.client_tls_ca_file)
+    elif not is_loopback(settings.host):
+        logger.warning("client port %s:%d is plaintext: API keys and prompts travel in "
+                       "clear (client_tls_cert_file turns TLS on)", settings.host,
+                       settings.port)
     interceptors = []
     if keys:
         interceptors.append(ApiKeyInterceptor(
@@ -66,24 +79,29 @@ def _server(settings: GatewaySettings, keys, metrics):
         logger.info("client authentication on: %d API key(s)", len(keys))
     return GrpcServer([GATEWAY_SERVICE], host=settings.host, port=settings.port,
                       max_message_bytes=settings.max_message_bytes, grace_s=settings.grace_s,
-                      drain_delay_s=settings.drain_delay_s, interceptors=interceptors)
+                      drain_delay_s=settings.drain_delay_s, interceptors=interceptors,
+                      credentials=credentials)
 
 
 async def serve_gateway(settings: GatewaySettings) -> None:
     from engine.loader import load_config, load_tokenizer, resolve_spec
     from gateway.health import HealthProber
+    from gateway.openai.server import start_front
     from gateway.server import GatewayServicer
     from protos.pdserve.v1 import gateway_pb2_grpc
     from services.auth import load_api_keys
     from services.memory import trim_periodically
     from services.metrics import GatewayMetrics, serve_metrics
+    from services.tls import cluster_tls
 
+    tls = cluster_tls(settings)
     _, _, model_id = resolve_spec(settings.model)
     mc = load_config(settings.model)
-    router = _router(settings, model_id, mc.max_position)
+    router = _router(settings, model_id, mc.max_position, tls)
     await router.refresh()
     prober = HealthProber(router, interval_s=settings.health_interval_s,
-                          timeout_s=settings.health_timeout_s, failures=settings.health_failures)
+                          timeout_s=settings.health_timeout_s, failures=settings.health_failures,
+                          tls=tls)
     await prober.probe_all()  # static workers: their capacity and context limit, at once
     metrics = GatewayMetrics()
     metrics.watch_router(router)
@@ -92,7 +110,7 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     logger.info("gateway configuration: %s", json.dumps(shown))
     keys = load_api_keys(settings.api_keys, settings.api_key_file)
     env = _env(settings, router, load_tokenizer(settings.model), model_id, mc.vocab_size,
-               len(keys), metrics)
+               len(keys), metrics, tls)
     servicer = GatewayServicer(env, request_timeout_s=settings.request_timeout_s)
     srv = _server(settings, keys, metrics)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, srv.server)
@@ -102,19 +120,32 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     if router.index is not None:
         tasks.append(asyncio.create_task(router.index.run_reaper(settings.reaper_interval_s)))
     port = await srv.start()
+    http = await start_front(settings, env, keys, srv)  # the OpenAI HTTP API (None: off)
     srv.install_signal_handlers()
     mport = serve_metrics(metrics.registry, settings.metrics_port, settings.host)
-    print(f"READY gateway {settings.host}:{port}" + (f" metrics={mport}" if mport else ""),
-          flush=True)
+    print(f"READY gateway {settings.host}:{port}" + (f" metrics={mport}" if mport else "")
+          + (f" http={http.port}" if http else ""), flush=True)
     try:
         await srv.wait_stopped()
     finally:
+        await (http.stop() if http else asyncio.sleep(0))
         await cancel_and_wait(tasks)
         await servicer.close()
         await prober.close()
         for c in (router.registry, router.index):
             if c is not None:
                 await c.close()
+
+
+def _check_files(settings: GatewaySettings) -> None:
+    """Certificates and secrets readable and consistent before anything starts
+    (ValueError saying which is not)."""
+    from services.tls import cluster_tls
+    tls = cluster_tls(settings)
+    if tls is not None and tls.role != "gateway":
+        raise ValueError(f"{settings.tls_cert_file} is a {tls.role} certificate; the gateway "
+                         f"needs a gateway one")
+    settings.redis_auth()
 
 
 def main(argv=None) -> int:
@@ -124,7 +155,8 @@ def main(argv=None) -> int:
     from services.telemetry import setup_tracing, shutdown_tracing
     try:
         settings = gateway_settings(argv)
-    except ConfigError as e:
+        _check_files(settings)
+    except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging("gateway", settings.log_level, settings.log_format)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+import json
 import logging
 import uuid
 
@@ -65,6 +66,7 @@ class ClientRequest:
     sampling: common_pb2.SamplingParams = field(default_factory=common_pb2.SamplingParams)
     api_key: str = ""  # gateway.admission.key_id of the caller's key ("" without keys)
     timeout_s: float = 600.0
+    tools: list | None = None  # chat: tool definitions for the template (OpenAI's shape)
 
 
 @dataclass
@@ -192,7 +194,10 @@ class GatewayRequest:
             if r.prompt:
                 validation.check_text(r.prompt, env.limits)
                 return await env.tokenizer.text(r.prompt)
-            return await env.tokenizer.chat(validation.check_messages(r.messages, env.limits))
+            if r.tools:
+                validation.check_text(json.dumps(r.tools), env.limits, "tools")
+            return await env.tokenizer.chat(validation.check_messages(r.messages, env.limits),
+                                            r.tools)
         except TokenizerBusy as e:
             env.metrics.rejections.labels("tokenizer_queue").inc()
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None

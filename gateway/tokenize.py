@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 
 class TokenizerBusy(Exception):
@@ -30,7 +31,9 @@ class PromptTokenizer:
     async def text(self, prompt: str) -> list[int]:
         return await self._run(self.tokenizer.encode, prompt)
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def chat(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        if tools:
+            return await self._run(partial(self.tokenizer.encode_chat, tools=tools), messages)
         return await self._run(self.tokenizer.encode_chat, messages)
 
     async def _run(self, fn, arg) -> list[int]:

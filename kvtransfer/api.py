@@ -277,6 +277,8 @@ def check_options(options: Any) -> None:
     value of its default's type (an int is no bool) within its declared range; ValueError
     naming the field otherwise."""
     for f in fields(options):
+        if f.metadata.get("object"):
+            continue
         value = getattr(options, f.name)
         kind = type(f.default)
         if kind is int and (isinstance(value, bool) or not isinstance(value, int)) or \
@@ -306,6 +308,12 @@ class KVTransferOptions:
            "sender for tcp, shm, fake and nccl, the receiver for cuda_ipc and nixl (they "
            "read the sender's memory); the receiver's checksums then fail the transfer",
         minimum=0)
+    # the worker's cluster identity (kvtransfer.secure.KVTls): control connections (and the
+    # tcp backend's data) run over mutual TLS; None: plaintext. Set by the worker, not by
+    # an environment variable.
+    tls: Any = field(default=None, compare=False, repr=False, metadata={
+        "object": True, "help": "the worker's cluster identity: mutual TLS on control "
+                                "connections (set by the worker; None: plaintext)"})
 
     def __post_init__(self) -> None:
         check_options(self)

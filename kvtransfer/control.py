@@ -32,7 +32,9 @@ Composition: :class:`ControlClient` (a sender's channel) and :class:`ControlServ
 receiver's channel) run the connection, the handshake and the ack; a backend plugs in a
 :class:`PayloadSender` / :class:`PayloadReceiver` that moves the data in between.
 :class:`Listener` (the accept loop and its connection tasks) is shared with the shm backend.
-Timeouts, cancellation and statistics are :mod:`kvtransfer.lifecycle`'s; waiting on device
+With ``KVTransferOptions.tls`` the connection is mutual TLS between cluster members
+(:mod:`kvtransfer.secure`); the backends still see a plain socket. Timeouts, cancellation
+and statistics are :mod:`kvtransfer.lifecycle`'s; waiting on device
 work while watching the connection is :mod:`kvtransfer.waits`'.
 """
 
@@ -47,7 +49,7 @@ from typing import Protocol
 
 import torch
 
-from kvtransfer import wire
+from kvtransfer import secure, wire
 from kvtransfer.api import (
     KVLayout,
     KVTransferOptions,
@@ -144,7 +146,8 @@ def control_sender(cache: torch.Tensor, layout: KVLayout, scheme: str, kind: int
                    payload: PayloadSender, shared: KVTransferOptions,
                    tune: Callable[[socket.socket], None] = tune_socket) -> Sender:
     """A sender whose transfers run over control connections to ``scheme://`` endpoints."""
-    return Sender(cache, layout, ControlClient(layout, scheme, kind, payload, tune), shared)
+    return Sender(cache, layout, ControlClient(layout, scheme, kind, payload, tune,
+                                               tls=shared.tls), shared)
 
 
 def control_receiver(cache: torch.Tensor, layout: KVLayout, scheme: str, kind: int,
@@ -156,7 +159,7 @@ def control_receiver(cache: torch.Tensor, layout: KVLayout, scheme: str, kind: i
     layout.validate(cache)
     tracker = ReceiverTracker(cache.shape[0], layout.block_bytes, shared)
     server = ControlServer(tracker, layout, scheme, kind, payload,
-                           listen or ListenAddress(), tune)
+                           listen or ListenAddress(), tune, tls=shared.tls)
     return Receiver(tracker, server)
 
 
@@ -208,8 +211,11 @@ class ControlServer:
 
     def __init__(self, tracker: ReceiverTracker, layout: KVLayout, scheme: str, kind: int,
                  payload: PayloadReceiver, listen: ListenAddress,
-                 tune: Callable[[socket.socket], None] = tune_socket) -> None:
+                 tune: Callable[[socket.socket], None] = tune_socket,
+                 tls: secure.KVTls | None = None) -> None:
         self.tracker = tracker
+        self.tls = tls
+        self.pumps = secure.Pumps()
         self.layout = layout
         self.scheme = scheme
         self.kind = kind
@@ -230,7 +236,8 @@ class ControlServer:
         sock.bind((host, self._port))
         sock.listen(128)
         self._port = sock.getsockname()[1]
-        self.listener = Listener(sock, self._serve, self.scheme, self._tune)
+        serve = self._serve if self.tls is None else self._serve_tls
+        self.listener = Listener(sock, serve, self.scheme, self._tune)
         self.listener.start()
         await self.payload.start()
 
@@ -246,7 +253,13 @@ class ControlServer:
         if self.listener is not None:
             await self.listener.close()
             self.listener = None
+        await self.pumps.close()
         self.payload.close()
+
+    async def _serve_tls(self, raw: socket.socket) -> None:
+        conn = await secure.accept(self.tls, self.pumps, raw)
+        if conn is not None:
+            await self._serve(conn)
 
     async def _serve(self, conn: socket.socket) -> None:
         """Serve the connection's transfers one after another, while each ends DONE and
@@ -400,17 +413,34 @@ class ControlClient:
     the last transfer to that receiver left one); the payload moves the data."""
 
     def __init__(self, layout: KVLayout, scheme: str, kind: int, payload: PayloadSender,
-                 tune: Callable[[socket.socket], None] = tune_socket) -> None:
+                 tune: Callable[[socket.socket], None] = tune_socket,
+                 tls: secure.KVTls | None = None) -> None:
         self.layout = layout
         self.scheme = scheme
         self.kind = kind
         self.payload = payload
         self._tune = tune
+        self.tls = tls
+        self.pumps = secure.Pumps()
         self.pool = ConnectionPool()
 
     async def close(self) -> None:
         self.payload.close()
         self.pool.close()
+        await self.pumps.close()
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, host: str,
+                       port: int) -> socket.socket:
+        if self.tls is not None:
+            return await secure.connect(self.tls, self.pumps, host, port, self._tune)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            self._tune(sock)
+            await loop.sock_connect(sock, (host, port))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     async def send(self, sm: TransferStateMachine, endpoint: str, blocks: BlockStream) -> int:
         loop = asyncio.get_running_loop()
@@ -420,13 +450,10 @@ class ControlClient:
         if reused:
             sm.mark("reused")
         else:
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            sock = await self._connect(loop, host, port)
+            sm.mark("connected")
         done = False
         try:
-            if not reused:
-                self._tune(sock)
-                await loop.sock_connect(sock, (host, port))
-                sm.mark("connected")
             await loop.sock_sendall(sock, wire.encode_hello(
                 self.kind, self.layout, sm.transfer_id, blocks.total, checksums=sm.checksums))
             if not (self.payload.eager and blocks.ready()):

@@ -449,6 +449,11 @@ def redact(spec: Spec, value: Any) -> Any:
     return value
 
 
+def redact_url(url: str) -> str:
+    """``url`` with a password in it replaced by ``<redacted>``."""
+    return _URL_PASSWORD.sub(rf"\g<1>{REDACTED}@", url) if "@" in url else url
+
+
 def show_value(spec: Spec, value: Any) -> str:
     """A value as text that parse_text reads back (None: auto; lists comma-separated)."""
     if value is None:
@@ -469,6 +474,15 @@ def redacted_flat(obj: Any) -> dict[str, str]:
 def standard_environ() -> dict[str, str]:
     """The standard variables of the libraries we configure (OpenTelemetry's OTEL_*)."""
     return {k: v for k, v in os.environ.items() if k.startswith(STANDARD_PREFIXES)}
+
+
+def set_library_environ(values: Mapping[str, str]) -> None:
+    """Write libraries' own variables (NCCL_*, NVSHMEM_*: read by them when they start) into
+    this process's environment; never pdserve settings (written here only)."""
+    for k, v in values.items():
+        if k.startswith("PDSERVE_"):
+            raise ValueError(f"{k} is a pdserve setting, not a library variable")
+        os.environ[k] = v
 
 
 def child_environ(extra: Mapping[str, str] | None = None) -> dict[str, str]:

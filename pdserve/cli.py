@@ -1,6 +1,7 @@
 """pdserve command line.
 
     pdserve up [--prefill N] [--decode M] [--colocated K] [--model SPEC] [--port P] [--device D]
+               [--insecure]   (default: throw-away CA, mutual TLS, Redis password)
     pdserve gateway | prefill | decode | colocated [service flags, see --help]
     pdserve generate --address HOST:PORT "prompt"      pdserve chat --address HOST:PORT
     pdserve run --model SPEC [engine flags] "prompt"    (offline, in-process engine)
@@ -8,6 +9,9 @@
     pdserve chaos [--scenario NAME] [--model SPEC]      (fault injection against a local cluster)
     pdserve config show [--role R] [flags]              (the resolved configuration)
     pdserve config docs [--out FILE | --check]          (docs/configuration.md)
+    pdserve certs --out DIR [--hosts H,...]             (a cluster CA, per-role certificates
+                                                         and a Redis password, for deployments)
+    pdserve hash-key                                    (an API key read from stdin -> its hash)
 
 Every setting and its flag, variable and default: docs/configuration.md.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -35,6 +40,10 @@ def _up_args(argv):
     p.add_argument("--decode", type=integer(0), default=1)
     p.add_argument("--colocated", type=integer(0), default=0)
     p.add_argument("--port", type=integer(0, 65535), default=50051, help="gateway port")
+    p.add_argument("--http-port", type=integer(0, 65535), default=8000,
+                   help="gateway's OpenAI-compatible HTTP port (0: off)")
+    p.add_argument("--served-model-name", default="",
+                   help="model name the HTTP API accepts besides the model's id")
     p.add_argument("--device", default=None, help="every worker's device (cpu, cuda, cuda:N); "
                    "workers sharing a GPU split its memory; default: the workers' (auto)")
     p.add_argument("--kv-backend", default=None, choices=sorted(backend_devices()),
@@ -42,6 +51,8 @@ def _up_args(argv):
     p.add_argument("--no-demo", action="store_true", help="skip the sample request")
     p.add_argument("--exit-after-demo", action="store_true", help="stop after the sample request")
     p.add_argument("--verbose", action="store_true", help="echo every service's log")
+    p.add_argument("--insecure", action="store_true",
+                   help="no TLS between the services, Redis without a password")
     a = p.parse_args(argv)
     if a.prefill + a.decode + a.colocated == 0 or (a.prefill and not a.decode):
         p.error("need --decode >= 1 with --prefill, or --colocated >= 1")
@@ -64,7 +75,10 @@ def _cmd_up(argv) -> int:
         devices = {role: [a.device] for role in ("prefill", "decode", "colocated")}
     cluster = LocalCluster(a.model, prefill=a.prefill, decode=a.decode, colocated=a.colocated,
                            gateway_port=a.port, kv_backend=a.kv_backend, echo=a.verbose,
-                           devices=devices)
+                           devices=devices, secure=not a.insecure,
+                           http_port=a.http_port or None,
+                           gateway_args=(("--served-model-name", a.served_model_name)
+                                         if a.served_model_name else ()))
     # SIGTERM (docker stop, timeout, kill) must stop the cluster too, like Ctrl-C: the
     # services run in their own sessions and would otherwise outlive us
     signal.signal(signal.SIGTERM, _interrupt)
@@ -74,7 +88,13 @@ def _cmd_up(argv) -> int:
     except KeyboardInterrupt:
         cluster.stop()
         return 130
-    print(f"up in {time.monotonic() - t0:.1f}s: gateway {cluster.address}, redis {cluster.redis_url}")
+    from pdcore.config_tree import redact_url
+    print(f"up in {time.monotonic() - t0:.1f}s: gateway {cluster.address}, redis "
+          f"{redact_url(cluster.redis_url)}, "
+          + (f"mutual TLS (certificates in {cluster.identity.directory})" if cluster.identity
+             else "INSECURE (plaintext, no Redis password)")
+          + (f", OpenAI API http://{cluster.http_address}/v1" if cluster.http_address
+             else ""))
     for w in cluster.workers:
         print(f"  {w.kind:9s} {w.address}  {w.worker_id}")
     try:
@@ -190,6 +210,39 @@ def _cmd_run(argv) -> int:
     return 0
 
 
+def _cmd_certs(argv) -> int:
+    from pdserve.argtypes import Parser
+    from services.tls import write_cluster_files
+    p = Parser(prog="pdserve certs", description="mint a cluster CA, a certificate and key "
+               "per role and a Redis password (docs/security.md)")
+    p.add_argument("--out", required=True, help="folder to write (made 0700)")
+    p.add_argument("--hosts", default="", help="extra DNS names / IPs in every certificate")
+    p.add_argument("--keep", action="store_true", help="do nothing if the folder already "
+                   "holds a CA (a compose volume on the next start)")
+    p.add_argument("--readable", action="store_true", help="keys and passwords readable by "
+                   "every user (0644): a volume only this deployment's containers mount, "
+                   "whose processes run as other users (compose)")
+    a = p.parse_args(argv)
+    if a.keep and os.path.exists(os.path.join(a.out, "ca.crt")):
+        print(f"{a.out} already holds a cluster CA: kept")
+        return 0
+    hosts = [h for h in a.hosts.split(",") if h]
+    files = write_cluster_files(a.out, hosts=["127.0.0.1", "localhost", *hosts])
+    with open(files.redis_password_file) as f:
+        password = f.read().strip()
+    # redis-server reads this file (never the password on its command line)
+    with open(os.path.join(a.out, "redis.conf"), "w") as f:
+        os.chmod(f.name, 0o600)
+        f.write(f"requirepass {password}\n")
+    if a.readable:
+        for name in os.listdir(a.out):
+            os.chmod(os.path.join(a.out, name), 0o644)
+        os.chmod(a.out, 0o755)
+    print(f"wrote {a.out}: ca.crt, ca.key (keep offline), <role>.crt/.key for gateway, "
+          f"prefill, decode, colocated, operator; redis-password, redis.conf")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -219,6 +272,16 @@ def main(argv=None) -> int:
     if cmd == "config":
         from pdserve.config_cli import main as config
         return config(rest)
+    if cmd == "certs":
+        return _cmd_certs(rest)
+    if cmd == "hash-key":
+        from services.tls import api_key_hash
+        key = sys.stdin.readline().strip()
+        if not key:
+            print("error: no key on stdin", file=sys.stderr)
+            return 2
+        print(api_key_hash(key))
+        return 0
     print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2
 

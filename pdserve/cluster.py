@@ -1,10 +1,18 @@
 """A whole local cluster in real processes: a private redis-server, prefill, decode and
 colocated workers, and a gateway, on free ports. Used by ``pdserve up``, the integration tests
 and the benchmarks, so all three run the product the same way.
+
+Secure by default: a throw-away CA and one certificate per role (minted once per process,
+in a private temporary folder removed at exit), mutual TLS between every service, Redis with
+a password (given to the services in a file, never on a command line), signed registry
+entries. ``secure=False`` (``pdserve up --insecure``) runs everything plaintext with
+``--insecure``. The gateway's client port stays plaintext on 127.0.0.1.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import atexit
+import functools
 import os
 import shutil
 import socket
@@ -42,18 +50,29 @@ def wait_port(port: int, timeout_s: float = 10.0, host: str = "127.0.0.1") -> No
 
 
 class RedisProcess:
-    """A private redis-server (no persistence) that can be killed and restarted."""
+    """A private redis-server (no persistence) that can be killed and restarted; with
+    ``password`` it requires it (given on its stdin: never on a command line)."""
 
-    def __init__(self, port: int | None = None):
+    def __init__(self, port: int | None = None, password: str | None = None):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise RuntimeError("redis-server not found on PATH (apt-get install -y redis-server)")
         self.port = port or free_port()
+        self.password = password
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
+        """The address, without credentials (what services are given)."""
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def client_url(self) -> str:
+        """The address with the password in it, for in-process clients (tests); never
+        passed to a process or printed."""
+        if not self.password:
+            return self.url
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
 
     @property
     def running(self) -> bool:
@@ -62,10 +81,14 @@ class RedisProcess:
     def start(self) -> None:
         if self.running:
             return
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        conf = (f"port {self.port}\nbind 127.0.0.1\nsave \"\"\nappendonly no\n"
+                f"protected-mode no\nloglevel warning\n")
+        if self.password:
+            conf += f"requirepass {self.password}\n"
+        self.proc = subprocess.Popen([self.binary, "-"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc.stdin.write(conf.encode())
+        self.proc.stdin.close()
         try:
             wait_port(self.port)
         except TimeoutError:
@@ -89,6 +112,45 @@ class RedisProcess:
             self.proc = None
 
 
+@functools.cache
+def cluster_identity():
+    """This process's throw-away cluster identity (services.tls.ClusterFiles): a CA, a
+    certificate per role and a Redis password, minted once, removed at exit."""
+    import tempfile
+    from services.tls import write_cluster_files
+    directory = tempfile.mkdtemp(prefix="pdserve-certs-")
+    atexit.register(shutil.rmtree, directory, True)
+    return write_cluster_files(directory)
+
+
+def worker_channel(address: str, role: str = "gateway", identity=None):
+    """A grpc.aio channel to a service of a cluster, with ``identity``'s certificate of
+    ``role`` (None: plaintext, for an insecure cluster)."""
+    import grpc
+    if identity is None:
+        return grpc.aio.insecure_channel(address)
+    from services.tls import CLUSTER_NAME
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+    creds = grpc.ssl_channel_credentials(read(identity.ca_file), read(identity.key(role)),
+                                         read(identity.cert(role)))
+    return grpc.aio.secure_channel(address, creds,
+                                   options=[("grpc.ssl_target_name_override", CLUSTER_NAME)])
+
+
+def operator_channels(address: str) -> list:
+    """Ways to open a channel to a worker of a local cluster, to try in turn: as an operator
+    with this process's cluster identity (when one was minted), then plaintext."""
+    import grpc
+    makers = []
+    if cluster_identity.cache_info().currsize:
+        makers.append(lambda: worker_channel(address, "operator", cluster_identity()))
+    makers.append(lambda: grpc.aio.insecure_channel(address))
+    return makers
+
+
 @dataclass(eq=False)  # a process: equal only to itself (hashable)
 class Service:
     kind: str  # gateway | prefill | decode | colocated
@@ -96,6 +158,7 @@ class Service:
     address: str = ""
     worker_id: str = ""
     metrics_port: int = 0  # Prometheus /metrics port (LocalCluster(metrics=True))
+    http_port: int = 0  # a gateway's OpenAI HTTP port (LocalCluster(http_port=...))
     log: list[str] = field(default_factory=list)
     args: list[str] = field(default_factory=list)  # its command-line flags (for a restart)
     restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts
@@ -121,6 +184,8 @@ def _pump(svc: Service, ready: threading.Event, echo: bool) -> None:
                     svc.worker_id = p.split("=", 1)[1]
                 elif p.startswith("metrics="):
                     svc.metrics_port = int(p.split("=", 1)[1])
+                elif p.startswith("http="):
+                    svc.http_port = int(p.split("=", 1)[1])
             ready.set()
 
 
@@ -164,8 +229,12 @@ class LocalCluster:
                  gateway_args: tuple[str, ...] = (), env: dict | None = None, echo: bool = False,
                  startup_timeout_s: float = 180.0, metrics: bool = False,
                  devices: dict[str, list[str]] | None = None,
-                 role_args: dict[str, tuple[str, ...]] | None = None):
+                 role_args: dict[str, tuple[str, ...]] | None = None, secure: bool = True,
+                 http_port: int | None = None):
         self.model = model
+        self.secure = secure
+        self.identity = cluster_identity() if secure else None
+        self.http_port = http_port  # the gateway's OpenAI HTTP API: None off, 0 a free port
         self.counts = {"prefill": prefill, "decode": decode, "colocated": colocated}
         self.role_args = {role: tuple(a) for role, a in (role_args or {}).items()}
         self.devices = _check_devices(devices, self.counts, worker_args, self.role_args)
@@ -190,8 +259,26 @@ class LocalCluster:
         return self.gateway.address if self.gateway else ""
 
     @property
+    def http_address(self) -> str:
+        """The gateway's OpenAI HTTP API as host:port ("" when off)."""
+        if not (self.gateway and self.gateway.http_port):
+            return ""
+        return f"127.0.0.1:{self.gateway.http_port}"
+
+    @property
     def redis_url(self) -> str:
-        return self.redis.url if self.redis else ""
+        """Redis with its password in the URL (in-process clients, tests)."""
+        return self.redis.client_url if self.redis else ""
+
+    def security_args(self, role: str) -> list[str]:
+        """A service's identity flags: its certificate and the Redis password file, or
+        --insecure."""
+        return self.identity.flags(role) if self.identity is not None else ["--insecure"]
+
+    def worker_channel(self, address: str, role: str = "gateway"):
+        """A grpc.aio channel to a worker as a service of ``role`` would open it (tests,
+        operators: ``role="operator"`` may call Stats)."""
+        return worker_channel(address, role, self.identity)
 
     def _spawn(self, kind: str, args: list[str]) -> Service:
         if self.metrics:
@@ -243,6 +330,7 @@ class LocalCluster:
             args += ["--kv-backend", self.kv_backend]
         if self.redis:
             args += ["--redis-url", self.redis.url]
+        args += self.security_args(role)
         device = self.device_for(role, index)
         extra = [*self.worker_args, *self.role_args.get(role, ())]
         if device is not None:
@@ -263,10 +351,12 @@ class LocalCluster:
     def gateway_cmd_args(self) -> list[str]:
         """The gateway's flags: Redis when the cluster has it, else the started workers."""
         args = ["--model", self.model, "--host", "127.0.0.1", "--port", str(self.gateway_port),
-                "--log-format", "text", "--log-level", "WARNING"]
+                "--log-format", "text", "--log-level", "WARNING", "--http-port",
+                str(0 if self.http_port is None else self.http_port or free_port())]
         if self.redis:
             args += ["--redis-url", self.redis.url]
-        elif not self.use_redis:
+        args += self.security_args("gateway")
+        if not self.redis and not self.use_redis:
             dec = [w.address for w in self.workers if w.kind in ("decode", "colocated")]
             pre = [w.address for w in self.workers if w.kind == "prefill"]
             args += ["--decode-addrs", ",".join(dec)]
@@ -284,7 +374,11 @@ class LocalCluster:
 
     def start(self) -> "LocalCluster":
         if self.use_redis:
-            self.redis = RedisProcess()
+            password = None
+            if self.identity is not None:
+                with open(self.identity.redis_password_file) as f:
+                    password = f.read().strip()
+            self.redis = RedisProcess(password=password)
             self.redis.start()
         new = []
         for role, n in self.counts.items():
@@ -302,7 +396,7 @@ class LocalCluster:
     def wait_workers_registered(self, timeout_s: float = 15.0) -> None:
         """Block until the registry lists every live worker (the gateway refreshes each 1 s)."""
         import redis as redis_sync
-        r = redis_sync.Redis.from_url(self.redis.url)
+        r = redis_sync.Redis.from_url(self.redis.client_url)
         want = {w.worker_id for w in self.workers if w.alive}
         deadline = time.monotonic() + timeout_s
         try:

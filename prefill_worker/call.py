@@ -19,16 +19,18 @@ import asyncio
 from dataclasses import dataclass
 import logging
 import time
-import uuid
 
 import grpc
 
+from engine.async_engine import EngineDeadError
 from engine.request import FinishReason
 from kvtransfer import TransferState
-from services.kv_proto import layout_from_proto
+from pdcore.ids import new_id
+from services.kv_proto import heads_from_proto, layout_from_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2
 from services import telemetry, validation
 from services.logging_setup import request_context
+from services.membership import NotMember
 from services.protocol import top_logprobs_to_proto
 from services.validation import InvalidRequest
 
@@ -83,7 +85,7 @@ class PrefillCall:
     def __init__(self, env: PrefillEnv, request, context) -> None:
         self.env, self.request, self.context = env, request, context
         self.label = request.request_id
-        self.rid = uuid.uuid4().hex
+        self.rid = new_id()
         self.log_id = self.label[:64] or self.rid  # logs: the caller's id (every hop's)
         self.span = telemetry.server_span("prefill", context, {
             "pdserve.request_id": self.label, "pdserve.internal_id": self.rid,
@@ -112,6 +114,7 @@ class PrefillCall:
                              telemetry.trace_id(self.span, self.context)):
             try:
                 self.req = self._validate()
+                await self._admit_receiver()
                 resp = await self._serve()
                 outcome = "ok"
                 return resp
@@ -119,6 +122,9 @@ class PrefillCall:
                 await self.context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
             except _Refused as e:
                 await self.context.abort(e.code, str(e))
+            except EngineDeadError as e:  # e.g. a tensor-parallel rank died
+                await self.context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker's engine "
+                                         f"failed: {validation.clip(str(e), 300)}")
             finally:
                 self.env.metrics.requests.labels("prefill", outcome).inc()
                 self.span.end()
@@ -145,6 +151,13 @@ class PrefillCall:
         self._check_layout(kv.layout)
         return _Request(ids, outs, sp, kv, sender, self._block_count(kv, len(ids) + len(outs)))
 
+    async def _admit_receiver(self) -> None:
+        """The receiver must be a cluster member's (services/membership.py)."""
+        try:
+            await self.env.runtime.members.admit(self.req.kv.receiver_endpoint, "receiver")
+        except NotMember as e:
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
+
     def _check_layout(self, pb) -> None:
         try:
             layout = layout_from_proto(pb)
@@ -153,6 +166,14 @@ class PrefillCall:
         if layout != self.env.layout:
             raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
                            "KV layout of the decode worker does not match this worker's")
+        # blocks carry every KV head whatever either side's TP size (engine.parallel.driver)
+        tp, start, end = heads_from_proto(pb)
+        mine = self.env.engine.kv_heads
+        if (start, end) != (0, layout.num_kv_heads) or mine != (0, layout.num_kv_heads):
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"KV heads differ: the decode worker (TP {tp}) takes heads "
+                           f"[{start}, {end}), this worker sends [{mine[0]}, {mine[1]}) of "
+                           f"{layout.num_kv_heads}")
 
     def _block_count(self, kv, num_tokens: int) -> int:
         prompt_blocks = -(-num_tokens // self.env.layout.block_size)

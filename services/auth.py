@@ -8,16 +8,21 @@ UNAUTHENTICATED and a message saying what was wrong, before any work is done. Ke
 in constant time. Without keys nothing is checked (a local cluster, or a gateway behind a proxy
 that authenticates).
 
+A key may be stored as its hash, ``sha256:<64 hex digits>`` (``pdserve hash-key`` prints it):
+the gateway then never holds the key itself, and a leaked key file grants nothing.
+
 Clients (:func:`pdserve.client.channel`) add the header from ``PDSERVE_API_KEY`` or their
-``--api-key`` option. The workers' RPCs are internal (decode -> prefill, gateway -> workers) and
-are meant to be reachable only inside the cluster's network.
+``--api-key`` option. The workers' RPCs are internal (decode -> prefill, gateway -> workers):
+they admit only callers with a cluster certificate of the right role (services/tls.py).
 """
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
+import hashlib
 import hmac
 import logging
 from pathlib import Path
+import re
 
 import grpc
 
@@ -43,7 +48,13 @@ def load_api_keys(keys: Iterable[str] = (), key_file: str = "") -> tuple[str, ..
     for k in out:
         if any(c.isspace() for c in k):
             raise ValueError("an API key must not contain whitespace")
+        if k.startswith(HASH_PREFIX) and not _HASH.fullmatch(k):
+            raise ValueError("a stored key hash must be sha256: and 64 hex digits")
     return tuple(dict.fromkeys(out))
+
+
+HASH_PREFIX = "sha256:"
+_HASH = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 def presented_key(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
@@ -61,21 +72,40 @@ def presented_key(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | N
     return None
 
 
+class ApiKeys:
+    """The configured keys, plain or stored as ``sha256:`` hashes: the one check both fronts
+    (gRPC's interceptor, the HTTP API) use."""
+
+    def __init__(self, keys: Iterable[str]):
+        keys = list(keys)
+        self._keys = [k.encode() for k in keys if not _HASH.fullmatch(k)]
+        self._hashes = [bytes.fromhex(k[len(HASH_PREFIX):]) for k in keys if _HASH.fullmatch(k)]
+
+    def __bool__(self) -> bool:
+        return bool(self._keys or self._hashes)
+
+    def valid(self, key: str) -> bool:
+        given = key.encode()
+        digest = hashlib.sha256(given).digest()
+        ok = False
+        for k in self._keys:  # no early exit: the time does not depend on which key matched
+            ok |= hmac.compare_digest(given, k)
+        for h in self._hashes:
+            ok |= hmac.compare_digest(digest, h)
+        return ok
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Ends every non-exempt RPC without a valid key with UNAUTHENTICATED."""
 
     def __init__(self, keys: Iterable[str], on_reject: Callable[[str], None] | None = None):
-        self._keys = [k.encode() for k in keys]
-        if not self._keys:
+        self._check = ApiKeys(keys)
+        if not self._check:
             raise ValueError("ApiKeyInterceptor needs at least one key")
         self._on_reject = on_reject
 
     def _valid(self, key: str) -> bool:
-        given = key.encode()
-        ok = False
-        for k in self._keys:  # no early exit: the time does not depend on which key matched
-            ok |= hmac.compare_digest(given, k)
-        return ok
+        return self._check.valid(key)
 
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails],

@@ -61,6 +61,17 @@ def _check_address(a: str) -> None:
         raise ValueError(f"expected host:port, got {a!r}")
 
 
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost."""
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _port(default: int, help: str) -> Any:
     return setting(default, help, ge=0, le=65535)
 
@@ -69,11 +80,21 @@ def _port(default: int, help: str) -> Any:
 class ServiceSettings:
     """What every service has: its gRPC server, Redis, shutdown, metrics and logs."""
 
-    host: str = setting("0.0.0.0", "address to bind")
+    host: str = setting("", "address to bind (default: every interface, 0.0.0.0, with "
+                            "certificates or --insecure; else 127.0.0.1: without "
+                            "certificates a service binds loopback only unless --insecure)")
     port: int = _port(50051, "gRPC port (0: any free port)")
     redis_url: str = setting("", "Redis for the worker registry and the prefix index "
                                  "(redis://, rediss:// or unix://; a password in it is never "
                                  "shown); empty: none")
+    redis_username: str = setting("", "Redis ACL user (empty: the default user)")
+    redis_password: str = setting("", "Redis password: from PDSERVE_REDIS_PASSWORD or the "
+                                      "config file only (refused as a flag: flags show in "
+                                      "ps); prefer redis_password_file", secret=True)
+    redis_password_file: str = setting("", "file holding the Redis password (a mounted "
+                                           "Secret)")
+    redis_tls_ca_file: str = setting("", "rediss://: CA that signed the Redis server's "
+                                         "certificate (default: the system's CAs)")
     namespace: str = setting("pdserve", "Redis key prefix")
     redis_timeout_s: float = setting(0.25, "Redis connect/read timeout", gt=0.0)
     grace_s: float = setting(10.0, "shutdown: time in-flight requests get to finish", ge=0.0)
@@ -84,6 +105,15 @@ class ServiceSettings:
     metrics_port: int = _port(0, "Prometheus /metrics port (0: off)")
     log_level: str = setting("INFO", "log level", choices=LOG_LEVELS)
     log_format: str = setting("json", "log lines: json or text", choices=LOG_FORMATS)
+    tls_ca_file: str = setting("", "mutual TLS between services: the cluster CA certificate "
+                                   "(PEM); with tls_cert_file and tls_key_file (reloaded when "
+                                   "they change; docs/security.md)")
+    tls_cert_file: str = setting("", "this service's certificate (PEM, signed by the cluster "
+                                     "CA, carrying its role)")
+    tls_key_file: str = setting("", "this service's private key (PEM)")
+    insecure: bool = setting(False, "no TLS between services, no role or membership checks, "
+                                    "unsigned registry entries, any bind address: trust the "
+                                    "network (an explicit choice, logged as a warning)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "log_level", str(self.log_level).upper())
@@ -92,6 +122,51 @@ class ServiceSettings:
                                                               "unix://")):
             raise SettingError("redis_url", "redis_url must start with redis://, rediss:// or "
                                             "unix://")
+        self._check_security()
+
+    @property
+    def tls(self) -> bool:
+        """Whether this service has its cluster certificate (mutual TLS)."""
+        return bool(self.tls_cert_file)
+
+    def _check_security(self) -> None:
+        given = [bool(getattr(self, n)) for n in ("tls_ca_file", "tls_cert_file",
+                                                   "tls_key_file")]
+        if any(given) and not all(given):
+            raise SettingError("tls_cert_file", "tls_ca_file, tls_cert_file and tls_key_file "
+                                                "go together")
+        if self.tls and self.insecure:
+            raise SettingError("insecure", "insecure and tls_cert_file exclude each other")
+        if not self.host:
+            object.__setattr__(self, "host", "0.0.0.0" if self.tls or self.insecure
+                               else "127.0.0.1")
+        if not (self.tls or self.insecure or is_loopback(self.host)):
+            raise SettingError("host", (
+                f"host {self.host!r} is not a loopback address: without certificates "
+                f"(tls_ca_file, tls_cert_file, tls_key_file) a service binds loopback "
+                f"only; give certificates, or --insecure to serve plaintext there"))
+        if self.redis_tls_ca_file and not self.redis_url.startswith("rediss://"):
+            raise SettingError("redis_tls_ca_file", "redis_tls_ca_file needs a rediss:// "
+                                                    "redis_url")
+        if self.redis_password and self.redis_password_file:
+            raise SettingError("redis_password", "redis_password and redis_password_file "
+                                                 "exclude each other")
+
+    def redis_auth(self) -> dict[str, str]:
+        """Redis client keywords: the user and password (read from its file now) and the
+        rediss:// CA; {} when none is set."""
+        from services.tls import read_secret_file
+        kw = {}
+        password = self.redis_password
+        if self.redis_password_file:
+            password = read_secret_file(self.redis_password_file, "redis_password_file")
+        if password:
+            kw["password"] = password
+        if self.redis_username:
+            kw["username"] = self.redis_username
+        if self.redis_tls_ca_file:
+            kw["ssl_ca_certs"] = self.redis_tls_ca_file
+        return kw
 
     def __repr__(self) -> str:  # secrets and URL passwords redacted
         from pdcore.config_tree import flat, redact
@@ -137,7 +212,14 @@ class GatewaySettings(ServiceSettings):
     api_keys: tuple[str, ...] = setting(
         (), "accepted client API keys (prefer PDSERVE_API_KEYS or api_key_file: flags show in "
             "ps); none: no auth", secret=True)
-    api_key_file: str = setting("", "file with one accepted client API key per line")
+    api_key_file: str = setting("", "file with one accepted client API key per line (a "
+                                    "line may hold a key's hash instead: sha256:<hex>, "
+                                    "pdserve hash-key)")
+    client_tls_cert_file: str = setting("", "TLS on the client port: the gateway's "
+                                            "certificate (PEM); empty: plaintext")
+    client_tls_key_file: str = setting("", "TLS on the client port: its private key (PEM)")
+    client_tls_ca_file: str = setting("", "TLS on the client port: also require a client "
+                                          "certificate signed by this CA (beside API keys)")
     max_message_bytes: int = setting(
         4 * 1024 * 1024, "largest gRPC message a client may send (bigger: RESOURCE_EXHAUSTED "
                          "before it is parsed); above max_prompt_bytes", ge=1024, unit="bytes")
@@ -161,6 +243,14 @@ class GatewaySettings(ServiceSettings):
     key_max_tokens_per_s: float = setting(0.0, "prompt + completion tokens per second one API "
                                                "key may use, averaged over 10 s (0: no limit)",
                                           ge=0.0)
+    http_port: int = _port(8000, "OpenAI-compatible HTTP API port, bound on host like the "
+                                 "gRPC port (0: off)")
+    served_model_name: str = setting("", "model name the HTTP API lists and accepts besides "
+                                         "the model's own id (empty: the model's id only)")
+    http_max_body_bytes: int = setting(
+        8 * 1024 * 1024, "largest HTTP request body (bigger: 413 before it is parsed; JSON "
+                         "escapes make it larger than the gRPC message)", ge=1024,
+        unit="bytes")
     limits: RequestLimits = section(RequestLimits, "request limits")
 
     def __post_init__(self) -> None:
@@ -180,6 +270,12 @@ class GatewaySettings(ServiceSettings):
                     raise SettingError(name, f"{name}: {e}") from None
         from services.auth import load_api_keys
         load_api_keys(self.api_keys, self.api_key_file)  # readable, well-formed
+        if bool(self.client_tls_cert_file) != bool(self.client_tls_key_file):
+            raise SettingError("client_tls_cert_file", "client_tls_cert_file and "
+                                                       "client_tls_key_file go together")
+        if self.client_tls_ca_file and not self.client_tls_cert_file:
+            raise SettingError("client_tls_ca_file", "client_tls_ca_file needs "
+                                                     "client_tls_cert_file")
 
 
 @dataclass(frozen=True, repr=False)
@@ -201,6 +297,10 @@ class WorkerSettings(ServiceSettings):
                 f"auto: none for colocated, {DEFAULT_KV_BACKENDS['cuda']} on a GPU, "
                 f"{DEFAULT_KV_BACKENDS['cpu']} on the CPU")
     kv_host: str = setting("", "KV receiver bind host (default: host)")
+    peer_addrs: tuple[str, ...] = setting(
+        (), "without Redis: the cluster members this worker may dial (prefill workers' "
+            "host:port, decode workers' KV endpoints such as tcp://host:port); with Redis the "
+            "registry says")
     kv_port: int = _port(0, "KV receiver port (0: any free port; several backends count up)")
     transfer_timeout_s: float = setting(30.0, "KV transfer timeout (never past the request's "
                                               "deadline)", gt=0.0)
@@ -219,6 +319,9 @@ class WorkerSettings(ServiceSettings):
             raise SettingError("engine", "engine must be an EngineConfig")
         if not isinstance(self.limits, RequestLimits):
             raise SettingError("limits", "limits must be a RequestLimits")
+        if self.kv_host and not (self.tls or self.insecure or is_loopback(self.kv_host)):
+            raise SettingError("kv_host", f"kv_host {self.kv_host!r} is not a loopback "
+                                          f"address: give certificates or --insecure")
         if self.heartbeat_s >= self.registry_ttl_s:
             raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be shorter than "
                              f"registry_ttl_s ({self.registry_ttl_s})")
@@ -290,8 +393,21 @@ def gateway_settings(argv: Sequence[str] | None = None,
     """The gateway's settings from flags (``argv``; None: sys.argv[1:]) and ``env``."""
     import sys
     argv = sys.argv[1:] if argv is None else argv
-    return build(GatewaySettings, roots=ROOTS, argv=argv, env=env, sections=("gateway",),
-                 prog="pdserve gateway")[0]
+    s, values = build(GatewaySettings, roots=ROOTS, argv=argv, env=env, sections=("gateway",),
+                      prog="pdserve gateway")
+    _no_secret_flags(values)
+    return s
+
+
+# secrets a flag must not carry (ps shows every process's command line)
+FLAG_REFUSED = ("redis_password",)
+
+
+def _no_secret_flags(values) -> None:
+    for name in FLAG_REFUSED:
+        if name in values and values[name][1].startswith("--"):
+            raise ConfigError(f"{name} is never taken from the command line (ps shows it): "
+                              f"use PDSERVE_{name.upper()} or {name}_file")
 
 
 def worker_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
@@ -309,6 +425,7 @@ def worker_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | 
     s, values = one(role)
     if s.role != role:  # set by --role, PDSERVE_ROLE or the file: its table applies instead
         s, values = one(s.role)
+    _no_secret_flags(values)
     return resolve_worker(s, values) if resolve else s
 
 

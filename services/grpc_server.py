@@ -77,7 +77,10 @@ class GrpcServer:
     def __init__(self, service_names: Sequence[str], *, host: str = "0.0.0.0", port: int = 0,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, grace_s: float = 5.0,
                  drain_delay_s: float = 0.0,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 credentials: grpc.ServerCredentials | None = None):
+        """``credentials``: serve TLS with them (services/tls.py: mutual TLS between
+        services, or the gateway's client-port certificate); None: plaintext."""
         if grace_s < 0 or drain_delay_s < 0:
             raise ValueError("grace_s and drain_delay_s must be >= 0")
         self.service_names = list(service_names)
@@ -86,6 +89,7 @@ class GrpcServer:
         self.port: int | None = None
         self.grace_s = grace_s
         self.drain_delay_s = drain_delay_s
+        self.credentials = credentials
         # innermost: a malformed request is refused before any handler (or a refusing
         # interceptor's handler) sees it
         self.server = grpc.aio.server(options=grpc_options(max_message_bytes),
@@ -118,13 +122,18 @@ class GrpcServer:
     async def start(self) -> int:
         """Bind, start and mark every service SERVING. Returns the bound port."""
         bind = f"{self.host}:{self.requested_port}"
-        self.port = self.server.add_insecure_port(bind)
+        if self.credentials is not None:
+            self.port = self.server.add_secure_port(bind, self.credentials)
+        else:
+            self.port = self.server.add_insecure_port(bind)
         if not self.port:
             raise OSError(f"could not bind gRPC server to {bind}")
         await self.server.start()
         for name in ("", *self.service_names):
             await self.health.set(name, SERVING)
-        logger.info("gRPC server on %s serving %s", self.address, ", ".join(self.service_names))
+        logger.info("gRPC server on %s (%s) serving %s", self.address,
+                    "TLS" if self.credentials is not None else "plaintext",
+                    ", ".join(self.service_names))
         return self.port
 
     async def set_serving(self, serving: bool, service: str = "") -> None:
@@ -214,21 +223,47 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 
 
 class ChannelPool:
-    """One client channel per peer address, shared by every call to that peer."""
+    """One client channel per peer address, shared by every call to that peer.
 
-    def __init__(self, stub_cls: type, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+    With ``tls`` (a :class:`services.tls.ClusterTls`) channels are mutual TLS: this
+    service's certificate, the cluster CA, and the peer must show a certificate for the
+    cluster name (whatever address was dialled). When the certificate files are rotated,
+    the next call to a peer opens a new channel with the new ones; the old channel stays
+    open for the calls still on it (closed with the pool)."""
+
+    def __init__(self, stub_cls: type, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 tls=None):
         self.stub_cls = stub_cls
         self.options = grpc_options(max_message_bytes)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.tls = tls
+        self._channels: dict[str, tuple[grpc.aio.Channel, int]] = {}
+        self._retired: list[grpc.aio.Channel] = []
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        entry = self._channels.get(address)
+        if self.tls is None:
+            if entry is None:
+                entry = (grpc.aio.insecure_channel(address, options=self.options), 0)
+                self._channels[address] = entry
+            return entry[0]
+        generation = self.tls.material().generation
+        if entry is None or entry[1] != generation:
+            if entry is not None:
+                self._retired.append(entry[0])
+            creds, generation = self.tls.channel_credentials()
+            entry = (grpc.aio.secure_channel(
+                address, creds,
+                options=[*self.options,
+                         ("grpc.ssl_target_name_override", self.tls.server_hostname)]),
+                generation)
+            self._channels[address] = entry
+        return entry[0]
 
     def stub(self, address: str):
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=self.options)
-            self._channels[address] = ch
-        return self.stub_cls(ch)
+        return self.stub_cls(self.channel(address))
 
     async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
+        channels = [ch for ch, _ in self._channels.values()] + self._retired
+        self._channels, self._retired = {}, []
         for ch in channels:
             await ch.close()

@@ -15,7 +15,16 @@ def layout_from_proto(pb: common_pb2.KVLayout) -> KVLayout:
     return KVLayout(pb.num_layers, pb.num_kv_heads, pb.head_dim, pb.block_size, pb.dtype)
 
 
-def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
+def layout_to_proto(layout: KVLayout, tensor_parallel_size: int = 1,
+                    kv_heads: tuple[int, int] | None = None) -> common_pb2.KVLayout:
+    """``kv_heads``: the model's KV heads ``[start, end)`` the blocks carry (default: all)."""
+    start, end = kv_heads or (0, layout.num_kv_heads)
     return common_pb2.KVLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
                                head_dim=layout.head_dim, block_size=layout.block_size,
-                               dtype=layout.dtype)
+                               dtype=layout.dtype, tensor_parallel_size=tensor_parallel_size,
+                               kv_head_start=start, kv_head_end=end)
+
+
+def heads_from_proto(pb: common_pb2.KVLayout) -> tuple[int, int, int]:
+    """(tensor_parallel_size, first KV head, end KV head) of a layout, defaults filled in."""
+    return (pb.tensor_parallel_size or 1, pb.kv_head_start, pb.kv_head_end or pb.num_kv_heads)

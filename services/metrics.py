@@ -102,6 +102,9 @@ class GatewayMetrics:
         self.rejections = Counter("pdserve_admission_rejections", "Requests refused before "
                                   "routing, by reason (key_concurrency, key_rate, "
                                   "tokenizer_queue, capacity)", ["reason"], registry=r)
+        self.http_requests = Counter("pdserve_http_requests", "Answers of the OpenAI HTTP "
+                                     "front by route (chat, completion, models, other) and "
+                                     "HTTP status", ["route", "status"], registry=r)
         for mode in ROUTE_MODES:
             self.routes.labels(mode)  # exported as 0 before the first decision
 

@@ -135,7 +135,7 @@ class PrefixIndex:
     """Client of the index of one model. Safe to share within one event loop."""
 
     def __init__(self, url: str, model: str, *, namespace: str = DEFAULT_NAMESPACE,
-                 timeout_s: float = 0.25, cooldown_s: float = 0.5):
+                 timeout_s: float = 0.25, cooldown_s: float = 0.5, auth: dict | None = None):
         if not model:
             raise ValueError("model is required (it namespaces the index)")
         self.model = model
@@ -143,7 +143,7 @@ class PrefixIndex:
         self.prefix = f"{namespace}:idx:{model}:"
         self._worker_prefix = worker_key(namespace, "")
         self.conn = RedisConn(url, timeout_s=timeout_s, cooldown_s=cooldown_s,
-                              error_cls=IndexUnavailable, name="prefix-index")
+                              error_cls=IndexUnavailable, name="prefix-index", auth=auth)
         c = self.conn.client
         self._lookup = c.register_script(_LOOKUP_LUA)
         self._publish = c.register_script(_PUBLISH_LUA)

@@ -8,6 +8,9 @@ keep serving with load-only routing, so a call must never hang. Every call here:
   restart is replaced by the retry);
 * raises :class:`RedisUnavailable` (or the subclass the caller chose) on any connection error,
   timeout, server still loading, or read-only replica (after a failover);
+* authenticates (``auth``: ``password``, ``username``, and ``ssl_ca_certs`` for rediss://)
+  from the service's settings, never from a URL on a command line; a URL is shown (logs,
+  errors) with any password in it cut out (:func:`shown_url`);
 * after a failure, fails immediately for ``cooldown_s`` (default 0.5 s) without touching the
   network (a small circuit breaker), so a black-holed Redis costs one timeout per cooldown, not
   one per request. The first call after the cooldown tries again: recovery is automatic.
@@ -36,6 +39,12 @@ class RedisUnavailable(Exception):
     """Redis could not be reached (or answered too slowly); the caller should degrade."""
 
 
+def shown_url(url: str) -> str:
+    """``url`` with a password in it replaced by ``<redacted>`` (logs, errors)."""
+    from pdcore.config_tree import redact_url
+    return redact_url(url)
+
+
 def worker_key(namespace: str, worker_id: str) -> str:
     """The registry key of one worker; its existence is the definition of "alive"."""
     return f"{namespace}:worker:{worker_id}"
@@ -45,10 +54,11 @@ class RedisConn:
     """One ``redis.asyncio.Redis`` pool plus the fail-fast policy above."""
 
     def __init__(self, url: str, *, timeout_s: float = 0.25, cooldown_s: float = 0.5,
-                 error_cls: type[RedisUnavailable] = RedisUnavailable, name: str = "redis"):
+                 error_cls: type[RedisUnavailable] = RedisUnavailable, name: str = "redis",
+                 auth: dict | None = None):
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
-        self.url = url
+        self.url = shown_url(url)  # only ever shown; the client keeps the real one
         self.name = name
         self.cooldown_s = cooldown_s
         self.error_cls = error_cls
@@ -58,6 +68,7 @@ class RedisConn:
             socket_timeout=timeout_s,
             retry=Retry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,)),
             decode_responses=True,
+            **(auth or {}),
         )
         self._down_until = 0.0
         self._down_logged = False
@@ -73,6 +84,14 @@ class RedisConn:
             raise self.error_cls(f"{self.name}: Redis at {self.url} is unavailable (cooling down)")
         try:
             result = await fn(self.client)
+        except rexc.AuthenticationError as e:  # wrong or missing password: say so, degrade
+            self._down_until = time.monotonic() + self.cooldown_s
+            if not self._down_logged:
+                logger.error("%s: Redis at %s refused our credentials: %s", self.name,
+                             self.url, e)
+                self._down_logged = True
+            raise self.error_cls(f"{self.name}: Redis at {self.url} refused our "
+                                 f"credentials: {e}") from e
         except (rexc.ConnectionError, rexc.TimeoutError, rexc.ReadOnlyError, OSError) as e:
             task = asyncio.current_task()
             if task is not None and task.cancelling():

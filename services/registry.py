@@ -5,6 +5,7 @@ Key layout (``ns`` = namespace, default ``pdserve``)::
     {ns}:worker:{worker_id}   HASH  address, role, model, kv_endpoint, capacity, running,
                                     waiting, kv_free_blocks, kv_total_blocks, updated_ms
                                     PEXPIRE ttl (default 3 s)
+                                    (+ expires_ms, cert, sig: signed entries, below)
     {ns}:workers              SET   worker ids ever registered (an index for listing; members
                                     whose hash has expired are removed lazily by list_workers)
 
@@ -17,6 +18,14 @@ can re-publish state that went with it (e.g. its prefix-index entries).
 Listing is one round trip (a Lua script reads every member's hash). Worker ids must be unique per
 process incarnation (:func:`new_worker_id` appends a random suffix to host:port) so a restarted
 worker never inherits the index entries of its previous life.
+
+Signed entries (every cluster with certificates): the worker signs each write with its
+certificate's key (``signer``, a :class:`services.tls.ClusterTls`): the signature covers every
+field, the certificate included, and ``expires_ms`` (a few TTLs ahead). A reader with a
+``verifier`` lists only entries whose certificate the cluster CA signed, whose role is the
+certificate's, whose signature holds and whose expiry has not passed: a Redis writer without
+a cluster key can neither add a worker nor change where one is, and a replayed entry dies
+with its expiry.
 
 Redis being down never raises anything but :class:`RegistryUnavailable`, quickly
 (see services/redis_client.py); the heartbeat keeps retrying and re-registers on recovery.
@@ -57,6 +66,7 @@ class WorkerInfo:
     role: str  # "prefill" | "decode" | "colocated"
     model: str
     kv_endpoint: str = ""  # KV receiver endpoint (decode/colocated), backend specific
+    kv_endpoints: str = ""  # every KV receiver's endpoint (one per backend), comma-separated
     capacity: int = 0  # max running requests
     max_model_len: int = 0  # context limit (prompt + output tokens); 0: unknown
     running: int = 0
@@ -64,12 +74,19 @@ class WorkerInfo:
     kv_free_blocks: int = 0
     kv_total_blocks: int = 0
     updated_ms: int = 0  # wall-clock ms of the last write
+    expires_ms: int = 0  # signed entries: not to be believed after this wall-clock ms
+    cert: str = ""  # signed entries: the worker's certificate (PEM)
+    sig: str = ""  # signed entries: its signature over every other field
 
     def __post_init__(self) -> None:
         if not self.worker_id or not self.address:
             raise ValueError("worker_id and address are required")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+    def endpoints(self) -> set[str]:
+        """Every KV endpoint this worker receives on."""
+        return {e for e in (self.kv_endpoint, *self.kv_endpoints.split(",")) if e}
 
     def with_load(self, load: WorkerLoad) -> WorkerInfo:
         return replace(self, **asdict(load))
@@ -102,15 +119,26 @@ return out
 """
 
 
+SIGNED_TTLS = 3  # a signed entry expires this many TTLs after it was written
+
+
 class WorkerRegistry:
+    """``auth``: Redis credentials (:meth:`ServiceSettings.redis_auth`); ``signer``: signs
+    what :meth:`register` writes; ``verifier``: :meth:`list_workers` keeps only entries it
+    accepts (both :class:`services.tls.ClusterTls`)."""
+
     def __init__(self, url: str, *, namespace: str = DEFAULT_NAMESPACE, ttl_s: float = 3.0,
-                 timeout_s: float = 0.25, cooldown_s: float = 0.5):
+                 timeout_s: float = 0.25, cooldown_s: float = 0.5, auth: dict | None = None,
+                 signer=None, verifier=None):
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
         self.namespace = namespace
         self.ttl_ms = int(ttl_s * 1000)
+        self.signer = signer
+        self.verifier = verifier
+        self.refused: dict[str, str] = {}  # worker id -> why its entry was not believed
         self.conn = RedisConn(url, timeout_s=timeout_s, cooldown_s=cooldown_s,
-                              error_cls=RegistryUnavailable, name="registry")
+                              error_cls=RegistryUnavailable, name="registry", auth=auth)
         self._set_key = f"{namespace}:workers"
         self._list = self.conn.client.register_script(_LIST_LUA)
 
@@ -119,7 +147,13 @@ class WorkerRegistry:
 
     async def register(self, info: WorkerInfo) -> bool:
         """Write (or refresh) ``info`` with the TTL. Returns whether the key already existed."""
-        info = replace(info, updated_ms=int(time.time() * 1000))
+        now_ms = int(time.time() * 1000)
+        info = replace(info, updated_ms=now_ms)
+        if self.signer is not None:
+            from services.tls import entry_payload
+            info = replace(info, expires_ms=now_ms + SIGNED_TTLS * self.ttl_ms, sig="",
+                           cert=self.signer.cert_pem())
+            info = replace(info, sig=self.signer.sign(entry_payload(info.to_hash()))[1])
         key = self.key(info.worker_id)
 
         async def op(r):
@@ -159,9 +193,28 @@ class WorkerRegistry:
             except (ValueError, TypeError) as e:
                 logger.warning("ignoring malformed registry entry %s: %s", h.get("worker_id"), e)
                 continue
+            if self.verifier is not None and not self._believed(info, h):
+                continue
             if (role is None or info.role == role) and (model is None or info.model == model):
                 out.append(info)
         return sorted(out, key=lambda w: w.worker_id)
+
+    def _believed(self, info: WorkerInfo, h: dict[str, str]) -> bool:
+        """Whether the verifier accepts the entry (a refusal is logged once per worker)."""
+        from services.tls import TlsError, entry_payload
+        try:
+            self.verifier.check_entry(info.cert, entry_payload(h), info.sig, info.role,
+                                      info.expires_ms)
+        except TlsError as e:
+            if self.refused.get(info.worker_id) != str(e):
+                logger.warning("ignoring registry entry %s (address %s): %s", info.worker_id,
+                               info.address, e)
+            if len(self.refused) > 1024:
+                self.refused.clear()
+            self.refused[info.worker_id] = str(e)
+            return False
+        self.refused.pop(info.worker_id, None)
+        return True
 
     async def close(self) -> None:
         await self.conn.close()

@@ -11,7 +11,9 @@ Nothing is allocated for a request before these checks pass.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
+import json
 
 from engine.config import check_settings, setting
 from engine.request import SamplingParams
@@ -19,7 +21,8 @@ from protos.pdserve.v1 import common_pb2
 from services.protocol import sampling_from_proto
 
 ECHO_BYTES = 200  # at most this much of a client's value is quoted back in a message
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name")  # a dict message's keys besides role/content
 
 
 def _lim(default: int, help: str) -> int:
@@ -119,7 +122,13 @@ def check_messages(messages, limits: RequestLimits) -> list[dict[str, str]]:
             raise InvalidRequest(f"unknown chat role {clip(role, 40)} (one of "
                                  f"{', '.join(CHAT_ROLES)})")
         total += _nbytes(content)
-        out.append({"role": role, "content": content})
+        msg = {"role": role, "content": content}
+        if isinstance(m, dict):  # the HTTP front's tool calls and results, for the template
+            for k in TOOL_KEYS:
+                if m.get(k) is not None:
+                    msg[k] = m[k]
+                    total += _nbytes(json.dumps(m[k]))
+        out.append(msg)
     if total > limits.max_prompt_bytes:
         raise InvalidRequest(f"messages are longer than {limits.max_prompt_bytes} bytes")
     return out
@@ -154,10 +163,38 @@ def check_sampling_vocab(sp: SamplingParams, vocab_size: int) -> None:
                              f"[0, {vocab_size})")
 
 
+# SamplingParams fields of the proto whose engine side may not exist yet (issue 25's sampler
+# work), each with its "off" value: a request that turns one on before the engine's
+# SamplingParams has it is refused, never served without it
+_ENGINE_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                  "min_p": 0.0, "logit_bias": {}, "min_tokens": 0, "top_logprobs": 0, "n": 1,
+                  "constraint": None}
+
+
+def check_supported(pb: common_pb2.SamplingParams) -> None:
+    have = {f.name for f in dataclasses.fields(SamplingParams)}
+    for name, off in _ENGINE_FIELDS.items():
+        if name in have:
+            continue
+        if name == "constraint":
+            on = pb.HasField("constraint")
+        elif name == "n":
+            on = pb.n > 1
+        elif name == "logit_bias":
+            on = len(pb.logit_bias) > 0
+        elif name in ("min_tokens", "top_logprobs"):
+            on = getattr(pb, name) != off
+        else:  # optional fields: unset is off
+            on = pb.HasField(name) and getattr(pb, name) != off
+        if on:
+            raise InvalidRequest(f"sampling.{name} is not supported yet by this server")
+
+
 def sampling(pb: common_pb2.SamplingParams, limits: RequestLimits,
              default_max_tokens: int = 16) -> SamplingParams:
     """Checked sampling parameters of a request (limits first: nothing big is copied)."""
     check_sampling_lists(pb, limits)
+    check_supported(pb)
     try:
         return sampling_from_proto(pb, default_max_tokens)
     except InvalidRequest:

@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from protos.pdserve.v1 import common_pb2
 from services.config import WorkerSettings
 from services.prefix_index import IndexUnavailable, PrefixIndex
+from services.membership import Membership
 from services.registry import (Heartbeat, RegistryUnavailable, WorkerInfo, WorkerLoad,
                                WorkerRegistry, new_worker_id)
 from pdcore.tasks import cancel_and_wait
@@ -30,8 +31,12 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
 class WorkerRuntime:
     """Registry membership, index publishing and stats of one worker process."""
 
-    def __init__(self, settings: WorkerSettings, aengine, model_id: str, metrics=None):
+    def __init__(self, settings: WorkerSettings, aengine, model_id: str, metrics=None,
+                 tls=None):
+        """``tls``: this worker's :class:`services.tls.ClusterTls` (signs its registry
+        entry, checks the others'); None without certificates."""
         self.settings = settings
+        self.tls = tls
         self.metrics = metrics  # services.metrics.WorkerMetrics: gauges follow engine stats
         self.aengine = aengine
         self.model_id = model_id
@@ -42,6 +47,7 @@ class WorkerRuntime:
         self._load = WorkerLoad()
         self._tasks: list[asyncio.Task] = []
         self.registry = self.heartbeat = self.index = None
+        self.members = Membership(static=settings.peer_addrs, enforce=not settings.insecure)
         self._resync = True  # publish every cached block on the first successful round
 
     @property
@@ -51,28 +57,39 @@ class WorkerRuntime:
         config = getattr(engine, "config", None) or self.settings.engine
         return config.scheduler.max_num_seqs or 1
 
-    def _connect(self, address: str, kv_endpoint: str) -> None:
+    def _connect(self, address: str, kv_endpoints: tuple[str, ...]) -> None:
         settings = self.settings
         self.address = address
         self.worker_id = settings.worker_id or new_worker_id(address)
         if settings.redis_url:
-            kw = dict(namespace=settings.namespace, timeout_s=settings.redis_timeout_s)
-            self.registry = WorkerRegistry(settings.redis_url, ttl_s=settings.registry_ttl_s, **kw)
+            kw = dict(namespace=settings.namespace, timeout_s=settings.redis_timeout_s,
+                      auth=settings.redis_auth())
+            self.registry = WorkerRegistry(settings.redis_url, ttl_s=settings.registry_ttl_s,
+                                           signer=self.tls, verifier=self.tls, **kw)
+            self.members = Membership(self.registry, settings.peer_addrs,
+                                      enforce=not settings.insecure, model=self.model_id)
             info = WorkerInfo(worker_id=self.worker_id, address=address, role=settings.role,
-                              model=self.model_id, kv_endpoint=kv_endpoint,
+                              model=self.model_id,
+                              kv_endpoint=kv_endpoints[0] if kv_endpoints else "",
+                              kv_endpoints=",".join(kv_endpoints),
                               capacity=self.capacity,
                               max_model_len=self.aengine.engine.max_model_len)
             self.heartbeat = Heartbeat(self.registry, info, interval_s=settings.heartbeat_s,
                                        load_fn=lambda: self._load, on_lost=self._on_lost)
             if settings.role in ("prefill", "colocated"):
-                self.index = PrefixIndex(settings.redis_url, self.model_id, **kw)
+                kw.pop("auth")
+                self.index = PrefixIndex(settings.redis_url, self.model_id,
+                                         auth=settings.redis_auth(), **kw)
 
     def _on_lost(self) -> None:
         self._resync = True  # our key expired: the reaper may have dropped our index entries
 
-    async def start(self, address: str, kv_endpoint: str = "") -> None:
-        """Register as ``address`` (host:port others dial) and start publishing."""
-        self._connect(address, kv_endpoint)
+    async def start(self, address: str, kv_endpoints: tuple[str, ...] | str = ()) -> None:
+        """Register as ``address`` (host:port others dial) with the endpoints of its KV
+        receivers (preferred first) and start publishing."""
+        if isinstance(kv_endpoints, str):
+            kv_endpoints = (kv_endpoints,) if kv_endpoints else ()
+        self._connect(address, tuple(kv_endpoints))
         await self._refresh_load()
         if self.heartbeat is not None:
             await self.heartbeat.start()

@@ -128,8 +128,11 @@ def load_tokenizer(spec: str) -> Tokenizer | ByteTokenizer:
 
 
 def load_model(spec: str, dtype: "torch.dtype | None" = None, device: str = "cpu",
-               seed: int = 0, keep_packed: bool | None = None) -> LoadedModel:
+               seed: int = 0, keep_packed: bool | None = None, shard=None) -> LoadedModel:
     """Config, weights (in `dtype`, default float32, on `device`), tokenizer and model id.
+
+    shard: a callable ``ModelConfig -> engine.parallel.ShardPlan`` (tensor parallelism): only
+    that rank's slices of each weight are kept (and, from safetensors, read); no GGUF blocks.
 
     keep_packed: also keep GGUF Q4_1 / Q8_0 blocks (`LoadedModel.packed`); default: on for
     a float32 CPU load (the engine passes False when its kernels.cpu_packed is off)."""
@@ -144,7 +147,8 @@ def load_model(spec: str, dtype: "torch.dtype | None" = None, device: str = "cpu
         from engine.loader.dummy import dummy_config, random_weights
 
         config = dummy_config(location)
-        weights = random_weights(config, dtype, device, seed)
+        weights = random_weights(config, dtype, device, seed,
+                                 shard=shard(config) if shard else None)
         tokenizer: Tokenizer | ByteTokenizer = ByteTokenizer()
     elif kind == "gguf":
         from engine.loader.gguf_loader import (GGUFFile, gguf_config, gguf_tokenizer,
@@ -152,16 +156,18 @@ def load_model(spec: str, dtype: "torch.dtype | None" = None, device: str = "cpu
 
         if keep_packed is None:
             keep_packed = device == "cpu" and dtype == torch.float32
-        packed = {} if keep_packed else None
+        packed = {} if keep_packed and shard is None else None
         with GGUFFile(location) as g:  # weights own copies of their bytes: safe to close
             config = gguf_config(g)
-            weights = load_gguf_weights(g, config, dtype, device, packed=packed)
+            weights = load_gguf_weights(g, config, dtype, device, packed=packed,
+                                        shard=shard(config) if shard else None)
             tokenizer = gguf_tokenizer(g)
     else:
         from engine.loader.hf_loader import hf_config, hf_tokenizer, load_hf_weights
 
         config = hf_config(location)
-        weights = load_hf_weights(location, config, dtype, device)
+        weights = load_hf_weights(location, config, dtype, device,
+                                  shard=shard(config) if shard else None)
         tokenizer = hf_tokenizer(location, config)
     logger.info("loaded %s (%s, %d tensors, %s on %s) in %.2fs", model_id, kind, len(weights),
                 dtype, device, time.perf_counter() - t0)

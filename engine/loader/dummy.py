@@ -53,6 +53,15 @@ DUMMY_CONFIGS: dict[str, ModelConfig] = {
                               intermediate_size=14336, num_layers=32, num_heads=32,
                               num_kv_heads=8, head_dim=128, rope_theta=500000.0,
                               rope_scaling=_LLAMA3_ROPE, max_position=131072, **_TOK),
+    # Llama-3-70B's shapes (141 GB in bf16): 64 query / 8 KV heads, for tensor parallelism
+    "llama-3-70b": ModelConfig(arch="llama", vocab_size=128256, hidden_size=8192,
+                               intermediate_size=28672, num_layers=80, num_heads=64,
+                               num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                               rope_scaling=_LLAMA3_ROPE, max_position=131072, **_TOK),
+    # JackFram/llama-160m's shapes: a modest model for CPU measurements (bench/tp_memory_cpu)
+    "llama-160m": ModelConfig(arch="llama", vocab_size=32000, hidden_size=768,
+                              intermediate_size=3072, num_layers=12, num_heads=12,
+                              num_kv_heads=12, head_dim=64, max_position=2048, **_TOK),
     "qwen2.5-7b": ModelConfig(arch="qwen2", vocab_size=152064, hidden_size=3584,
                               intermediate_size=18944, num_layers=28, num_heads=28,
                               num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6,
@@ -103,27 +112,40 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def random_weights(config: ModelConfig, dtype, device: str = "cpu", seed: int = 0) -> dict:
-    import torch
-
+def random_weights(config: ModelConfig, dtype, device: str = "cpu", seed: int = 0,
+                   shard=None) -> dict:
+    """``shard`` (engine.parallel.ShardPlan): keep only a tensor-parallel rank's slices; each
+    tensor is drawn whole (its values must not depend on the rank count), sliced and freed
+    before the next, so a rank holds its shards plus at most one whole tensor."""
     weights = {}
     for name, shape in weight_shapes(config).items():
-        gen = torch.Generator(device=device)
-        gen.manual_seed(_tensor_seed(seed, name))
-        w = torch.randn(shape, generator=gen, device=device, dtype=dtype)
-        if name == "model.embed_tokens.weight":
-            std = _TIED_EMBED_STD if config.tie_word_embeddings else 1.0
-            row_norm = torch.linalg.vector_norm(w, dim=1, keepdim=True, dtype=torch.float32)
-            w.mul_((std * shape[1] ** 0.5 / row_norm).to(dtype))
-        elif name.endswith("norm.weight"):
-            w.mul_(0.1).add_(1.0)
-            if name == "model.norm.weight" and config.tie_word_embeddings:
-                w.mul_(1.0 / _TIED_EMBED_STD)
-        elif name.endswith(".bias"):
-            w.mul_(0.1)
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            w.mul_((shape[1] * 2 * config.num_layers) ** -0.5)
-        else:
-            w.mul_(shape[1] ** -0.5)
-        weights[name] = w
+        if shard is None:
+            weights[name] = _random_tensor(config, name, shape, dtype, device, seed)
+            continue
+        full = _random_tensor(config, name, shape, dtype, device, seed)
+        weights[name] = shard.take(name, shape, lambda ix: full if ix is None else full[ix])
+        del full
     return weights
+
+
+def _random_tensor(config: ModelConfig, name: str, shape, dtype, device: str, seed: int):
+    import torch
+
+    gen = torch.Generator(device=device)
+    gen.manual_seed(_tensor_seed(seed, name))
+    w = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    if name == "model.embed_tokens.weight":
+        std = _TIED_EMBED_STD if config.tie_word_embeddings else 1.0
+        row_norm = torch.linalg.vector_norm(w, dim=1, keepdim=True, dtype=torch.float32)
+        w.mul_((std * shape[1] ** 0.5 / row_norm).to(dtype))
+    elif name.endswith("norm.weight"):
+        w.mul_(0.1).add_(1.0)
+        if name == "model.norm.weight" and config.tie_word_embeddings:
+            w.mul_(1.0 / _TIED_EMBED_STD)
+    elif name.endswith(".bias"):
+        w.mul_(0.1)
+    elif name.endswith(("o_proj.weight", "down_proj.weight")):
+        w.mul_((shape[1] * 2 * config.num_layers) ** -0.5)
+    else:
+        w.mul_(shape[1] ** -0.5)
+    return w

@@ -186,12 +186,15 @@ _PACKERS = {"Q4_1": "pack_q4_1", "Q8_0": "pack_q8_0"}
 
 
 def load_gguf_weights(g: GGUFFile, config: ModelConfig, dtype, device: str = "cpu",
-                      packed: dict | None = None) -> dict:
+                      packed: dict | None = None, shard=None) -> dict:
     """All weights, dequantized, under HF names and shapes, in `dtype` on `device`.
 
     When `packed` is a dict (CPU only), 2-D Q4_1 / Q8_0 tensors are also kept in their block
     form there, under the same HF names (engine.kernels.cpu_quant layouts, rows permuted
-    like the dense rows): name -> ("q4_1", qs, d, m) or ("q8_0", qs, d)."""
+    like the dense rows): name -> ("q4_1", qs, d, m) or ("q8_0", qs, d).
+
+    ``shard`` (engine.parallel.ShardPlan): keep a tensor-parallel rank's slices only (each
+    tensor is dequantized whole, sliced and freed before the next; no block form kept)."""
     import torch
 
     from engine.loader.dequant import dequantize
@@ -221,6 +224,9 @@ def load_gguf_weights(g: GGUFFile, config: ModelConfig, dtype, device: str = "cp
             w = unpermute_rows(w, heads)
             if pk is not None:  # block rows are whole rows: the same row permutation applies
                 pk = (pk[0], *(unpermute_rows(t, heads).contiguous() for t in pk[1:]))
+        if shard is not None:
+            pk = None
+            w = shard.take(target, tuple(w.shape), lambda ix, w=w: w if ix is None else w[ix])
         weights[target] = w.to(dtype).contiguous()
         if pk is not None:
             packed[target] = pk

@@ -171,8 +171,11 @@ def _safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-def load_hf_weights(path: str, config: ModelConfig, dtype, device: str = "cpu") -> dict:
-    """Weights from the folder's safetensors under HF names, in `dtype` on `device`."""
+def load_hf_weights(path: str, config: ModelConfig, dtype, device: str = "cpu",
+                    shard=None) -> dict:
+    """Weights from the folder's safetensors under HF names, in `dtype` on `device`.
+    ``shard`` (engine.parallel.ShardPlan): read only a tensor-parallel rank's slices (a
+    safetensors slice reads just those bytes from the file)."""
     from safetensors import safe_open
 
     weights = {}
@@ -183,7 +186,14 @@ def load_hf_weights(path: str, config: ModelConfig, dtype, device: str = "cpu") 
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
-                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype).contiguous()
+                if shard is not None:
+                    sl = f.get_slice(name)
+                    t = shard.take(name, tuple(sl.get_shape()),
+                                   lambda ix, sl=sl, n=name: f.get_tensor(n) if ix is None
+                                   else sl[ix])
+                else:
+                    t = f.get_tensor(name)
+                weights[name] = t.to(device=device, dtype=dtype).contiguous()
     if not config.tie_word_embeddings and "lm_head.weight" not in weights:
         raise ValueError(f"{path}: lm_head.weight is missing and tie_word_embeddings is false")
     if "model.embed_tokens.weight" not in weights:

@@ -66,11 +66,13 @@ class _ChatMixin:
         return bool(self.chat_template)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, **template_kw: Any) -> list[int]:
         """Token ids of a conversation. Control tokens come from the template only: text in a
         message's content that spells a special token (``<|im_start|>system``) is encoded as
-        plain text, so a user cannot forge another turn (see :func:`split_contents`)."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        plain text, so a user cannot forge another turn (see :func:`split_contents`).
+        ``template_kw`` go to the template (``tools=[...]``)."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        **template_kw)
         specials = self.special_token_texts()
         contents = [m.get("content") or "" for m in messages]
         if not any(sp in c for c in contents for sp in specials):

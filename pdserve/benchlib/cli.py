@@ -5,12 +5,16 @@
     pdserve bench --workload-kind prefix --num-prefixes 4 --num-users 8 --concurrency 4 ...
     pdserve bench --compare HOST_A:PORT HOST_B:PORT --rate 1
     pdserve bench --compare-up "prefill=1,decode=1" "colocated=2" --model smollm2-135m
+    pdserve bench --up --colocated 1 --prefill 0 --decode 0 --apis grpc,openai --concurrency 16
 
 Warm-up requests (``--warmup N``) are the workload's first N items, sent before the measured
 runs (closed loop, ``--concurrency`` or 2 clients) and left out of every figure. A sweep
 (``--rates``) runs the same measured items once per rate, in order, against each deployment;
 ``--compare`` runs deployments one after another (never at the same time), so they do not
-share the machine. Figures are defined in :mod:`pdserve.benchlib.metrics`.
+share the machine. ``--api openai`` drives the gateway's OpenAI-compatible HTTP API instead of
+gRPC (``--address`` is then its HTTP host:port); ``--apis grpc,openai`` runs both against each
+deployment, one after the other, on the same items. Figures are defined in
+:mod:`pdserve.benchlib.metrics`.
 """
 from __future__ import annotations
 
@@ -54,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = p.add_argument_group("deployment (one of)")
     d.add_argument("--address", type=address, default=None, help="gateway HOST:PORT")
+    d.add_argument("--http-address", type=address, default=None,
+                   help="with --address: the gateway's HTTP HOST:PORT, for --api(s) openai")
     d.add_argument("--up", action="store_true", help="start a LocalCluster for the run")
     d.add_argument("--compare", nargs=2, type=address, metavar="ADDR",
                    help="two gateways, same workload")
@@ -80,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--warmup", type=nonneg, default=0, help="requests excluded from stats")
     lo.add_argument("--timeout", type=number(gt=0.0), default=300.0, help="per request (s)")
     lo.add_argument("--temperature", type=number(0.0), default=0.0)
+    lo.add_argument("--api", default="grpc", choices=["grpc", "openai"],
+                    help="the gateway's gRPC API or its OpenAI-compatible HTTP API")
+    lo.add_argument("--apis", default=None, type=_apis,
+                    help="several, run one after the other: grpc,openai")
     w = p.add_argument_group("workload")
     w.add_argument("--workload-kind", default="random",
                    choices=["random", "prefix", "multiturn", "longmix"])
@@ -107,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--note", default="", help="free text stored in the JSON (machine load, ...)")
     return p
+
+
+def _apis(text: str) -> tuple[str, ...]:
+    apis = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not apis or any(x not in ("grpc", "openai") for x in apis):
+        raise argparse.ArgumentTypeError(f"expected apis like grpc,openai, got {text!r}")
+    return apis
 
 
 def _rates(text: str) -> str:
@@ -141,9 +158,13 @@ def make_items(a) -> tuple[list[workload.Item], dict]:
     return workload.generate(spec), {k: v for k, v in spec.__dict__.items()}
 
 
-def loads(a) -> list[LoadSpec]:
+def apis(a) -> tuple[str, ...]:
+    return getattr(a, "apis", None) or (getattr(a, "api", "grpc"),)
+
+
+def loads(a, api: str = "grpc") -> list[LoadSpec]:
     common = dict(concurrency=a.concurrency, duration_s=a.duration, timeout_s=a.timeout,
-                  temperature=a.temperature, seed=a.seed)
+                  temperature=a.temperature, seed=a.seed, api=api)
     if a.rates:
         return [LoadSpec(rate=float(x), **common) for x in a.rates.split(",")]
     if a.rate is None and a.concurrency is None:
@@ -168,8 +189,10 @@ def deployments(a) -> list[tuple[str, str | None, dict | None]]:
 
 @contextlib.contextmanager
 def open_deployment(address, cfg, a):
+    """Yields {api: the address that api is served on}."""
     if cfg is None:
-        yield address
+        http = getattr(a, "http_address", None) or address
+        yield {"grpc": address, "openai": http if "grpc" in apis(a) else address}
         return
     from pdserve.cluster import LocalCluster
     print(f"starting a local cluster {cfg} (model {a.model}) ...", file=sys.stderr, flush=True)
@@ -177,25 +200,40 @@ def open_deployment(address, cfg, a):
     devices = None
     if getattr(a, "device", None):
         devices = {role: [a.device] for role in UP_KEYS}
-    with LocalCluster(a.model, kv_backend=a.kv_backend, devices=devices, **cfg) as cluster:
+    http = 0 if "openai" in apis(a) else None
+    with LocalCluster(a.model, kv_backend=a.kv_backend, devices=devices, http_port=http,
+                      **cfg) as cluster:
         print(f"up in {time.monotonic() - t0:.0f}s at {cluster.address}", file=sys.stderr)
-        yield cluster.address
+        yield {"grpc": cluster.address, "openai": cluster.http_address}
 
 
 def load_x(load: LoadSpec) -> float:
     return load.rate if load.rate is not None else float(load.concurrency)
 
 
-def run_all(a, items, meta) -> dict:
+def _split(a, items) -> tuple[list, list]:
+    """(warm-up items, measured items)."""
     warm, measured = items[:a.warmup], items[a.warmup:]
     if a.num_requests and len(measured) > a.num_requests:
         measured = measured[:a.num_requests]
     top = max((ld.rate or 0.0) for ld in loads(a))
     if a.duration and a.num_requests is None and 0 < top < math.inf:
         measured = cycle_items(measured, max(int(top * a.duration * 1.5) + 10, len(measured)))
+    return warm, measured
+
+
+def _items_for_api(a, k: int, items):
+    """The k-th API's items on a shared deployment: a generated workload's k-th seed (the
+    same distribution; the earlier APIs' prompts are in the prefix cache), or the replay."""
+    if k == 0 or a.workload:
+        return items
+    return make_items(argparse.Namespace(**{**vars(a), "seed": a.seed + k}))[0]
+
+
+def run_all(a, items, meta) -> dict:
+    warm, measured = _split(a, items)
     slo_ttft = a.slo_ttft_ms / 1000 if a.slo_ttft_ms is not None else None
     slo_tpot = a.slo_tpot_ms / 1000 if a.slo_tpot_ms is not None else None
-    progress = False if a.no_progress else None
     config = {k: v for k, v in vars(a).items() if k != "argv"}
     report = {**harness.header("pdserve_bench", config, argv=a.argv, prog="pdserve bench",
                                about=__doc__),
@@ -204,21 +242,14 @@ def run_all(a, items, meta) -> dict:
               "deployments": []}
     raw = []  # (deployment label, load, summary, results) for plots
     for label, address, cfg in deployments(a):
-        dep = {"label": label, "address": address, "cluster": cfg, "runs": []}
-        with open_deployment(address, cfg, a) as addr:
-            if warm:
-                wl = LoadSpec(concurrency=a.concurrency or 2, timeout_s=a.timeout,
-                              temperature=a.temperature)
-                asyncio.run(run_load(addr, warm, wl, desc=f"{label} warmup", progress=progress))
-            for ld in loads(a):
-                desc = f"{label} " + (f"rate {ld.rate:g}" if ld.rate else f"conc {ld.concurrency}")
-                results = asyncio.run(run_load(addr, measured, ld, desc=desc, progress=progress))
-                s = metrics.summarize(results, slo_ttft, slo_tpot)
-                dep["runs"].append({"rate": _json_rate(ld.rate), "concurrency": ld.concurrency, "summary": s,
-                                    "requests": [_compact(r) for r in results]})
-                raw.append((label, ld, s, results))
-                print_summary(desc, s)
-        report["deployments"].append(dep)
+        with open_deployment(address, cfg, a) as addrs:
+            for k, api in enumerate(apis(a)):
+                name = f"{label} {api}" if len(apis(a)) > 1 else label
+                dep = {"label": name, "address": addrs[api], "cluster": cfg, "api": api,
+                       "seed": a.seed + (k if not a.workload else 0), "runs": []}
+                w, m = _split(a, _items_for_api(a, k, items)) if k else (warm, measured)
+                _run_deployment(a, dep, w, m, slo_ttft, slo_tpot, raw)
+                report["deployments"].append(dep)
     report["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     if len(report["deployments"]) == 2:
         a_runs, b_runs = (d["runs"] for d in report["deployments"])
@@ -230,6 +261,23 @@ def run_all(a, items, meta) -> dict:
             print_compare(names, c)
     report["_raw"] = raw
     return report
+
+
+def _run_deployment(a, dep, warm, measured, slo_ttft, slo_tpot, raw) -> None:
+    label, addr, api = dep["label"], dep["address"], dep["api"]
+    progress = False if a.no_progress else None
+    if warm:
+        wl = LoadSpec(concurrency=a.concurrency or 2, timeout_s=a.timeout,
+                      temperature=a.temperature, api=api)
+        asyncio.run(run_load(addr, warm, wl, desc=f"{label} warmup", progress=progress))
+    for ld in loads(a, api):
+        desc = f"{label} " + (f"rate {ld.rate:g}" if ld.rate else f"conc {ld.concurrency}")
+        results = asyncio.run(run_load(addr, measured, ld, desc=desc, progress=progress))
+        s = metrics.summarize(results, slo_ttft, slo_tpot)
+        dep["runs"].append({"rate": _json_rate(ld.rate), "concurrency": ld.concurrency,
+                            "summary": s, "requests": [_compact(r) for r in results]})
+        raw.append((label, ld, s, results))
+        print_summary(desc, s)
 
 
 def _json_rate(rate):

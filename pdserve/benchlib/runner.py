@@ -7,12 +7,16 @@ a free slot, so the cap can delay sends. Without a rate, ``concurrency`` clients
 their next request as soon as the previous one ends (closed loop).
 
 Every request has a deadline (``timeout_s``); a failed request is recorded with its gRPC
-status code name (``DEADLINE_EXCEEDED``, ``RESOURCE_EXHAUSTED``, ...) or ``CLIENT_<Type>`` for
-an exception on our side, and never stops the run.
+status code name (``DEADLINE_EXCEEDED``, ``RESOURCE_EXHAUSTED``, ...), ``HTTP_<status>`` (the
+OpenAI API), or ``CLIENT_<Type>`` for an exception on our side, and never stops the run.
+
+``api``: ``grpc`` drives the gateway's Generate RPC, ``openai`` its OpenAI-compatible HTTP API
+(pdserve.benchlib.openai_client; the address is then the HTTP host:port).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 import itertools
 import logging
@@ -26,6 +30,7 @@ import grpc
 
 from pdserve import client
 from pdserve.benchlib.metrics import RequestResult
+from pdserve.benchlib.openai_client import HttpStatusError, OpenAIClient
 from pdserve.benchlib.workload import Item
 from protos.pdserve.v1 import gateway_pb2_grpc
 
@@ -40,8 +45,11 @@ class LoadSpec:
     timeout_s: float = 300.0  # per request deadline
     temperature: float = 0.0
     seed: int = 0  # arrival times
+    api: str = "grpc"  # or "openai": the HTTP API
 
     def __post_init__(self):
+        if self.api not in ("grpc", "openai"):
+            raise ValueError("api must be grpc or openai")
         if self.rate is None and not self.concurrency:
             raise ValueError("give a rate, a concurrency, or both")
         if self.rate is not None and self.rate <= 0:
@@ -93,14 +101,37 @@ class _Progress:
             self.bar.close()
 
 
-async def _one(stub, item: Item, load: LoadSpec, tag: str, t0: float,
+@contextlib.asynccontextmanager
+async def _sender(address: str, load: LoadSpec):
+    """``send(item, tag)`` -> a finished stream (pdserve.client.Completion or
+    openai_client.Streamed: the same timing and usage fields), over ``load.api``."""
+    if load.api == "openai":
+        http = OpenAIClient(address)
+        try:
+            yield lambda item, tag: asyncio.wait_for(http.stream(item, load.temperature),
+                                                     load.timeout_s)
+        finally:
+            await http.close()
+        return
+    async with client.channel(address) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        try:  # connect first: connection setup is not the first request's TTFT
+            await asyncio.wait_for(ch.channel_ready(), min(load.timeout_s, 10.0))
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+            pass  # unreachable: every request will fail and say why
+        yield lambda item, tag: client.generate(stub, to_request(item, tag, load.temperature),
+                                                timeout=load.timeout_s)
+
+
+async def _one(send, item: Item, load: LoadSpec, tag: str, t0: float,
                tokens: dict[str, list[int]] | None = None) -> RequestResult:
     res = RequestResult(id=item.id, start_s=time.perf_counter() - t0)
     try:
-        c = await client.generate(stub, to_request(item, tag, load.temperature),
-                                  timeout=load.timeout_s)
+        c = await send(item, tag)
     except grpc.aio.AioRpcError as e:
         res.code, res.error = e.code().name, (e.details() or "")[:200]
+    except HttpStatusError as e:
+        res.code, res.error = f"HTTP_{e.status}", e.body[:200]
     except asyncio.CancelledError:
         raise
     except Exception as e:  # noqa: BLE001 - a benchmark records failures, it does not crash
@@ -127,17 +158,12 @@ async def run_load(address: str, items: list[Item], load: LoadSpec, *, desc: str
     tag = uuid.uuid4().hex[:8]
     bar = _Progress(len(items), desc, progress)
     results: list[RequestResult] = []
-    async with client.channel(address) as ch:
-        stub = gateway_pb2_grpc.GatewayStub(ch)
-        try:  # connect first: connection setup is not the first request's TTFT
-            await asyncio.wait_for(ch.channel_ready(), min(load.timeout_s, 10.0))
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
-            pass  # unreachable: every request will fail and say why
+    async with _sender(address, load) as send:
         t0 = time.perf_counter()
 
         async def tracked(item, slot=None):
             try:
-                r = await _one(stub, item, load, tag, t0, tokens)
+                r = await _one(send, item, load, tag, t0, tokens)
             finally:
                 if slot is not None:
                     slot.release()

@@ -130,13 +130,19 @@ async def run_fuzz(address: str, n: int, *, seed: int = 0, vocab: int = 259,
             if code not in ALLOWED:
                 report.bad.append((code, details[:200], raw[:64].hex()))
 
-        while report.sent < n:
-            batch = []
-            for _ in range(min(concurrency, n - report.sent)):
+        def requests():  # drawn in order, so a seed gives the same requests at any concurrency
+            for _ in range(n):
                 raw = random_request(rng, vocab).SerializeToString()
-                batch.append(mutate(rng, raw) if rng.random() < 0.5 else raw)
-            report.sent += len(batch)
-            await asyncio.gather(*(one(raw) for raw in batch))
+                yield mutate(rng, raw) if rng.random() < 0.5 else raw
+
+        todo = requests()
+
+        async def lane() -> None:  # a sliding window: no lane waits for another's slow stream
+            for raw in todo:
+                report.sent += 1
+                await one(raw)
+
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
     report.seconds = time.monotonic() - t0
     return report
 

@@ -11,6 +11,7 @@ The proxy runs its own event loop on a thread, so synchronous test code can driv
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 
 MODES = ("pass", "delay", "blackhole", "refuse")
@@ -26,6 +27,7 @@ class ChaosProxy:
         self._server = None
         self._conns: set[asyncio.StreamWriter] = set()
         self._thread: threading.Thread | None = None
+        self._main: asyncio.Task | None = None
 
     def start(self) -> int:
         ready = threading.Event()
@@ -40,6 +42,7 @@ class ChaosProxy:
         self._loop = asyncio.new_event_loop()
 
         async def main():
+            self._main = asyncio.current_task()
             self._server = await asyncio.start_server(self._accept, self.host, self.port)
             self.port = self._server.sockets[0].getsockname()[1]
             ready.set()
@@ -97,15 +100,20 @@ class ChaosProxy:
         if self._loop is None or not self._loop.is_running():
             return
 
-        async def shut():
+        async def shut():  # the connections first; the server task (main) keeps the loop up
             self._close_all()
-            if self._server is not None:
-                self._server.close()
-            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            others = [t for t in asyncio.all_tasks()
+                      if t is not asyncio.current_task() and t is not self._main]
             for t in others:
                 t.cancel()
             await asyncio.gather(*others, return_exceptions=True)
 
-        asyncio.run_coroutine_threadsafe(shut(), self._loop).result(5)
+        try:  # a loaded machine may take a while; the proxy's loop stops either way
+            asyncio.run_coroutine_threadsafe(shut(), self._loop).result(15)
+        except (TimeoutError, concurrent.futures.TimeoutError):
+            pass
+        if self._server is not None:  # ends serve_forever, so run_until_complete returns
+            self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._main.cancel)
         if self._thread is not None:
-            self._thread.join(5)
+            self._thread.join(15)

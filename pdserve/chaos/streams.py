@@ -80,10 +80,21 @@ async def until(pred, timeout_s: float, poll_s: float = 0.02) -> bool:
 
 
 async def stats(address: str, role: str, timeout: float = 3.0) -> common_pb2.StatsResponse:
+    """A worker's Stats, as an operator of a secure local cluster (this process's cluster
+    identity) or, where that is refused at the handshake, over plaintext (--insecure)."""
+    from pdserve.cluster import operator_channels
     stub_cls = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill"
                 else worker_pb2_grpc.DecodeWorkerStub)
-    async with grpc.aio.insecure_channel(address) as ch:
-        return await stub_cls(ch).Stats(common_pb2.StatsRequest(), timeout=timeout)
+    error = None
+    for make in operator_channels(address):
+        async with make() as ch:
+            try:
+                return await stub_cls(ch).Stats(common_pb2.StatsRequest(), timeout=timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                error = e
+    raise error
 
 
 async def settle(workers, timeout_s: float = 20.0) -> dict[str, dict]:

@@ -8,6 +8,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import client
+from pdserve.cluster import operator_channels
 from protos.pdserve.v1 import common_pb2, gateway_pb2_grpc, worker_pb2_grpc
 
 PROMPTS = [
@@ -30,10 +31,25 @@ def run(coro):
 
 
 async def worker_stats(address: str) -> common_pb2.StatsResponse:
-    async with grpc.aio.insecure_channel(address) as ch:
+    """Stats of a worker of a secure cluster (as an operator) or of an insecure one."""
+    error = None
+    for make in operator_channels(address):
+        try:
+            return await _stats(make())
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            error = e
+    raise error
+
+
+async def _stats(channel) -> common_pb2.StatsResponse:
+    async with channel as ch:
         try:
             return await worker_pb2_grpc.DecodeWorkerStub(ch).Stats(common_pb2.StatsRequest(), timeout=5)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise
             return await worker_pb2_grpc.PrefillWorkerStub(ch).Stats(common_pb2.StatsRequest(), timeout=5)
 
 

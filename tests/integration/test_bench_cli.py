@@ -27,3 +27,25 @@ def test_bench_up_prefix_workload_reports_cache_hits(tmp_path):
     assert s["completion_tokens"] == 24
     assert s["prefix_cache_hit_rate"] > 0.3  # the 40-word system prompt is shared
     assert (tmp_path / "r_cdf.png").exists() and (tmp_path / "r_throughput.png").exists()
+
+
+def test_bench_drives_grpc_and_the_openai_http_api_side_by_side(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "--up", "--prefill", "0",
+           "--decode", "0", "--colocated", "1", "--model", "dummy:tiny", "--apis",
+           "grpc,openai", "--input-len", "8:16", "--output-len", "5:5", "--num-requests", "6",
+           "--concurrency", "3", "--timeout", "60", "--no-progress", "--no-plots",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rep = json.loads(out.read_text())
+    grpc_dep, http_dep = rep["deployments"]
+    assert (grpc_dep["api"], http_dep["api"]) == ("grpc", "openai")
+    assert http_dep["address"] != grpc_dep["address"]
+    for dep in rep["deployments"]:
+        s = dep["runs"][0]["summary"]
+        assert s["num_ok"] == 6 and s["errors_by_code"] == {}, dep["label"]
+        assert s["completion_tokens"] == 30  # counted from the stream's usage
+        assert s["ttft_ms"]["p50"] > 0 and s["tpot_ms"]["p50"] > 0
+    assert rep["compare"][0]["rows"][0]["metric"] == "request throughput (req/s)"
+    assert "compare at concurrency 3" in proc.stdout

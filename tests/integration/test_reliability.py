@@ -66,7 +66,7 @@ def test_abort_rpc_ends_its_victims_stream_with_a_status(cluster):
     dec = next(w for w in cluster.workers if w.kind == "decode")
 
     async def main():
-        async with grpc.aio.insecure_channel(dec.address) as ch:
+        async with cluster.worker_channel(dec.address) as ch:  # as the gateway
             stub = worker_pb2_grpc.DecodeWorkerStub(ch)
             call = stub.Generate(worker_pb2.DecodeRequest(
                 request_id="victim", prompt_token_ids=list(range(100, 160)),
@@ -99,7 +99,9 @@ def test_malformed_wire_data_gets_invalid_argument_everywhere(cluster):
     """155 of 315 malformed requests used to get UNKNOWN naming a Python exception."""
     async def send(address, method, raw, key=None):
         md = (("authorization", f"Bearer {key}"),) if key else None
-        async with grpc.aio.insecure_channel(address) as ch:
+        channel = (grpc.aio.insecure_channel(address) if address == cluster.address
+                   else cluster.worker_channel(address))  # a worker: as the gateway
+        async with channel as ch:
             call = ch.unary_stream(method, request_serializer=None,
                                    response_deserializer=common_pb2.GenerateResponse.FromString)
             try:

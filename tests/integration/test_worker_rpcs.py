@@ -34,6 +34,11 @@ def test_malformed_prefill_requests_get_a_status_and_leave_nothing_held():
         "other-layout": (req("b", layout=common_pb2.KVLayout(
             num_layers=3, num_kv_heads=1, head_dim=8, block_size=16, dtype="float32")),
             grpc.StatusCode.FAILED_PRECONDITION, "layout"),
+        # a decode worker whose blocks would hold one of the two KV heads (TP 2, per-rank
+        # caches): refused, never sent whole blocks it would misread
+        "part-heads": (req("j", layout=layout_to_proto(
+            KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, 16, "float32"), 2, (1, 2))),
+            grpc.StatusCode.FAILED_PRECONDITION, "takes heads [1, 2), this worker sends [0, 2)"),
         "backend": (req("c", backend="pigeon"), grpc.StatusCode.FAILED_PRECONDITION, "pigeon"),
         "blocks": (req("d", dst_block_ids=[1, 2, 3, 4]), grpc.StatusCode.INVALID_ARGUMENT,
                    "expects 4 blocks"),
@@ -69,7 +74,7 @@ def test_malformed_prefill_requests_get_a_status_and_leave_nothing_held():
             except grpc.aio.AioRpcError as e:
                 return e.code(), e.details()
 
-    with LocalCluster("dummy:tiny", prefill=1, decode=1) as c:
+    with LocalCluster("dummy:tiny", prefill=1, decode=1, secure=False) as c:
         pre = next(w for w in c.workers if w.kind == "prefill")
         dec = next(w for w in c.workers if w.kind == "decode")
         # (it used to pre-allocate, then fail on the transfer id, keeping the blocks)
@@ -116,7 +121,7 @@ def test_decode_worker_without_room_refuses_and_calls_off_the_prefill():
             ok = [r async for r in call("after", sp)]
             return refused, ok
 
-    with LocalCluster("dummy:tiny", prefill=1, decode=1,
+    with LocalCluster("dummy:tiny", prefill=1, decode=1, secure=False,
                       worker_args=("--num-blocks", "8")) as c:
         pre = next(w for w in c.workers if w.kind == "prefill")
         dec = next(w for w in c.workers if w.kind == "decode")
@@ -178,7 +183,7 @@ def test_prefill_answers_once_the_receiver_accepted_and_one_label_twice_is_two_r
         finally:
             await rx.close()
 
-    with LocalCluster("dummy:tiny", prefill=1, decode=0) as c:
+    with LocalCluster("dummy:tiny", prefill=1, decode=0, secure=False) as c:
         pre = next(w for w in c.workers if w.kind == "prefill")
         held, both = run(main(pre.address))
         assert held >= 3  # leased while its transfer ran
@@ -264,7 +269,7 @@ def test_first_token_streams_before_the_kv_and_a_failed_transfer_continues_from_
             await peer.tx.close()
         return late, broken, [t for r in local for t in r[1]]
 
-    with LocalCluster("dummy:tiny", prefill=0, decode=1, kv_backend="tcp") as c:
+    with LocalCluster("dummy:tiny", prefill=0, decode=1, kv_backend="tcp", secure=False) as c:
         dec = next(w for w in c.workers if w.kind == "decode")
         late, broken, want = run(main(dec))
         # late: the first token (and its text) long before the KV, then the rest after it

@@ -123,6 +123,8 @@ def test_cpu_drivers_run_briefly(tmp_path):
         "engine_host_cpu": ["--cases", "4:16:2"],
         "ttft_breakdown": ["--model", "dummy:tiny", "--requests", "1", "--warmup", "1",
                            "--prompt-len", "32"],
+        "openai_front_cpu": ["--pairs", "1", "--requests", "4", "--ttft-requests", "2",
+                             "--max-tokens", "4"],
     }
     for name, args in runs.items():
         out = tmp_path / f"{name}.json"

@@ -290,7 +290,8 @@ def test_llm_runs_with_every_engine_setting_set():
               kv_dtype="float32", kv_block_runs=False, max_num_seqs=4,
               max_num_batched_tokens=32, max_model_len=200, policy="short_first",
               schedule_max_wait_s=0.5, gemv="off", gemv_pdl=False, gemv_split_k=True,
-              fuse_rotary=False, split_mixed=False, cpu_packed=False)
+              fuse_rotary=False, split_mixed=False, cpu_packed=False,
+              tensor_parallel_size=2, tensor_parallel_timeout_s=20.0)
     assert set(kw) | {"model", "schedule_policy"} - {"policy"} >= set(tree(EngineConfig)) - {
         "model", "schedule_policy"}
     llm = LLM("dummy:tiny", **kw)
@@ -300,6 +301,8 @@ def test_llm_runs_with_every_engine_setting_set():
     assert llm.engine.block_manager._runs is False and c.kernels.cpu_packed is False
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 4
+    assert c.tensor_parallel_size == 2 and len(llm.engine.runner.tp.pids) == 1
+    llm.close()
 
 
 def test_max_model_len_auto_is_the_model_maximum_capped_by_the_kv_cache():

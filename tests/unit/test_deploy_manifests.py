@@ -3,8 +3,11 @@
 No Compose or Kubernetes JSON schema ships offline here, so this file holds minimal schemas of
 the fields pdserve relies on (types, required keys, no unknown top-level keys) and then checks
 what schemas cannot: references between objects (selectors match labels, HPAs and Services
-target what exists, every pdserve container has gRPC probes, compose services reference
-defined anchors, profiles and health checks).
+target what exists, every pdserve container has health probes, compose services reference
+defined anchors, profiles and health checks), and the security of both (issue 23): the
+certificates and the Redis password come from Secrets / the certs volume, Redis requires the
+password, NetworkPolicies let only the gateway reach the workers and only cluster members
+reach Redis.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ COMPOSE_SCHEMA = {
             "command": {"oneOf": [{"type": "string"}, _STR_LIST]},
             "environment": _ENV,
             "ports": _STR_LIST, "expose": _STR_LIST, "volumes": _STR_LIST,
-            "profiles": _STR_LIST,
+            "profiles": _STR_LIST, "networks": _STR_LIST, "user": {"type": "string"},
             "ipc": {"type": "string", "pattern": r"^(host|private|shareable|service:.+)$"},
             "restart": {"enum": ["no", "always", "on-failure", "unless-stopped"]},
             "healthcheck": _HEALTH,
@@ -82,6 +85,8 @@ _CONTAINER = {"type": "object", "required": ["name", "image"], "properties": {
                                                         "name": {"type": "string",
                                                                  "maxLength": 15}}}},
     "env": {"type": "array", "items": {"type": "object", "required": ["name"]}},
+    "volumeMounts": {"type": "array", "items": {"type": "object",
+                                                "required": ["name", "mountPath"]}},
     "envFrom": {"type": "array"},
     "readinessProbe": _PROBE, "livenessProbe": _PROBE, "startupProbe": _PROBE,
     "resources": {"type": "object", "properties": {
@@ -112,6 +117,12 @@ K8S_SCHEMAS = {
                     "type": {"enum": ["Resource", "Pods", "Object", "External",
                                       "ContainerResource"]}}}}}}}},
     ("kustomize.config.k8s.io/v1beta1", "Kustomization"): {"required": ["resources"]},
+    ("networking.k8s.io/v1", "NetworkPolicy"): {"required": ["spec"], "properties": {"spec": {
+        "type": "object", "required": ["podSelector", "policyTypes"], "properties": {
+            "policyTypes": {"type": "array", "items": {"enum": ["Ingress", "Egress"]}},
+            "ingress": {"type": "array", "items": {"type": "object", "properties": {
+                "from": {"type": "array"}, "ports": {"type": "array", "items": {
+                    "type": "object", "required": ["port"]}}}}}}}}},
 }
 
 
@@ -148,8 +159,10 @@ def test_compose_services_fit_together():
             assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http://jaeger:4317")
             assert env["OTEL_SERVICE_NAME"] == f"pdserve-{role}"
             assert env["PDSERVE_REDIS_URL"].startswith("redis://redis:")
+            assert "@" not in env["PDSERVE_REDIS_URL"]  # no password in a URL
             assert svc["healthcheck"]["test"][1:4] == ["python", "-m", "services.healthcheck"]
             assert svc["healthcheck"]["test"][4].endswith(":" + svc["command"][2])
+            assert ("--plaintext" in svc["healthcheck"]["test"]) == (role == "gateway")
             assert set(svc["depends_on"]) <= set(services)
         if role != "gateway":
             # scalable with --scale: no fixed host ports; the GPU ones reserve a device
@@ -209,7 +222,11 @@ def test_k8s_objects_reference_each_other(k8s):
             if name.startswith("pdserve-"):
                 grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
                 for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-                    assert c[probe]["grpc"]["port"] == grpc_port, (name, probe)
+                    # exec: the kubelet's gRPC probe cannot show a client certificate
+                    # (the gateway's client port is plaintext: not an internal hop)
+                    assert c[probe]["exec"]["command"] == [
+                        "python", "-m", "services.healthcheck", f"127.0.0.1:{grpc_port}",
+                        *(["--plaintext"] if name == "pdserve-gateway" else [])]
                 assert "--port" in c["args"] and str(grpc_port) in c["args"]
                 assert c["args"][0] == name.split("-", 1)[1]
                 assert {"configMapRef": {"name": "pdserve-config"}} in c["envFrom"]
@@ -283,3 +300,139 @@ def test_gpu_workers_use_a_gpu_kv_backend_with_multicast_off():
         env = svc["environment"]
         assert env["PDSERVE_KV_BACKEND"].split(",")[0] in ("nccl", "cuda_ipc", "nixl")
         assert env["NCCL_NVLS_ENABLE"] == "0" and env["NVSHMEM_DISABLE_NVLS"] == "1"
+
+
+# ----------------------------------------------------------------------- security (issue 23)
+def _pod(dep):
+    return dep["spec"]["template"]["spec"]
+
+
+def test_k8s_identity_and_redis_password_come_from_secrets(k8s):
+    with open(os.path.join(REPO, "deploy", "k8s", "kustomization.yaml")) as f:
+        kust = yaml.safe_load(f)
+    generated = {g["name"]: g for g in kust["secretGenerator"]}
+    assert kust["generatorOptions"]["disableNameSuffixHash"] is True  # rotation in place
+    config = k8s[("ConfigMap", "pdserve-config")]["data"]
+    mounts = {}
+    for role in ("gateway", "prefill", "decode"):
+        dep = k8s[("Deployment", f"pdserve-{role}")]
+        vols = {v["name"]: v for v in _pod(dep)["volumes"]}
+        secret = vols["tls"]["secret"]["secretName"]
+        assert secret == f"pdserve-{role}-tls" and secret in generated
+        files = dict(f.split("=", 1) for f in generated[secret]["files"])
+        assert files == {"ca.crt": "secrets/ca.crt", "tls.crt": f"secrets/{role}.crt",
+                         "tls.key": f"secrets/{role}.key"}
+        assert vols["redis-password"]["secret"]["secretName"] == "pdserve-redis"
+        c = _pod(dep)["containers"][0]
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert all(m.get("readOnly") for m in c["volumeMounts"])
+        assert vols["tls"]["secret"]["defaultMode"] & 0o007 == 0  # not world-readable
+    assert config["PDSERVE_TLS_CERT_FILE"] == mounts["tls"] + "/tls.crt"
+    assert config["PDSERVE_TLS_KEY_FILE"] == mounts["tls"] + "/tls.key"
+    assert config["PDSERVE_TLS_CA_FILE"] == mounts["tls"] + "/ca.crt"
+    assert config["PDSERVE_REDIS_PASSWORD_FILE"] == mounts["redis-password"] + "/password"
+    assert "@" not in config["PDSERVE_REDIS_URL"]
+    assert not any("PASSWORD=" in v or "api_key" in v.lower() for v in config.values())
+    # every PDSERVE_ variable of the ConfigMap is a setting of the services
+    from services.config import setting_names
+    names = setting_names("worker") | setting_names("gateway")
+    for var in config:
+        if var.startswith("PDSERVE_"):
+            assert var[len("PDSERVE_"):].lower() in names, var
+    # Redis: the password from the Secret's redis.conf, its probe authenticates
+    redis = _pod(k8s[("Deployment", "redis")])
+    rc = redis["containers"][0]
+    assert rc["args"][0] == "/etc/redis/redis.conf"
+    assert not any("requirepass" in a for a in rc["args"])
+    assert {v["name"]: v["secret"]["secretName"] for v in redis["volumes"]} == {
+        "redis-conf": "pdserve-redis"}
+    assert "REDISCLI_AUTH" in " ".join(rc["livenessProbe"]["exec"]["command"])
+    assert set(dict(f.split("=", 1) for f in generated["pdserve-redis"]["files"])) == {
+        "password", "redis.conf"}
+
+
+def _allowed_from(policy, port):
+    """The app names a policy admits on ``port`` (None: anyone)."""
+    out = set()
+    for rule in policy["spec"].get("ingress", []):
+        if port not in [p["port"] for p in rule.get("ports", [])]:
+            continue
+        if "from" not in rule:
+            return None
+        for peer in rule["from"]:
+            if "podSelector" in peer and "namespaceSelector" not in peer:
+                out.add(peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"])
+            else:
+                out.add("ns:" + peer["namespaceSelector"]["matchLabels"][
+                    "kubernetes.io/metadata.name"])
+    return out
+
+
+def test_k8s_network_policies(k8s):
+    policies = {n: d for (k, n), d in k8s.items() if k == "NetworkPolicy"}
+    deny = policies["default-deny-ingress"]["spec"]
+    assert deny["podSelector"] == {} and deny["policyTypes"] == ["Ingress"]
+    assert "ingress" not in deny
+    by_app = {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"]: p
+              for n, p in policies.items() if n != "default-deny-ingress"}
+    assert set(by_app) == {"pdserve-gateway", "pdserve-prefill", "pdserve-decode", "redis"}
+    assert _allowed_from(by_app["pdserve-gateway"], 50051) is None  # the front door
+    assert _allowed_from(by_app["pdserve-decode"], 50061) == {"pdserve-gateway"}
+    assert _allowed_from(by_app["pdserve-prefill"], 50061) == {"pdserve-gateway",
+                                                               "pdserve-decode"}
+    assert _allowed_from(by_app["pdserve-decode"], 50071) == {"pdserve-prefill"}
+    assert _allowed_from(by_app["redis"], 6379) == {"pdserve-gateway", "pdserve-prefill",
+                                                    "pdserve-decode"}
+    for app in ("pdserve-gateway", "pdserve-prefill", "pdserve-decode"):
+        assert _allowed_from(by_app[app], 9100) == {"ns:monitoring"}
+    # the ports the policies open are the ones the pods listen on
+    for app, port in (("pdserve-decode", 50071), ("pdserve-prefill", 50061)):
+        c = _pod(k8s[("Deployment", app)])["containers"][0]
+        assert port in [p["containerPort"] for p in c["ports"]]
+
+
+def test_compose_identity_and_redis_password():
+    services = _compose()["services"]
+    certs = services["certs"]
+    assert certs["command"][:3] == ["certs", "--out", "/certs"] and "--keep" in certs["command"]
+    assert "pdserve-certs:/certs" in certs["volumes"]
+    redis = services["redis"]
+    assert redis["command"][:2] == ["redis-server", "/certs/redis.conf"]
+    assert not any("requirepass" in a for a in redis["command"])
+    assert redis["networks"] == ["internal"] and "ports" not in redis
+    assert "REDISCLI_AUTH" in redis["healthcheck"]["test"][1]
+    assert _compose()["networks"]["internal"]["internal"] is True
+    for role in ("gateway", "prefill", "decode"):
+        for name in (role, f"{role}-gpu"):
+            svc = services[name]
+            env = svc["environment"]
+            assert env["PDSERVE_TLS_CERT_FILE"] == f"/certs/{role}.crt"
+            assert env["PDSERVE_TLS_KEY_FILE"] == f"/certs/{role}.key"
+            assert env["PDSERVE_TLS_CA_FILE"] == "/certs/ca.crt"
+            assert env["PDSERVE_REDIS_PASSWORD_FILE"] == "/certs/redis-password"
+            assert "pdserve-certs:/certs:ro" in svc["volumes"]
+            assert svc["depends_on"]["certs"]["condition"] == \
+                "service_completed_successfully"
+            assert "--insecure" not in svc["command"]
+
+
+def test_pdserve_certs_writes_what_the_deployments_mount(tmp_path):
+    """The files compose and the kustomization name are the ones ``pdserve certs`` makes,
+    and they make a working identity per role."""
+    import subprocess
+    import sys
+    from services.tls import ClusterTls
+    out = tmp_path / "secrets"
+    subprocess.run([sys.executable, "-m", "pdserve.cli", "certs", "--out", str(out)],
+                   check=True, cwd=REPO, capture_output=True, timeout=60)
+    with open(os.path.join(REPO, "deploy", "k8s", "kustomization.yaml")) as f:
+        kust = yaml.safe_load(f)
+    for g in kust["secretGenerator"]:
+        for item in g["files"]:
+            assert (out / item.split("=", 1)[1].removeprefix("secrets/")).exists(), item
+    for role in ("gateway", "prefill", "decode"):
+        assert ClusterTls(str(out / "ca.crt"), str(out / f"{role}.crt"),
+                          str(out / f"{role}.key")).role == role
+    password = (out / "redis-password").read_text().strip()
+    assert (out / "redis.conf").read_text() == f"requirepass {password}\n"
+    assert oct((out / "gateway.key").stat().st_mode & 0o777) == "0o600"

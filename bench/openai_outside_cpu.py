@@ -1,0 +1,161 @@
+"""An outside OpenAI benchmark client against the gateway's HTTP API, next to ``pdserve
+bench --api openai`` on the same workload: NVIDIA's aiperf (PyPI ``aiperf``: no torch; it may
+live in a virtual environment of its own, named by ``--aiperf``).
+
+    python3 -m bench.openai_outside_cpu --aiperf /tmp/obench/bin/aiperf --set cpu-2core
+    python3 -m bench.openai_outside_cpu --aiperf /tmp/obench/bin/aiperf --rounds 1 \\
+        --requests 16 --out /tmp/outside.json                          (quick)
+
+One colocated cluster (real processes, real Redis); rounds alternate aiperf and pdserve
+bench's runner (pdserve.benchlib.runner, ``api="openai"``), each at --concurrency closed-loop
+clients sending --requests streamed completions of --isl-token prompts (aiperf's synthetic
+text; pdserve's random token ids) and exactly --osl output tokens (``ignore_eos``), token
+counts from the server's usage. aiperf reads the model's tokenizer from a local folder this
+driver writes (tokenizer.json from the engine's tokenizer: no network). Reported per round:
+output tok/s, request/s, TTFT p50 and ITL p50 from each client, and the medians' ratio
+aiperf / pdserve (target: within 10%).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from pdserve.benchlib import harness, metrics, workload
+from pdserve.benchlib.runner import LoadSpec, run_load
+
+FIGURES = [
+    harness.Figure("aiperf / pdserve bench: output tok/s (median of rounds)", "",
+                   ("summary", "output_tok_s_ratio"), format=".3f"),
+    harness.Figure("aiperf / pdserve bench: TTFT p50", "", ("summary", "ttft_p50_ratio"),
+                   format=".3f"),
+]
+
+
+def tokenizer_dir(model: str, root: Path) -> Path:
+    from engine.loader import load_tokenizer
+    tok = load_tokenizer(model)
+    d = root / "tokenizer"
+    d.mkdir(parents=True, exist_ok=True)
+    tok.backend.save(str(d / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 8192,
+           "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+           "chat_template": tok.chat_template}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def aiperf_round(a, http: str, tok: Path, work: Path, i: int) -> dict:
+    art = work / f"aiperf{i}"
+    cmd = [a.aiperf, "profile", "--model", a.model, "--url", f"http://{http}",
+           "--endpoint-type", "completions", "--streaming", "--tokenizer", str(tok),
+           "--concurrency", str(a.concurrency), "--request-count", str(a.requests),
+           "--warmup-request-count", str(a.concurrency), "--isl", str(a.isl),
+           "--isl-stddev", "0", "--osl", str(a.osl), "--extra-inputs", "ignore_eos:true",
+           "--extra-inputs", f"max_tokens:{a.osl}", "--use-server-token-count",
+           "--random-seed", str(i), "--output-artifact-dir", str(art), "--ui-type", "none"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"aiperf failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    found = sorted(art.rglob("profile_export_aiperf.json"))
+    if not found:
+        raise RuntimeError(f"no aiperf export under {art}:\n{p.stdout[-2000:]}")
+    m = json.loads(found[0].read_text())
+
+    def val(key, stat="avg"):
+        x = m.get(key) or {}
+        return x.get(stat) if isinstance(x, dict) else x
+    return {"output_tok_s": val("output_token_throughput"),
+            "request_s": val("request_throughput"), "ttft_p50_ms": val("time_to_first_token", "p50"),
+            "itl_p50_ms": val("inter_token_latency", "p50"),
+            "requests": val("request_count"), "prompt_tokens_mean": val("usage_prompt_tokens"),
+            "output_tokens_mean": val("output_sequence_length"),
+            "aiperf_export": {k: m[k] for k in ("output_token_throughput", "request_throughput",
+                                                "time_to_first_token", "inter_token_latency",
+                                                "request_latency", "benchmark_duration",
+                                                "effective_concurrency",
+                                                "credit_to_start_latency",
+                                                "usage_prompt_cache_read_tokens")
+                              if k in m}}
+
+
+def pdserve_round(a, http: str, vocab: int, i: int) -> dict:
+    its = workload.generate(workload.WorkloadSpec(
+        kind="random", num_requests=a.requests + a.concurrency, seed=100 + i, fmt="tokens",
+        vocab_size=vocab, input_len=(a.isl, a.isl), output_len=(a.osl, a.osl)))
+    load = LoadSpec(concurrency=a.concurrency, api="openai")
+    asyncio.run(run_load(http, its[:a.concurrency], load, progress=False))  # warm-up
+    res = asyncio.run(run_load(http, its[a.concurrency:], load, progress=False))
+    s = metrics.summarize(res)
+    ok = [r for r in res if r.ok] or [None]
+    return {"output_tok_s": s["output_token_throughput"], "request_s": s["request_throughput"],
+            "ttft_p50_ms": s["ttft_ms"]["p50"], "itl_p50_ms": s["itl_ms"]["p50"],
+            "requests": s["num_ok"], "errors": s["errors_by_code"],
+            "prompt_tokens_mean": statistics.mean(r.prompt_tokens for r in ok) if ok[0] else 0,
+            "output_tokens_mean": statistics.mean(r.completion_tokens for r in ok) if ok[0]
+            else 0}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python3 -m bench.openai_outside_cpu",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--aiperf", default="aiperf", help="the aiperf executable")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--isl", type=int, default=64, help="prompt tokens")
+    ap.add_argument("--osl", type=int, default=32, help="output tokens")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=600.0, help="per aiperf run (s)")
+    ap.add_argument("--note", default="", help="free text stored in the JSON")
+    harness.add_output_args(ap, "openai_outside_cpu")
+    a = ap.parse_args(argv)
+    from engine.loader import load_config
+    from pdserve.cluster import LocalCluster
+    rec = harness.Recorder.start("openai_outside_cpu", a, argv=argv, about=__doc__,
+                                 figures=FIGURES)
+    rec["note"] = a.note
+    ver = subprocess.run([a.aiperf, "--version"], capture_output=True, text=True)
+    rec["aiperf_version"] = (ver.stdout or ver.stderr).strip()[:200]
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp, \
+            LocalCluster(a.model, prefill=0, decode=0, colocated=1, http_port=0) as c:
+        tok = tokenizer_dir(a.model, Path(tmp))
+        vocab = load_config(a.model).vocab_size
+        for i in range(a.rounds):
+            order = ("aiperf", "pdserve") if i % 2 == 0 else ("pdserve", "aiperf")
+            r = {}
+            for who in order:
+                r[who] = aiperf_round(a, c.http_address, tok, Path(tmp), i) if who == "aiperf" \
+                    else pdserve_round(a, c.http_address, vocab, i)
+            print(f"round {i}: " + ", ".join(
+                f"{w} {r[w]['output_tok_s']:.1f} tok/s TTFT p50 {r[w]['ttft_p50_ms']:.1f} ms"
+                for w in order), flush=True)
+            rounds.append(r)
+            rec["rounds"] = rounds
+            rec.save()
+
+    def med(who, key):
+        return statistics.median(r[who][key] for r in rounds)
+    rec["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    rec["summary"] = {
+        "output_tok_s_aiperf": med("aiperf", "output_tok_s"),
+        "output_tok_s_pdserve": med("pdserve", "output_tok_s"),
+        "output_tok_s_ratio": med("aiperf", "output_tok_s") / med("pdserve", "output_tok_s"),
+        "ttft_p50_ratio": med("aiperf", "ttft_p50_ms") / med("pdserve", "ttft_p50_ms"),
+        "itl_p50_ratio": med("aiperf", "itl_p50_ms") / med("pdserve", "itl_p50_ms"),
+        "target": "output_tok_s_ratio within [0.9, 1.1]"}
+    print(rec["summary"])
+    print(f"wrote {rec.save()}")
+    return rec.doc
+
+
+if __name__ == "__main__":
+    main()
