@@ -93,6 +93,7 @@ class DecodeCall:
             "pdserve.worker": env.runtime.worker_id,
             "pdserve.prefill_address": request.prefill_address})
         self.kind, self.outcome, self.completion = "decode_local", "error", 0
+        self.open_samples: set[int] = set()  # sampling.n > 1: the samples not finished yet
         self.stop = asyncio.Event()
         self.stop_reason = ""  # "abort" | "shutdown"
         self.early: RequestOutput | None = None  # the first token, streamed before its KV
@@ -153,8 +154,8 @@ class DecodeCall:
                 if self.stop_reason == "shutdown":
                     await self._fail(grpc.StatusCode.UNAVAILABLE, "decode worker is shutting "
                                      "down: resume the request elsewhere")
-                yield self._final(RequestOutput(self.rid, [], finished=True,
-                                                finish_reason=FinishReason.ABORT))
+                for resp in self._aborted():
+                    yield resp
             finally:
                 self.env.metrics.requests.labels(self.kind, self.outcome).inc()
                 self.env.metrics.tokens.inc(self.completion)
@@ -198,9 +199,13 @@ class DecodeCall:
         ids = validation.check_token_ids(r.prompt_token_ids, vocab)
         outs = validation.check_token_ids(r.output_token_ids, vocab, "output")
         validation.check_context(len(ids), len(outs), env.engine.max_model_len)
+        validation.check_sampling_vocab(sp, vocab)
         if len(outs) >= sp.max_tokens:
             raise InvalidRequest(f"{len(outs)} tokens already generated; max_tokens is "
                                  f"{sp.max_tokens}")
+        if sp.n > 1 and outs:
+            raise InvalidRequest("a resumed request (output_token_ids) has one sample (n=1)")
+        self.open_samples = set(range(sp.n))
         return _Request(ids, outs, sp, r.prefill_address)
 
     # ---------------------------------------------------------------- serve
@@ -278,11 +283,18 @@ class DecodeCall:
                 if out.token_ids:
                     t_last = time.perf_counter()
                     t_first = t_first or t_last
-                if out.finished:
+                if out.finished and out.finish_reason is FinishReason.ABORT:
+                    for resp in self._aborted(out.num_cached_tokens):
+                        yield resp
                     self.outcome = "ok"
-                    yield self._final(out)
-                else:
-                    yield self._response(out)
+                    return
+                if out.finished:
+                    self.open_samples.discard(out.index)
+                    if not self.open_samples:
+                        self.outcome = "ok"
+                        yield self._final(out)
+                        return
+                yield self._response(out)
         finally:
             await stream.aclose()  # a cancelled call aborts the request and frees blocks
             if dspan.is_recording():
@@ -296,6 +308,14 @@ class DecodeCall:
     def _response(self, out: RequestOutput) -> common_pb2.GenerateResponse:
         self.completion += len(out.token_ids)
         return response_from_output(out, self.label)
+
+    def _aborted(self, num_cached_tokens: int = 0) -> list[common_pb2.GenerateResponse]:
+        """finish_reason "abort" for every sample still open; usage on the last."""
+        left = sorted(self.open_samples) or [0]
+        self.open_samples.clear()
+        outs = [RequestOutput(self.rid, [], finished=True, finish_reason=FinishReason.ABORT,
+                              index=i, num_cached_tokens=num_cached_tokens) for i in left]
+        return [self._response(o) for o in outs[:-1]] + [self._final(outs[-1])]
 
     def _final(self, out: RequestOutput) -> common_pb2.GenerateResponse:
         resp = self._response(out)
@@ -324,11 +344,10 @@ async def _after_early(early: RequestOutput, stream):
         if first.token_ids != early.token_ids:
             logger.error("request %s: continuation starts with %s, %s was streamed",
                          early.request_id, first.token_ids, early.token_ids)
-        if first.finished:
+        if first.finished:  # (with n > 1 the other samples follow)
             yield RequestOutput(first.request_id, [], finished=True,
-                                finish_reason=first.finish_reason,
+                                finish_reason=first.finish_reason, index=first.index,
                                 num_cached_tokens=first.num_cached_tokens)
-            return
         async for x in stream:
             yield x
     finally:

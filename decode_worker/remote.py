@@ -27,7 +27,7 @@ from pdcore.ids import new_id
 from protos.pdserve.v1 import common_pb2, worker_pb2
 from services import telemetry
 from services.kv_proto import layout_to_proto
-from services.protocol import sampling_to_proto
+from services.protocol import sampling_to_proto, top_logprobs_from_proto
 from services.validation import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -146,10 +146,13 @@ class RemotePrefill:
         if self.pinned is not None:  # a retry keeps the token already streamed
             token = self.pinned.token_ids[0]
             lp = self.pinned.logprobs[0] if self.pinned.logprobs else None
+            top = self.pinned.top_logprobs[0] if self.pinned.top_logprobs else None
         else:
             token = resp.first_token_id
             lp = resp.first_logprob if resp.HasField("first_logprob") else None
-        return env.aengine.continue_from(self.call.rid, token, lp, resp.num_cached_tokens)
+            top = first_top(resp, self.call.req.sp)
+        return env.aengine.continue_from(self.call.rid, token, lp, resp.num_cached_tokens,
+                                         top, samples=self.call.req.sp.n)
 
     async def give_up(self) -> None:
         self.receiver.cancel(self.tid)
@@ -174,7 +177,16 @@ def early_first(pending: RemotePrefill, num_tokens: int, sp, engine) -> RequestO
             or num_tokens + 1 >= engine.max_model_len):
         return None
     lp = resp.first_logprob if resp.HasField("first_logprob") else None
+    top = first_top(resp, sp)
     return RequestOutput(request_id=pending.call.rid, prompt_token_ids=[], token_ids=[tok],
                          text=resp.first_text,
                          logprobs=[lp] if sp.logprobs and lp is not None else None,
+                         top_logprobs=[top] if top is not None else None,
                          num_cached_tokens=resp.num_cached_tokens)
+
+
+def first_top(resp: worker_pb2.PrefillResponse, sp) -> list[tuple[int, float]] | None:
+    """The first token's top logprobs as the prefill worker computed them (or None)."""
+    if not sp.top_logprobs or not resp.HasField("first_top_logprobs"):
+        return None
+    return top_logprobs_from_proto(resp.first_top_logprobs)

@@ -196,7 +196,9 @@ class AsyncEngine:
         return n
 
     # --------------------------------------------------------------- streams
-    async def _stream(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, rid: str, q: asyncio.Queue, samples: int = 1
+                      ) -> AsyncIterator[RequestOutput]:
+        """A request's outputs until each of its ``samples`` finished (an abort ends all)."""
         finished = False
         try:
             while True:
@@ -205,8 +207,10 @@ class AsyncEngine:
                     raise item
                 yield item
                 if item.finished:
-                    finished = True
-                    return
+                    samples -= 1
+                    if samples <= 0 or item.finish_reason is FinishReason.ABORT:
+                        finished = True
+                        return
         finally:
             self._streams.pop(rid, None)
             if not finished:  # cancelled, deadline, or the consumer went away
@@ -241,7 +245,7 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             await self._abort_quiet(rid)  # cancelled: the command still ran; undo it
             raise
-        async for out in self._stream(rid, q):
+        async for out in self._stream(rid, q, sampling.n):
             yield out
 
     async def prefill(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
@@ -313,17 +317,22 @@ class AsyncEngine:
         return blocks
 
     async def continue_from(self, rid: str, first_token: int, logprob: float | None,
-                            num_cached_tokens: int) -> AsyncIterator[RequestOutput]:
-        """Decode role: KV landed; stream from the first token on."""
+                            num_cached_tokens: int, top_logprobs=None, samples: int = 1
+                            ) -> AsyncIterator[RequestOutput]:
+        """Decode role: KV landed; stream from the first token on (every one of the
+        request's ``samples``: sample 0 continues from ``first_token``)."""
         q = self._open(rid)
         try:
             first = await self.call(
-                lambda e: e.commit_transferred(rid, first_token, logprob, num_cached_tokens))
+                lambda e: e.commit_transferred(rid, first_token, logprob, num_cached_tokens,
+                                               top_logprobs))
         except BaseException:
             self._streams.pop(rid, None)
             await self._abort_quiet(rid)
             raise
         if first.finished:
+            samples -= 1
+        if first.finished and samples <= 0:
             self._streams.pop(rid, None)
             self._let_go(rid)
             yield first
@@ -334,7 +343,7 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             await self._abort_quiet(rid)
             raise
-        async for out in self._stream(rid, q):
+        async for out in self._stream(rid, q, samples):
             yield out
 
     async def stats(self):

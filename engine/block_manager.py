@@ -146,6 +146,22 @@ class BlockManager:
         self.prefix_hit_tokens += seq.num_computed_tokens
         return seq.num_computed_tokens
 
+    def fork_prefix(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
+        """Give ``child`` (a new sequence over the same prompt) ``parent``'s first
+        ``num_blocks`` blocks, full and computed, one more reference each: they count as its
+        cached prefix (undone by :meth:`release_cached_prefix`, freed by :meth:`free_seq`)."""
+        assert not child.block_table and child.num_computed_tokens == 0
+        assert num_blocks * self.block_size < child.num_tokens
+        if num_blocks == 0:
+            return  # nothing to share: the scheduler looks the prompt up as for any other
+        shared = parent.block_table[:num_blocks]
+        for bid in shared:
+            self._ref(bid)
+        child.block_table.extend(shared)
+        child.num_computed_tokens = len(shared) * self.block_size
+        self.prefix_queries_tokens += child.num_tokens
+        self.prefix_hit_tokens += child.num_computed_tokens
+
     def release_cached_prefix(self, seq: Sequence) -> None:
         """Undo :meth:`allocate_cached_prefix` (blocks and hit statistics) for a request that
         could not be scheduled after all: it must not hold blocks while it waits."""

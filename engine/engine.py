@@ -122,6 +122,11 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
+        self.runner.eos_token_ids = self.eos_token_ids
+        # sampling.n > 1: request id -> samples to fork once its prompt is computed, and
+        # request id -> the ids of its forked samples still running (see _fork)
+        self.forks: dict[str, int] = {}
+        self.groups: dict[str, list[str]] = {}
         self.steps = 0
         self.num_preemptions = 0
         self.last_schedule: SchedulerOutput | None = None  # the last step's schedule
@@ -166,6 +171,9 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} token id {bad[0]!r} is outside the vocabulary "
                                  f"[0, {vocab})")
+        bad = next((t for t, _ in sampling.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
         if len(output_token_ids) >= sampling.max_tokens:
             raise ValueError(f"{len(output_token_ids)} tokens were already generated; "
                              f"max_tokens is {sampling.max_tokens}")
@@ -203,8 +211,11 @@ class LLMEngine:
         of each chunk (layer by layer on a GPU) can be sent while the prompt computes.
         ``output_token_ids``: a request resumed on this worker after the one that served it
         failed; generation continues after them, as if uninterrupted."""
-        self.scheduler.add(self._new_seq(request_id, prompt_token_ids, sampling, prefill_only,
-                                         report_progress, output_token_ids))
+        seq = self._new_seq(request_id, prompt_token_ids, sampling, prefill_only,
+                            report_progress, output_token_ids)
+        self.scheduler.add(seq)
+        if sampling.n > 1 and not prefill_only:  # a prefill worker samples sample 0 only
+            self.forks[request_id] = sampling.n
 
     def preallocate(self, request_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams, output_token_ids: list[int] = ()
@@ -220,12 +231,17 @@ class LLMEngine:
         seq.block_table = blocks
         seq.status = SeqStatus.AWAITING_KV
         self.scheduler.add(seq)
+        if sampling.n > 1:
+            self.forks[request_id] = sampling.n
         return list(blocks)
 
     def commit_transferred(self, request_id: str, first_token: int,
                            first_logprob: float | None = None,
-                           num_cached_tokens: int = 0) -> RequestOutput:
-        """Decode role: the prompt's KV has landed; continue from the prefill's first token."""
+                           num_cached_tokens: int = 0, first_top_logprobs=None
+                           ) -> RequestOutput:
+        """Decode role: the prompt's KV has landed; continue from the prefill's first token
+        (its logprob and top logprobs as the prefill worker computed them). With
+        sampling.n > 1 the other samples fork over the landed prompt blocks here."""
         seq = self.scheduler.requests.get(request_id)
         if seq is None or seq.status is not SeqStatus.AWAITING_KV:
             raise KeyError(f"request {request_id!r} is not awaiting KV")
@@ -234,10 +250,34 @@ class LLMEngine:
         self.block_manager.cache_full_blocks(seq)
         self.scheduler.activate(seq)
         seq.token_ids.append(first_token)
-        out = self._emit(seq, first_token, first_logprob)
+        out = self._emit(seq, first_token, first_logprob, first_top_logprobs)
         return out
 
+    def _fork(self, parent: Sequence, n: int) -> None:
+        """Samples 1..n-1 of ``parent``'s request, once its prompt is computed: each shares
+        the prompt's full blocks (one more reference each, through the block manager) up to
+        the block holding the prompt's last token, computes the few tokens after them itself
+        (its own blocks from there on) and samples its first token from its own stream. So a
+        prompt is computed (or transferred) once for n samples."""
+        ids = parent.prompt_token_ids
+        keep = (len(ids) - 1) // self.block_manager.block_size
+        children = self.groups.setdefault(parent.request_id, [])
+        for i in range(1, n):
+            child = Sequence(f"{parent.request_id}/{i}", ids, parent.sampling)
+            child.group_id, child.sample_index = parent.request_id, i
+            child.detok = IncrementalDetokenizer(self.tokenizer, parent.sampling.stop)
+            child.order = parent.order  # the request's age, for scheduling and preemption
+            self.block_manager.fork_prefix(parent, child, keep)
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.scheduler.add(child, front=True)
+            children.append(child.request_id)
+
     def abort(self, request_id: str) -> bool:
+        """End a request (every sample of it) now and free its blocks."""
+        self.forks.pop(request_id, None)
+        for child in self.groups.pop(request_id, ()):
+            self.scheduler.abort(child)
+            self.runner.drop_request(child)
         seq = self.scheduler.abort(request_id)
         self.runner.drop_request(request_id)
         return seq is not None
@@ -349,7 +389,7 @@ class LLMEngine:
     def _finish(self, handle: StepHandle) -> list[RequestOutput]:
         """Read ``handle``'s tokens, advance the scheduler and build the outputs."""
         sched = handle.sched
-        tokens, logprobs = self.runner.collect(handle)
+        tokens, logprobs, tops = self.runner.collect(handle)
         if handle.chained:  # rows whose sequence ended since the launch are dropped
             self.chained_steps += 1
             sched.scheduled = [item for item in sched.scheduled
@@ -365,17 +405,24 @@ class LLMEngine:
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
-            outs.append(self._emit(seq, tok, logprobs.get(seq.request_id)))
+            outs.append(self._emit(seq, tok, logprobs.get(seq.request_id),
+                                   tops.get(seq.request_id)))
         # ``handle`` is read: what was freed while it was the latest step launched ahead is
         # safe now; what was freed since the step launched after it may still be written
         self.block_manager.release_held_frees(keep_latest=self._ahead is not None)
         return outs
 
-    def _emit(self, seq: Sequence, tok: int, logprob: float | None) -> RequestOutput:
+    def _emit(self, seq: Sequence, tok: int, logprob: float | None,
+              top: list | None = None) -> RequestOutput:
         """Record a newly appended token, check stop conditions, build the step output."""
         sp = seq.sampling
         if seq.logprobs is not None and logprob is not None:
             seq.logprobs.append(logprob)
+        if seq.top_logprobs is not None and top is not None:
+            seq.top_logprobs.append(top)
+        n = self.forks.pop(seq.request_id, 0)
+        if n:  # the prompt is computed: the other samples start from it
+            self._fork(seq, n)
         delta, hit_stop = seq.detok.add(tok)
         reason = None
         if hit_stop:
@@ -387,15 +434,18 @@ class LLMEngine:
         if reason is not None and not hit_stop:
             delta += seq.detok.flush()
         out = RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=[], token_ids=[tok], text=delta,
+            request_id=seq.group_id, prompt_token_ids=[], token_ids=[tok], text=delta,
             logprobs=[logprob] if (sp.logprobs and logprob is not None) else None,
-            num_cached_tokens=seq.num_cached_tokens)
+            top_logprobs=[top] if (sp.top_logprobs and top is not None) else None,
+            index=seq.sample_index, num_cached_tokens=seq.num_cached_tokens)
         if reason is not None:
             out.finished = True
             out.finish_reason = reason
             self.scheduler.finish(seq, reason, hold=seq.prefill_only)
             if not seq.prefill_only:
                 self.runner.drop_request(seq.request_id)
+            if seq.group_id != seq.request_id:
+                self._sample_done(seq)
         elif seq.prefill_only:
             # prefill role: one token, then hold the blocks for the KV transfer
             out.finished = True
@@ -403,6 +453,13 @@ class LLMEngine:
         if seq.prefill_only:
             out.held_block_ids = list(seq.block_table)  # no extra engine round trip to ask
         return out
+
+    def _sample_done(self, seq: Sequence) -> None:
+        children = self.groups.get(seq.group_id)
+        if children is not None and seq.request_id in children:
+            children.remove(seq.request_id)
+            if not children:
+                del self.groups[seq.group_id]
 
     # ----------------------------------------------------------------- stats
     def score(self, token_ids: list[int]) -> torch.Tensor:
@@ -441,7 +498,8 @@ class LLMEngine:
         if detail:
             live = {b for q in s.requests.values() for b in q.block_table}
             orphaned = sum(1 for b in bm.blocks if b.ref_count > 0 and b.block_id not in live)
-            per_request = {rid: len(q.block_table) for rid, q in s.requests.items()}
+            for q in s.requests.values():  # a request's samples count under its id
+                per_request[q.group_id] = per_request.get(q.group_id, 0) + len(q.block_table)
         return EngineStats(
             num_running=len(s.running), num_waiting=len(s.waiting),
             num_awaiting_kv=statuses.count(SeqStatus.AWAITING_KV),

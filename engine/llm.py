@@ -69,27 +69,28 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("need one SamplingParams per prompt")
-        results: dict[str, RequestOutput] = {}
+        results: dict[tuple[str, int], RequestOutput] = {}
         order = []
         for prompt, sp in zip(prompts, plist):
             ids = self.engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"llm-{next(self._ids)}"
             self.engine.add_request(rid, ids, sp)
-            results[rid] = RequestOutput(request_id=rid, prompt_token_ids=ids,
-                                         logprobs=[] if sp.logprobs else None)
-            order.append(rid)
+            for i in range(sp.n):
+                results[rid, i] = RequestOutput(
+                    request_id=rid, prompt_token_ids=ids, index=i,
+                    logprobs=[] if sp.logprobs else None,
+                    top_logprobs=[] if sp.top_logprobs else None)
+            order.append((rid, sp.n))
         while self.engine.has_work:
             for out in self.engine.step():
-                r = results[out.request_id]
-                r.token_ids.extend(out.token_ids)
-                r.text += out.text
-                r.num_cached_tokens = out.num_cached_tokens
-                if out.logprobs is not None and r.logprobs is not None:
-                    r.logprobs.extend(out.logprobs)
-                if out.finished:
-                    r.finished = True
-                    r.finish_reason = out.finish_reason
-        return [results[r] for r in order]
+                _merge(results[out.request_id, out.index], out)
+        outs = []
+        for rid, n in order:
+            first = results[rid, 0]
+            if n > 1:
+                first.samples = [results[rid, i] for i in range(n)]
+            outs.append(first)
+        return outs
 
     def close(self) -> None:
         """Release what outlives the Python objects: the tensor-parallel rank processes
@@ -109,3 +110,17 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True) for c in convs]
         return self.generate(prompts, params)
+
+
+def _merge(r: RequestOutput, out: RequestOutput) -> None:
+    """Add one step's output to the request's (or sample's) output so far."""
+    r.token_ids.extend(out.token_ids)
+    r.text += out.text
+    r.num_cached_tokens = out.num_cached_tokens
+    if out.logprobs is not None and r.logprobs is not None:
+        r.logprobs.extend(out.logprobs)
+    if out.top_logprobs is not None and r.top_logprobs is not None:
+        r.top_logprobs.extend(out.top_logprobs)
+    if out.finished:
+        r.finished = True
+        r.finish_reason = out.finish_reason

@@ -15,7 +15,7 @@ import torch
 from engine.config import CPU_KV_CACHE_BYTES, KV_QUANT_DTYPES, EngineConfig, ModelConfig
 from engine.cuda_graphs import CudaGraphsMixin
 from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
-from engine.layers.sampler import Sampler, SamplingBatch
+from engine.layers.sampler import Sampler, SamplingBatch, sample_seed
 from engine.models.registry import model_class
 from engine.scheduler import SchedulerOutput
 from engine.step_handle import StepHandle
@@ -128,6 +128,7 @@ class ModelRunner(CudaGraphsMixin):
         self.shared_gen.manual_seed(config.seed)
         self.sampler = Sampler(self.shared_gen)
         self.generators: dict[str, torch.Generator] = {}
+        self.eos_token_ids: frozenset[int] = frozenset(mc.eos_token_ids)  # min_tokens masks
         self.graphs: dict[int, tuple] = {}
         self.mixed_graphs: dict[tuple[int, int], tuple] = {}
         self.mixed_tokens: list[int] = []
@@ -301,24 +302,34 @@ class ModelRunner(CudaGraphsMixin):
         return ids, pos, meta, sample_rows
 
     def _sampling_batch(self, out: SchedulerOutput, every_row: bool = False) -> SamplingBatch:
-        temps, ks, ps, gens = [], [], [], []
-        want_lp = False
+        seqs, gens = [], []
         for item in out.scheduled:
             if not (every_row or item.samples):
                 continue
-            sp = item.seq.sampling
-            temps.append(sp.temperature)
-            ks.append(sp.top_k)
-            ps.append(sp.top_p)
-            want_lp |= sp.logprobs
+            s = item.seq
+            sp = s.sampling
             g = None
             if sp.seed is not None and sp.temperature > 0:
-                g = self.generators.get(item.seq.request_id)
+                g = self.generators.get(s.request_id)
                 if g is None:
-                    g = self._seeded_generator(sp.seed, item.seq.num_output_tokens)
-                    self.generators[item.seq.request_id] = g
+                    g = self._seeded_generator(sample_seed(sp.seed, s.sample_index),
+                                               s.num_output_tokens)
+                    self.generators[s.request_id] = g
+            seqs.append(s)
             gens.append(g)
-        return SamplingBatch(temps, ks, ps, gens, want_lp)
+        return SamplingBatch.from_seqs(seqs, gens, self.eos_token_ids)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, out: SchedulerOutput,
+                sampled: list[str]) -> StepHandle:
+        """Sample a step's rows. A plain batch (argmax, nothing else asked) is read at once,
+        as before; any other on a GPU stays queued: its results reach pinned host memory
+        behind an event that :meth:`collect` waits for (no host sync at launch)."""
+        res = self.sampler(logits, batch)
+        if batch.plain or self.device.type != "cuda":
+            tokens, lps, tops = res.to_host()
+            return StepHandle(out, sampled, tokens=tokens, logprobs=lps, top_logprobs=tops)
+        res.start_copy()
+        return StepHandle(out, sampled, sample=res)
 
     def _seeded_generator(self, seed: int, drawn: int) -> torch.Generator:
         """A request's generator, as it is after its first ``drawn`` samples: a request whose
@@ -360,11 +371,10 @@ class ModelRunner(CudaGraphsMixin):
             if not sampled:
                 return StepHandle(out, [], tokens=[])
             batch = self._sampling_batch(out)
-            if batch.all_greedy and not batch.want_logprobs:
+            if batch.plain:
                 return StepHandle(out, sampled, rows=rows, greedy=greedy, host=host,
                                   event=landed)
-            tokens, logprobs = self.sampler(logits if rows is None else logits[rows], batch)
-            return StepHandle(out, sampled, tokens=tokens, logprobs=logprobs)
+            return self._sample(logits if rows is None else logits[rows], batch, out, sampled)
         ids, pos, meta, rows = self.prepare(out)
         self.eager_steps += 1
         layers: list | None = None
@@ -380,8 +390,7 @@ class ModelRunner(CudaGraphsMixin):
         if not rows:
             return StepHandle(out, [], tokens=[])
         logits = self.model.compute_logits(hidden[rows])
-        tokens, logprobs = self.sampler(logits, self._sampling_batch(out))
-        return StepHandle(out, sampled, tokens=tokens, logprobs=logprobs)
+        return self._sample(logits, self._sampling_batch(out), out, sampled)
 
     @torch.inference_mode()
     def launch_next(self, out: SchedulerOutput, prev: StepHandle,
@@ -402,7 +411,7 @@ class ModelRunner(CudaGraphsMixin):
                        for j, item in zip(keep, out.scheduled)):
             return None
         batch = self._sampling_batch(out, every_row=True)
-        if not batch.all_greedy or batch.want_logprobs:
+        if not batch.plain:
             return None
         ids = [item.seq.request_id for item in out.scheduled]
         if prev.greedy is not None:
@@ -415,7 +424,7 @@ class ModelRunner(CudaGraphsMixin):
         x, pos, meta, rows = self.prepare(out, next_ids=[prev.tokens[j] for j in keep])
         self.eager_steps += 1
         hidden = self.model(x, pos, self.kv_cache, meta, self.backend)
-        tokens, _ = self.sampler(self.model.compute_logits(hidden[rows]), batch)
+        tokens, _, _ = self.sampler(self.model.compute_logits(hidden[rows]), batch).to_host()
         return StepHandle(out, ids, tokens=tokens, chained=True)
 
     @torch.inference_mode()
@@ -427,9 +436,12 @@ class ModelRunner(CudaGraphsMixin):
         hidden = self.model(ids, pos, self.kv_cache, meta, self.backend)
         return self.model.compute_logits(hidden).float().log_softmax(-1).cpu()
 
-    def collect(self, h: StepHandle) -> tuple[dict[str, int], dict[str, float]]:
-        """``{request_id: token}`` and ``{request_id: logprob}`` of a launched step (waits
-        for a device-side step to finish)."""
+    def collect(self, h: StepHandle) -> tuple[dict[str, int], dict[str, float], dict]:
+        """``{request_id: token}``, ``{request_id: logprob}`` and ``{request_id: top
+        logprobs}`` of a launched step (waits for a device-side step to finish)."""
+        if h.sample is not None:
+            h.tokens, h.logprobs, h.top_logprobs = h.sample.to_host()
+            h.sample = None
         tokens = h.tokens
         if tokens is None:
             h.event.synchronize()
@@ -440,7 +452,9 @@ class ModelRunner(CudaGraphsMixin):
                 tokens = h.host[:len(h.sched.scheduled)].tolist()
         toks = dict(zip(h.sampled_ids, tokens))
         lps = dict(zip(h.sampled_ids, h.logprobs)) if h.logprobs is not None else {}
-        return toks, lps
+        tops = {rid: t for rid, t in zip(h.sampled_ids, h.top_logprobs) if t is not None} \
+            if h.top_logprobs is not None else {}
+        return toks, lps, tops
 
     def record_event(self, blocking: bool = True):
         """An event that completes when the work queued so far (this step's KV writes) is

@@ -18,6 +18,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False  # return the logprob of each chosen token
+    # Controls applied to the logits in this order (engine.layers.sampler): logit_bias,
+    # min_tokens (EOS and stop_token_ids masked), repetition penalty, frequency and presence
+    # penalties; logprobs are those of the distribution after them, before temperature; then
+    # temperature, top_k, top_p, min_p and the draw.
+    presence_penalty: float = 0.0  # OpenAI: -= presence * (count > 0), over the output tokens
+    frequency_penalty: float = 0.0  # OpenAI: -= frequency * count, over the output tokens
+    repetition_penalty: float = 1.0  # Keskar et al. over prompt + output tokens; 1 = off
+    min_p: float = 0.0  # drop tokens whose probability is below min_p x the top probability
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    top_logprobs: int = 0  # also return the N most likely tokens (and logprobs) per step
+    n: int = 1  # parallel samples of the prompt (sharing its KV blocks)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -27,6 +39,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        bias = self.logit_bias
+        items = bias.items() if isinstance(bias, dict) else bias
+        object.__setattr__(self, "logit_bias", tuple(sorted(
+            (t, float(v)) for t, v in items)))
         self.validate()
 
     def validate(self) -> None:
@@ -44,10 +60,47 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
+            raise ValueError("repetition_penalty must be in (0, 10] (1 disables), got "
+                             f"{self.repetition_penalty!r}")
+        if not (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for t, v in self.logit_bias:
+            if not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {t!r}")
+            if not (math.isfinite(v) and -100.0 <= v <= 100.0):
+                raise ValueError(f"logit_bias of token {t} must be in [-100, 100], got {v!r}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token twice")
+        for name in ("min_tokens", "top_logprobs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) is larger than max_tokens "
+                             f"({self.max_tokens})")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def plain(self) -> bool:
+        """Nothing but temperature / top-k / top-p: a greedy plain request is an argmax of
+        the raw logits (the CUDA-graph fast path)."""
+        return not (self.penalized or self.logit_bias or self.min_tokens or self.min_p
+                    or self.top_logprobs)
 
 
 class FinishReason(str, Enum):
@@ -74,8 +127,14 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     logprobs: list[float] | None = None
+    # sampling.top_logprobs > 0: per token, the N most likely (token id, logprob), best first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    index: int = 0  # which of the request's sampling.n samples this output continues
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (or transferred)
     held_block_ids: list[int] | None = None  # prefill role: the HELD blocks, in prompt order
+    # LLM.generate with sampling.n > 1: every sample (index order); the fields above are
+    # sample 0's
+    samples: list["RequestOutput"] | None = None
 
 
 @dataclass

@@ -62,12 +62,17 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}  # every unfinished or held request
 
     # ------------------------------------------------------------- admission
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        """``front``: admit it before the waiting queue (a sample forked from a request
+        already running)."""
         if seq.request_id in self.requests:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
         self.requests[seq.request_id] = seq
         if seq.status is SeqStatus.WAITING:
-            self.waiting.append(seq)
+            if front:
+                self.waiting.appendleft(seq)
+            else:
+                self.waiting.append(seq)
         elif seq.status is SeqStatus.RUNNING:
             self.running.append(seq)
         elif seq.status is not SeqStatus.AWAITING_KV:

@@ -17,6 +17,8 @@ from enum import Enum
 import itertools
 import time
 
+import numpy as np
+
 from engine.request import FinishReason, SamplingParams
 
 
@@ -37,7 +39,7 @@ class Sequence:
         "num_computed_tokens", "block_table", "num_cached_tokens", "arrival_time",
         "order", "block_hashes", "finish_reason", "logprobs", "prefill_only",
         "detok", "stop_text_len", "num_preemptions", "first_token_time", "report_progress",
-        "num_hashed_blocks",
+        "num_hashed_blocks", "group_id", "sample_index", "top_logprobs", "_ids_np", "_ids_have",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -66,6 +68,13 @@ class Sequence:
         self.first_token_time: float | None = None
         self.report_progress = False  # prefill role, streamed KV: report each finished chunk
         self.num_hashed_blocks = 0  # leading blocks the prefix cache has already looked at
+        # sampling.n > 1: every sample is a Sequence; its outputs go out under the request's
+        # id (``group_id``) with its ``sample_index`` (sample 0 is the request's own)
+        self.group_id = request_id
+        self.sample_index = 0
+        self.top_logprobs: list | None = [] if sampling.top_logprobs else None
+        self._ids_np: np.ndarray | None = None  # token_ids as int64, grown (token_array)
+        self._ids_have = 0
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +91,21 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def token_array(self) -> np.ndarray:
+        """``token_ids`` as an int64 array (penalties read it every step): extended by the
+        tokens appended since the last call, not rebuilt (token ids are only appended)."""
+        buf, n = self._ids_np, len(self.token_ids)
+        have = self._ids_have
+        if buf is None or n > len(buf):
+            grown = np.empty(max(2 * n, 64), dtype=np.int64)
+            if buf is not None:
+                grown[:have] = buf[:have]
+            buf = self._ids_np = grown
+        if n > have:
+            buf[have:n] = self.token_ids[have:n]
+        self._ids_have = n
+        return buf[:n]
 
     @property
     def is_finished(self) -> bool:

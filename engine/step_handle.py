@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.layers.sampler import SampleOutput
 from engine.scheduler import SchedulerOutput
 
 
@@ -25,4 +26,6 @@ class StepHandle:
     greedy: torch.Tensor | None = None
     host: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
+    top_logprobs: list | None = None  # per row: [(token, logprob), ...] or None
+    sample: SampleOutput | None = None  # samples still on the device (read by collect)
     chained: bool = False  # launched by launch_next, before the previous step's tokens were read

@@ -109,6 +109,7 @@ class GatewayRequest:
         self.code, self.message = "OK", ""
         self.ids: list[int] = []
         self.streamed: list[int] = []  # every token sent to the client, over every attempt
+        self.open_samples: set[int] = {0}  # sampling.n > 1: samples not finished yet
         self.ticket: Ticket | None = None
         self.timer = None
         self._call = None  # the decode call in flight
@@ -160,6 +161,8 @@ class GatewayRequest:
             validation.check_label(r.label, env.limits)
             validation.check_model(r.model, env.model, env.limits)
             sp = validation.sampling(r.sampling, env.limits)
+            validation.check_sampling_vocab(sp, env.vocab_size)
+            self.open_samples = set(range(sp.n))
             given = [bool(r.prompt), bool(r.prompt_token_ids), bool(r.messages)]
             if sum(given) != 1:
                 raise InvalidRequest("set exactly one of prompt, prompt_token_ids and messages"
@@ -220,11 +223,15 @@ class GatewayRequest:
                     return
                 except _Broken as b:
                     if b.reason == "shutdown":
-                        yield self._final_abort()
+                        for resp in self._final_aborts():
+                            yield resp
                         return
                     failed.add(route.decode.id)
+                    # n > 1: samples interleave on one stream; once tokens went out the
+                    # request does not resume elsewhere (a retry before that is fine)
                     can = (migrations if self.streamed else retries) > 0 \
-                        and b.reason in RESUMABLE and loop.time() < deadline - 0.01
+                        and b.reason in RESUMABLE and loop.time() < deadline - 0.01 \
+                        and not (self.streamed and sp.n > 1)
                     if not can:
                         raise RequestError(b.code, b.message) from None
                     if self.streamed:
@@ -280,14 +287,11 @@ class GatewayRequest:
             dreq, timeout=max(deadline - loop.time(), 0.001),
             metadata=telemetry.outgoing_metadata(self.span, self.ctx))
         route.decode.watchers.add(self.cut)
-        samples, ended = max(getattr(sp, "n", 1) or 1, 1), set()  # n > 1: each sample ends
         try:
             async for resp in self._read(call, route):
                 yield resp
-                if resp.finish_reason:
-                    ended.add(resp.index)
-                    if len(ended) >= samples:
-                        return
+                if resp.finish_reason and not self.open_samples:
+                    return
             raise self._broken("eof", "the decode worker ended the stream early")
         finally:
             route.decode.watchers.discard(self.cut)
@@ -308,7 +312,11 @@ class GatewayRequest:
                 self.ticket.spend(n)
                 resp.request_id = self.creq.label
                 if resp.finish_reason:
-                    self._count_usage(resp)
+                    self.open_samples.discard(resp.index)
+                    if self.open_samples:  # usage comes with the request's last message
+                        resp.ClearField("usage")
+                    else:
+                        self._count_usage(resp)
                 yield resp
         except asyncio.CancelledError:
             # a call cancelled here (cut) raises CancelledError in its reader; our own task
@@ -332,7 +340,11 @@ class GatewayRequest:
                                              completion_tokens=len(self.streamed),
                                              cached_tokens=cached))
 
-    def _final_abort(self) -> common_pb2.GenerateResponse:
-        resp = common_pb2.GenerateResponse(request_id=self.creq.label, finish_reason="abort")
-        self._count_usage(resp)
-        return resp
+    def _final_aborts(self) -> list[common_pb2.GenerateResponse]:
+        """finish_reason "abort" for each sample still open; usage on the last."""
+        left = sorted(self.open_samples) or [0]
+        self.open_samples.clear()
+        out = [common_pb2.GenerateResponse(request_id=self.creq.label, finish_reason="abort",
+                                           index=i) for i in left]
+        self._count_usage(out[-1])
+        return out

@@ -31,6 +31,7 @@ from protos.pdserve.v1 import common_pb2, worker_pb2
 from services import telemetry, validation
 from services.logging_setup import request_context
 from services.membership import NotMember
+from services.protocol import top_logprobs_to_proto
 from services.validation import InvalidRequest
 
 from prefill_worker.feed import ChunkFeed
@@ -145,6 +146,7 @@ class PrefillCall:
         ids = validation.check_token_ids(r.prompt_token_ids, vocab)
         outs = validation.check_token_ids(r.output_token_ids, vocab, "output")
         validation.check_context(len(ids), len(outs), env.engine.max_model_len)
+        validation.check_sampling_vocab(sp, vocab)
         kv = r.kv_transfer
         sender = env.senders.get(kv.backend)
         if sender is None:
@@ -255,8 +257,9 @@ class PrefillCall:
     async def _answer(self, first, accepted: asyncio.Event) -> common_pb2.KVTransferResult:
         """Step 4: the transfer's state to answer with."""
         kv = self.req.kv
-        if first.finish_reason is not None:
+        if first.finish_reason is not None and self.req.sp.n <= 1:
             # the first token already ended the request: nothing to decode, nothing to send
+            # (with n > 1 the other samples still start from the prompt's KV)
             # (failing the stream ends the send however far it got)
             self.feed.fail("nothing to send: the request finished at its first token")
             await _settled(self.sending)
@@ -283,6 +286,8 @@ class PrefillCall:
             num_cached_tokens=first.num_cached_tokens, transfer=result)
         if first.logprobs:
             resp.first_logprob = first.logprobs[0]
+        if first.top_logprobs:
+            resp.first_top_logprobs.CopyFrom(top_logprobs_to_proto(first.top_logprobs[0]))
         logger.info("prefill %s: %d tokens (%d cached), transfer %s (%d parts, %.2f ms after "
                     "the prompt)", self.log_id, len(self.req.ids), first.num_cached_tokens,
                     common_pb2.TransferState.Name(result.state), self.feed.parts,

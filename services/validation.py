@@ -42,6 +42,10 @@ class RequestLimits:
     max_stop_strings: int = _lim(16, "most stop strings per request")
     max_stop_string_bytes: int = _lim(1024, "longest stop string, in UTF-8 bytes")
     max_stop_token_ids: int = _lim(256, "most stop_token_ids per request")
+    max_n: int = _lim(16, "most parallel samples (sampling.n) per request")
+    max_logit_bias: int = _lim(300, "most logit_bias entries per request")
+    max_top_logprobs: int = setting(20, "most top_logprobs per token a request may ask for",
+                                    ge=0, le=20)
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -139,6 +143,24 @@ def check_sampling_lists(pb: common_pb2.SamplingParams, limits: RequestLimits) -
                                  f"{limits.max_stop_string_bytes} bytes")
     if len(pb.stop_token_ids) > limits.max_stop_token_ids:
         raise InvalidRequest(f"at most {limits.max_stop_token_ids} stop_token_ids")
+    if len(pb.logit_bias) > limits.max_logit_bias:
+        raise InvalidRequest(f"at most {limits.max_logit_bias} logit_bias entries")
+    if pb.n > limits.max_n:
+        raise InvalidRequest(f"n is {pb.n}; at most {limits.max_n} samples per request")
+    if pb.top_logprobs > limits.max_top_logprobs:
+        raise InvalidRequest(f"top_logprobs is {pb.top_logprobs}; at most "
+                             f"{limits.max_top_logprobs}")
+    if pb.HasField("constraint"):
+        raise InvalidRequest("structured output (sampling.constraint) is not supported by "
+                             "this server")
+
+
+def check_sampling_vocab(sp: SamplingParams, vocab_size: int) -> None:
+    """Token ids the sampling parameters name must be in the model's vocabulary."""
+    bad = next((t for t, _ in sp.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"logit_bias token id {bad} is outside the vocabulary "
+                             f"[0, {vocab_size})")
 
 
 # SamplingParams fields of the proto whose engine side may not exist yet (issue 25's sampler

@@ -46,13 +46,16 @@ def test_sampler_respects_top_k_and_top_p():
     gen = torch.Generator().manual_seed(0)
     s = Sampler(gen)
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]]).repeat(400, 1)
-    toks, _ = s(logits, SamplingBatch([1.0] * 400, [3] * 400, [1.0] * 400, [None] * 400, False))
+    toks = s(logits, SamplingBatch([1.0] * 400, [3] * 400, [1.0] * 400, [None] * 400, False),
+             ).to_host()[0]
     assert set(toks) <= {0, 1, 2} and len(set(toks)) == 3
     # probs ~ [.64 .23 .09 ...]: top_p=0.8 keeps tokens 0 and 1 only
-    toks, _ = s(logits, SamplingBatch([1.0] * 400, [0] * 400, [0.8] * 400, [None] * 400, False))
+    toks = s(logits, SamplingBatch([1.0] * 400, [0] * 400, [0.8] * 400, [None] * 400, False),
+             ).to_host()[0]
     assert set(toks) == {0, 1}
     # frequencies follow the softmax (token 0 ~ 0.64 of draws without truncation)
-    toks, _ = s(logits, SamplingBatch([1.0] * 400, [0] * 400, [1.0] * 400, [None] * 400, False))
+    toks = s(logits, SamplingBatch([1.0] * 400, [0] * 400, [1.0] * 400, [None] * 400, False),
+             ).to_host()[0]
     frac0 = toks.count(0) / 400
     assert 0.55 < frac0 < 0.73
 
