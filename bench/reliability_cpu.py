@@ -32,7 +32,9 @@ FIGURES = {
     "fuzz": [harness.Figure("fuzzed requests", "", ("fuzz", "sent")),
              harness.Figure("answers with UNKNOWN / INTERNAL / UNAVAILABLE", "",
                             ("summary", "bad"))],
-    "soak": [harness.Figure("soak: largest RSS drift after warm-up", "",
+    "soak": [harness.Figure("soak: largest RSS growth after warm-up", "",
+                            ("summary", "max_growth"), format=".4f"),
+             harness.Figure("soak: largest RSS change either way", "",
                             ("summary", "max_abs_drift"), format=".4f")],
 }
 
@@ -94,6 +96,7 @@ def soak_part(a, rec) -> None:
         rec["workers_after"] = asyncio.run(settle(c.workers, timeout_s=60))
         drift = rep.drift()
         rec["summary"] = {"max_abs_drift": max(abs(d) for d in drift.values()),
+                          "max_growth": max(drift.values()),
                           "codes": dict(rep.codes)}
 
 

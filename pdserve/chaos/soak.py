@@ -44,10 +44,12 @@ async def _one(stub, req, codes: Counter, timeout: float, tokens: list[int]) -> 
 
 
 async def fill_kv_caches(address: str, workers, *, concurrency: int = 4,
-                         prompt_tokens: int = 1024, seed: int = 7) -> int:
+                         prompt_tokens: int = 128, seed: int = 7) -> int:
     """Send prompts of distinct random tokens (no prefix shared, one output token each)
     until their blocks cover every KV block of the largest worker's cache, 1.2 times over.
-    Returns the prompt tokens sent."""
+    Prompts stay short, like the soak's own: long ones grow the heap with activations that
+    the allocator gives back later, which reads as the RSS shrinking. Returns the prompt
+    tokens sent."""
     sizes = [await stats(w.address, w.kind) for w in workers]
     need = int(1.2 * max(st.kv_blocks_total * st.block_size for st in sizes))
     limit = min(st.max_model_len for st in sizes if st.max_model_len) or prompt_tokens + 1

@@ -29,5 +29,5 @@ def test_soak_at_half_capacity(tmp_path):
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
         assert set(rep.codes) == {"OK"}, rep.codes
-        assert all(abs(d) < 0.05 for d in rep.drift().values()), rep.drift()
+        assert all(d < 0.05 for d in rep.drift().values()), rep.drift()  # growth: a leak
         assert all(v["used"] == 0 and v["stranded"] == 0 for v in after.values()), after
