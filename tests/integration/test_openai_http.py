@@ -362,7 +362,9 @@ def test_no_workers_is_503_and_deadline_is_504(colo):
         assert code == 503 and json.loads(body)["error"]["code"] == "unavailable", body
         assert curl(f"http://{g.http}/health")[0] == 503
     worker = next(w.address for w in colo.workers)
-    with _Gateway("--decode-addrs", worker, "--request-timeout-s", "1") as g:
+    # the cluster is secure by default: this gateway needs its certificate to reach the worker
+    with _Gateway("--decode-addrs", worker, "--request-timeout-s", "1",
+                  *colo.security_args("gateway")) as g:
         c = openai.OpenAI(base_url=f"http://{g.http}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError) as e:
             c.completions.create(model=MODEL, prompt="Hi", max_tokens=1000,
