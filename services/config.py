@@ -289,8 +289,9 @@ class WorkerSettings(ServiceSettings):
     advertise_port: int = _port(0, "port others dial (0: the bound port; e.g. a proxy's)")
     worker_id: str = setting("", "unique id (default: advertise address + random suffix)")
     registry_ttl_s: float = setting(3.0, "registry key TTL", gt=0.0)
-    heartbeat_s: float = setting(1.0, "registry heartbeat interval (shorter than "
-                                      "registry_ttl_s)", gt=0.0)
+    heartbeat_s: float = setting(0.5, "registry heartbeat interval (shorter than "
+                                      "registry_ttl_s); also how soon a worker is listed "
+                                      "again after Redis restarts empty", gt=0.0)
     kv_backend: str = setting(
         "auto", "KV transfer backend(s), preferred first: tcp, shm, nccl, cuda_ipc, nixl, "
                 "fake, comma-separated (a failed transfer is retried on the next), or none; "
