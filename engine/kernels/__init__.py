@@ -11,7 +11,8 @@ KV cache layout: one tensor [num_blocks, num_layers, 2, block_size, num_kv_heads
 from __future__ import annotations
 
 import importlib.util
-import os
+
+from pdcore.config_tree import environ
 
 __all__ = [
     "triton_available", "store_kv", "paged_decode_attention", "paged_prefill_attention",
@@ -41,7 +42,7 @@ def triton_available() -> bool:
         import triton  # noqa: F401
     except Exception:  # a broken install counts as absent
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if environ().get("TRITON_INTERPRET") == "1":  # Triton's own variable, not a setting
         return True
     import torch
     return torch.cuda.is_available()

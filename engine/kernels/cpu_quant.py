@@ -27,6 +27,8 @@ import os
 import shutil
 import threading
 
+from pdcore.config_tree import environ
+
 import torch
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ def _build():
     from torch.utils.cpp_extension import load
 
     # CXX: torch.utils.cpp_extension's compiler choice (a standard variable, not a setting)
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
+    if shutil.which(environ().get("CXX", "g++")) is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
     with open(_SRC, "rb") as f:
         src = f.read()

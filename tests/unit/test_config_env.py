@@ -11,14 +11,10 @@ PACKAGES = ("engine", "services", "gateway", "prefill_worker", "decode_worker", 
             "kvtransfer", "protos")
 CONFIG_MODULE = "pdcore/config_tree.py"
 PENDING_PREFIXES: tuple[str, ...] = ()  # nothing left: kvtransfer reads no environment
-# Standard variables that libraries define (not pdserve settings): (file, variable) -> why.
-STANDARD = {
-    ("engine/kernels/__init__.py", "TRITON_INTERPRET"):
-        "Triton's own switch, read by Triton when a kernel is decorated; triton_available() "
-        "mirrors Triton's decision",
-    ("engine/kernels/cpu_quant.py", "CXX"):
-        "torch.utils.cpp_extension's compiler choice for the CPU extension",
-}
+# Standard variables that libraries define (not pdserve settings) and that pdserve reads in
+# place: (file, variable) -> why. None left: TRITON_INTERPRET and CXX go through
+# pdcore.config_tree.environ() too.
+STANDARD: dict[tuple[str, str], str] = {}
 _OS_ATTRS = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 
 
