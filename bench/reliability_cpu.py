@@ -67,9 +67,12 @@ def chaos(a, rec) -> None:
 
 
 def fuzz(a, rec) -> None:
+    # as tests/integration/test_fuzz.py: a small KV cache, every block used once first
     with LocalCluster("dummy:tiny", prefill=1, decode=1,
-                      worker_args=("--max-model-len", "256")) as c:
+                      worker_args=("--max-model-len", "256", "--num-blocks", "2048")) as c:
         procs = {"gateway": c.gateway, **{w.kind: w for w in c.workers}}
+        rec["kv_fill_prompt_tokens"] = asyncio.run(fill_kv_caches(c.address, c.workers,
+                                                                  vocab=259))
         asyncio.run(run_fuzz(c.address, 320, seed=1000))  # warm-up: the same mix
         time.sleep(11)
         before = {n: rss_bytes(s.proc.pid) for n, s in procs.items()}

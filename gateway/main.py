@@ -166,6 +166,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging("gateway", settings.log_level, settings.log_format)
+    from services.memory import limit_arenas
+    limit_arenas(settings.malloc_arenas)  # before any thread: see services/memory.py
     setup_tracing("gateway")
     try:
         run(serve_gateway(settings))

@@ -188,7 +188,9 @@ class GatewayRequest:
 
     async def _tokenize(self) -> list[int]:
         env, r = self.env, self.creq
-        if r.prompt_token_ids:
+        if r.prompt_token_ids:  # too long: refused before the ids are copied and scanned
+            validation.check_context(len(r.prompt_token_ids), 0, env.router.context_limit(),
+                                     "the workers'")
             return validation.check_token_ids(r.prompt_token_ids, env.vocab_size)
         try:
             if r.prompt:

@@ -32,10 +32,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             api_key=key_id(presented_key(context.invocation_metadata())), timeout_s=timeout)
         req = GatewayRequest(self.env, creq, span, context)
         # the RPC ended (the client left): the decode call in flight goes too, even if this
-        # generator is never resumed
-        context.add_done_callback(lambda _ctx: req.cut("client gone"))
+        # generator is never resumed. The callback holds the request through a list that
+        # whichever ends first empties: left in place, the reference would close a cycle
+        # (context -> callback -> request -> context) that keeps a megabyte prompt alive
+        # until the collector's next full pass
+        held = [req]
+        context.add_done_callback(lambda _ctx: held and held.pop().cut("client gone"))
         try:
             async for resp in req.run():
                 yield resp
         except RequestError as e:
             await context.abort(e.code, e.message)
+        finally:
+            held.clear()

@@ -235,6 +235,10 @@ class GatewaySettings(ServiceSettings):
                                      ge=1)
     tokenizer_queue: int = setting(256, "prompts waiting for a tokenizer thread beyond which "
                                         "requests get RESOURCE_EXHAUSTED", ge=1)
+    malloc_arenas: int = setting(
+        2, "glibc malloc arenas of the gateway process (0: glibc's default, 8 per core): few "
+           "arenas keep the threads that tokenize megabyte prompts from fragmenting the heap, "
+           "which otherwise grows with every such prompt", ge=0)
     key_max_concurrent: int = setting(0, "requests one API key may have in flight (0: no "
                                          "limit but key_max_seat_share)", ge=0)
     key_max_seat_share: float = setting(0.5, "with two or more API keys, the share of the "

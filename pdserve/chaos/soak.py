@@ -44,12 +44,13 @@ async def _one(stub, req, codes: Counter, timeout: float, tokens: list[int]) -> 
 
 
 async def fill_kv_caches(address: str, workers, *, concurrency: int = 4,
-                         prompt_tokens: int = 128, seed: int = 7) -> int:
+                         prompt_tokens: int = 128, seed: int = 7, vocab: int = 20000) -> int:
     """Send prompts of distinct random tokens (no prefix shared, one output token each)
     until their blocks cover every KV block of the largest worker's cache, 1.2 times over.
     Prompts stay short, like the soak's own: long ones grow the heap with activations that
     the allocator gives back later, which reads as the RSS shrinking. Returns the prompt
-    tokens sent."""
+    tokens sent. Token ids are drawn from [100, ``vocab``) (``vocab`` at most the model's
+    vocabulary size)."""
     sizes = [await stats(w.address, w.kind) for w in workers]
     need = int(1.2 * max(st.kv_blocks_total * st.block_size for st in sizes))
     limit = min(st.max_model_len for st in sizes if st.max_model_len) or prompt_tokens + 1
@@ -63,7 +64,7 @@ async def fill_kv_caches(address: str, workers, *, concurrency: int = 4,
         async def lane():
             while sent[0] < need:
                 sent[0] += n
-                req = client.make_request(token_ids=[rng.randrange(100, 20000) for _ in range(n)],
+                req = client.make_request(token_ids=[rng.randrange(min(100, vocab // 2), vocab) for _ in range(n)],
                                           max_tokens=1, ignore_eos=True)
                 await _one(stub, req, codes, 300, [0])
 

@@ -16,6 +16,7 @@ from tests.integration.helpers import run
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # 1 min capacity + 1 min warm-up + 10 min soak + settling
 def test_soak_at_half_capacity(tmp_path):
     with LocalCluster("smollm2-135m", prefill=1, decode=1) as c:
         cap = run(capacity(c.address, seconds=60))
