@@ -340,6 +340,7 @@ def _conformance():
     import tests.unit.test_kvtransfer as kv
     import tests.unit.test_kvtransfer_pool as pool
     import tests.unit.test_kvtransfer_stream as stream
+    import tests.unit.test_kvtransfer_staging as staging
     cases = [(kv.test_round_trip, ("tcp", "uvloop")), (kv.test_round_trip, ("tcp", "asyncio"))]
     for fn in (kv.test_destination_given_after_the_sender_connected,
                kv.test_destination_never_given_times_out_and_cancel_ends_it,
@@ -351,7 +352,9 @@ def _conformance():
                kv.test_sender_times_out_when_receiver_never_acks, kv.test_sender_cancel,
                kv.test_sender_cancel_mid_transfer_fails_receiver, kv.test_receiver_cancel,
                stream.test_streamed_send_moves_parts_as_they_are_ready,
-               stream.test_failed_stream_fails_both_sides):
+               stream.test_failed_stream_fails_both_sides,
+               staging.test_staged_round_trip_streamed_and_concurrent,  # bulk via pinned
+               staging.test_staged_corruption_is_caught_and_cancel_stops_the_copies):
         cases.append((fn, ("tcp",)))
     for fn in (pool.test_sequential_transfers_share_one_connection,
                pool.test_concurrent_transfers_take_their_own_connections_and_keep_them,
