@@ -6,10 +6,10 @@ After the handshake the sender writes the payload straight from the cache's memo
 checksums, then waits for the final OK (the receiver has the data). The receiver
 ``sock_recv_into``s straight into the destination blocks, one run of consecutive destination
 ids at a time (inside TLS the pump encrypts from / decrypts into that memory:
-:func:`kvtransfer.secure.sendall`), checks the checksums, then acks. A GPU cache's blocks travel through pinned
-host buffers instead (:mod:`kvtransfer.staging`), so GPU hosts without NVLink or RDMA still
-disaggregate. A peer that dies mid-transfer shows up as end-of-stream / reset on the other
-side at once.
+:func:`kvtransfer.secure.sendall`), checks the checksums, then acks. A GPU cache's blocks
+travel through pinned host buffers instead (:mod:`kvtransfer.staging`), so GPU hosts
+without NVLink or RDMA still disaggregate. A peer that dies mid-transfer shows up as
+end-of-stream / reset on the other side at once.
 """
 
 from __future__ import annotations
