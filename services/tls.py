@@ -54,7 +54,7 @@ import grpc
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("gateway", "prefill", "decode", "colocated", "operator")
+ROLES = ("gateway", "prefill", "decode", "colocated", "operator", "redis")
 CLUSTER_NAME = "pdserve.internal"
 ROLE_URI = "urn:pdserve:role:"
 RELOAD_CHECK_S = 1.0

@@ -221,7 +221,8 @@ def test_workers_do_not_dial_unregistered_addresses(cluster):
 
 
 def test_redis_refuses_a_client_without_the_password(cluster):
-    r = redis_sync.Redis.from_url(cluster.redis.url)  # the address without the password
+    # the address and the CA to trust, without the password
+    r = redis_sync.Redis.from_url(cluster.redis.url, ssl_ca_certs=cluster.identity.ca_file)
     try:
         with pytest.raises(redis_sync.exceptions.AuthenticationError):
             r.ping()
@@ -229,6 +230,39 @@ def test_redis_refuses_a_client_without_the_password(cluster):
             r.hset("pdserve:worker:evil", mapping={"address": "127.0.0.1:1"})
     finally:
         r.close()
+
+
+def test_redis_speaks_tls_only_and_the_cluster_registers_and_routes_through_it(cluster):
+    """The default cluster's Redis is a real redis-server listening for TLS only
+    (rediss://, a certificate of the cluster CA's ``redis`` role): the workers registered
+    through it (signed entries), the gateway routes with them; a client that does not trust
+    the CA, or speaks plaintext, gets nowhere even with the password."""
+    assert cluster.redis.url.startswith("rediss://")
+    password = open(cluster.identity.redis_password_file).read().strip()
+    r = redis_sync.Redis.from_url(cluster.redis.client_url, decode_responses=True)
+    try:
+        ids = r.smembers("pdserve:workers")
+        assert {w.worker_id for w in cluster.workers} <= ids
+        for w in cluster.workers:
+            assert r.hget(f"pdserve:worker:{w.worker_id}", "sig")  # signed, written over TLS
+    finally:
+        r.close()
+    outs = run(gen_many(cluster.address, [client.make_request(
+        prompt=f"rediss {i} " * 6, max_tokens=4, temperature=0.0) for i in range(4)], timeout=60))
+    assert all(o.finish_reason == "length" for o in outs), outs
+    port = cluster.redis.port
+    for url, kw, exc in (
+            (f"rediss://:{password}@127.0.0.1:{port}/0", {}, redis_sync.exceptions.ConnectionError),
+            (f"rediss://:{password}@127.0.0.1:{port}/0",
+             {"ssl_ca_certs": write_cluster_files(tempfile.mkdtemp()).ca_file},  # another CA
+             redis_sync.exceptions.ConnectionError),
+            (f"redis://:{password}@127.0.0.1:{port}/0", {}, redis_sync.exceptions.ConnectionError)):
+        bad = redis_sync.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3, **kw)
+        try:
+            with pytest.raises(exc):
+                bad.ping()
+        finally:
+            bad.close()
 
 
 def test_forged_registry_entries_receive_no_request(cluster):
