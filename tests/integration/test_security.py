@@ -354,3 +354,46 @@ def test_pdserve_up_is_secure_by_default_and_insecure_on_request():
             env={**os.environ, "PYTHONPATH": REPO})
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         assert want in out.stdout and "finish=" in out.stdout, out.stdout[-2000:]
+
+
+def test_the_http_front_serves_the_client_port_certificate_and_requires_client_certs():
+    """The gateway's OpenAI HTTP port takes the gRPC client port's TLS settings: the same
+    certificate, and with client_tls_ca_file a client certificate of that CA on both ports.
+    The official openai client (an httpx client trusting the CA, with a client certificate)
+    and curl --cacert --cert get through; without the client certificate, nothing."""
+    import openai
+    front = write_cluster_files(tempfile.mkdtemp(prefix="front-"))  # client-facing PKI
+    users = write_cluster_files(tempfile.mkdtemp(prefix="users-"))  # who may call
+    args = ("--client-tls-cert-file", front.cert("gateway"), "--client-tls-key-file",
+            front.key("gateway"), "--client-tls-ca-file", users.ca_file)
+    mine = (users.cert("operator"), users.key("operator"))
+    with LocalCluster("dummy:tiny", prefill=1, decode=1, http_port=0,
+                      gateway_args=args) as c:
+        port = c.gateway.http_port
+        url = f"https://localhost:{port}/v1"
+
+        def sdk(cert=None):
+            ctx = ssl.create_default_context(cafile=front.ca_file)
+            if cert:
+                ctx.load_cert_chain(*cert)
+            return openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60,
+                                 http_client=openai.DefaultHttpxClient(verify=ctx))
+        models = [m.id for m in sdk(mine).models.list()]
+        assert models, models
+        done = sdk(mine).completions.create(model=models[0], prompt="hello over https",
+                                            max_tokens=4, temperature=0.0)
+        assert done.choices[0].finish_reason == "length", done
+        with pytest.raises(openai.APIConnectionError):
+            sdk().models.list()  # no client certificate
+        ok = subprocess.run(["curl", "-sS", "--max-time", "20", "--cacert", front.ca_file,
+                             "--cert", mine[0], "--key", mine[1], f"{url}/models"],
+                            capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0 and models[0] in ok.stdout, ok.stdout + ok.stderr
+        refused = subprocess.run(["curl", "-sS", "--max-time", "20", "--cacert",
+                                  front.ca_file, f"{url}/models"],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode != 0 and models[0] not in refused.stdout
+        plain = subprocess.run(["curl", "-sS", "--max-time", "20",
+                                f"http://127.0.0.1:{port}/v1/models"],
+                               capture_output=True, text=True, timeout=60)
+        assert models[0] not in plain.stdout
