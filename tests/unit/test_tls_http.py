@@ -121,3 +121,31 @@ def test_a_new_certificate_is_served_without_a_restart(cas, tmp_path):
     (old_a, old_b), (new_b, new_a) = _serve(tls, probes)
     assert old_a == ["m"] and old_b.startswith("refused")
     assert new_b == ["m"] and new_a.startswith("refused")
+
+
+def test_metrics_port_over_tls_with_a_scraper_certificate(cas):
+    """/metrics (prometheus_client's server) with metrics_tls_*: https with the given
+    certificate, and with metrics_tls_ca_file only a scraper holding a client certificate of
+    that CA reads it."""
+    from prometheus_client import CollectorRegistry, Counter
+    from services.config import ConfigError, worker_settings
+    from services.metrics import serve_metrics
+    from pdserve.cluster import free_port
+    a, b = cas
+    reg = CollectorRegistry()
+    Counter("pdserve_tls_probe", "a probe", registry=reg).inc()
+    s = worker_settings(["--metrics-tls-cert-file", a.cert("operator"), "--metrics-tls-key-file",
+                         a.key("operator"), "--metrics-tls-ca-file", b.ca_file],
+                        env={"PDSERVE_DEVICE": "cpu"})
+    port = serve_metrics(reg, free_port(), "127.0.0.1", s)
+    url = f"https://localhost:{port}/metrics"
+    scraper = ("--cert", b.cert("operator"), "--key", b.key("operator"))
+    ok = _curl("--cacert", a.ca_file, *scraper, url)
+    assert ok[0] == 0 and "pdserve_tls_probe_total 1.0" in ok[1], ok
+    no_cert = _curl("--cacert", a.ca_file, url)
+    assert no_cert[0] != 0 and "pdserve_tls_probe" not in no_cert[1]
+    plain = _curl(f"http://localhost:{port}/metrics")
+    assert "pdserve_tls_probe" not in plain[1]
+    with pytest.raises(ConfigError, match="go together"):
+        worker_settings(["--metrics-tls-cert-file", a.cert("operator")],
+                        env={"PDSERVE_DEVICE": "cpu"})
