@@ -118,7 +118,8 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     port = await srv.start()
     http = await start_front(settings, env, keys, srv)  # the OpenAI HTTP API (None: off)
     srv.install_signal_handlers()
-    mport = serve_metrics(metrics.registry, settings.metrics_port, settings.host)
+    mport = serve_metrics(metrics.registry, settings.metrics_port, settings.host,
+                          settings)
     print(f"READY gateway {settings.host}:{port}" + (f" metrics={mport}" if mport else "")
           + (f" http={http.port}" if http else ""), flush=True)
     try:

@@ -5,7 +5,8 @@ and the benchmarks, so all three run the product the same way.
 Secure by default: a throw-away CA and one certificate per role (minted once per process,
 in a private temporary folder removed at exit), mutual TLS between every service, Redis with
 a password (given to the services in a file, never on a command line), signed registry
-entries. ``secure=False`` (``pdserve up --insecure``) runs everything plaintext with
+entries, Redis over TLS (``rediss://``, a certificate of the role ``redis``).
+``secure=False`` (``pdserve up --insecure``) runs everything plaintext with
 ``--insecure``. The gateway's client port stays plaintext on 127.0.0.1.
 """
 from __future__ import annotations
@@ -49,30 +50,54 @@ def wait_port(port: int, timeout_s: float = 10.0, host: str = "127.0.0.1") -> No
             time.sleep(0.02)
 
 
+@dataclass(frozen=True)
+class RedisTls:
+    """A Redis server's TLS material: its certificate and key, and the CA clients trust
+    (and, with ``client_ca_file``, the CA whose certificates clients must show)."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    client_ca_file: str = ""
+
+
 class RedisProcess:
     """A private redis-server (no persistence) that can be killed and restarted; with
-    ``password`` it requires it (given on its stdin: never on a command line)."""
+    ``password`` it requires it (given on its stdin: never on a command line); with ``tls``
+    it listens for TLS only (``rediss://``; the build must link OpenSSL, as Debian's does)."""
 
-    def __init__(self, port: int | None = None, password: str | None = None):
+    def __init__(self, port: int | None = None, password: str | None = None,
+                 tls: RedisTls | None = None):
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise RuntimeError("redis-server not found on PATH (apt-get install -y redis-server)")
         self.port = port or free_port()
         self.password = password
+        self.tls = tls
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         """The address, without credentials (what services are given)."""
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     @property
     def client_url(self) -> str:
-        """The address with the password in it, for in-process clients (tests); never
-        passed to a process or printed."""
-        if not self.password:
-            return self.url
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        """The address with the password (and the CA to trust) in it, for in-process clients
+        (tests); never passed to a process or printed."""
+        url = self.url
+        if self.password:
+            url = url.replace("://", f"://:{self.password}@", 1)
+        if self.tls:
+            url += f"?ssl_ca_certs={self.tls.ca_file}"
+        return url
+
+    def _tls_conf(self) -> str:
+        t = self.tls
+        return (f"port 0\ntls-port {self.port}\ntls-cert-file {t.cert_file}\n"
+                f"tls-key-file {t.key_file}\ntls-ca-cert-file {t.client_ca_file or t.ca_file}\n"
+                f"tls-auth-clients {'yes' if t.client_ca_file else 'no'}\n"
+                f"tls-protocols \"TLSv1.2 TLSv1.3\"\n")
 
     @property
     def running(self) -> bool:
@@ -85,6 +110,8 @@ class RedisProcess:
                 f"protected-mode no\nloglevel warning\n")
         if self.password:
             conf += f"requirepass {self.password}\n"
+        if self.tls:
+            conf += self._tls_conf()
         self.proc = subprocess.Popen([self.binary, "-"], stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.proc.stdin.write(conf.encode())
@@ -230,9 +257,13 @@ class LocalCluster:
                  startup_timeout_s: float = 180.0, metrics: bool = False,
                  devices: dict[str, list[str]] | None = None,
                  role_args: dict[str, tuple[str, ...]] | None = None, secure: bool = True,
-                 http_port: int | None = None):
+                 http_port: int | None = None, redis_tls: bool | None = None):
         self.model = model
         self.secure = secure
+        # Redis over TLS (rediss://, the cluster CA's "redis" certificate): default when secure
+        self.redis_tls = secure if redis_tls is None else redis_tls
+        if self.redis_tls and not secure:
+            raise ValueError("redis_tls needs secure=True (the cluster CA)")
         self.identity = cluster_identity() if secure else None
         self.http_port = http_port  # the gateway's OpenAI HTTP API: None off, 0 a free port
         self.counts = {"prefill": prefill, "decode": decode, "colocated": colocated}
@@ -269,6 +300,15 @@ class LocalCluster:
     def redis_url(self) -> str:
         """Redis with its password in the URL (in-process clients, tests)."""
         return self.redis.client_url if self.redis else ""
+
+    def redis_args(self) -> list[str]:
+        """A service's Redis flags: the URL, and for a TLS Redis the CA to trust."""
+        if not self.redis:
+            return []
+        args = ["--redis-url", self.redis.url]
+        if self.redis.tls:
+            args += ["--redis-tls-ca-file", self.redis.tls.ca_file]
+        return args
 
     def security_args(self, role: str) -> list[str]:
         """A service's identity flags: its certificate and the Redis password file, or
@@ -328,8 +368,7 @@ class LocalCluster:
                 "--log-format", "text", "--log-level", "WARNING"]
         if self.kv_backend is not None:
             args += ["--kv-backend", self.kv_backend]
-        if self.redis:
-            args += ["--redis-url", self.redis.url]
+        args += self.redis_args()
         args += self.security_args(role)
         device = self.device_for(role, index)
         extra = [*self.worker_args, *self.role_args.get(role, ())]
@@ -353,8 +392,7 @@ class LocalCluster:
         args = ["--model", self.model, "--host", "127.0.0.1", "--port", str(self.gateway_port),
                 "--log-format", "text", "--log-level", "WARNING", "--http-port",
                 str(0 if self.http_port is None else self.http_port or free_port())]
-        if self.redis:
-            args += ["--redis-url", self.redis.url]
+        args += self.redis_args()
         args += self.security_args("gateway")
         if not self.redis and not self.use_redis:
             dec = [w.address for w in self.workers if w.kind in ("decode", "colocated")]
@@ -378,7 +416,11 @@ class LocalCluster:
             if self.identity is not None:
                 with open(self.identity.redis_password_file) as f:
                     password = f.read().strip()
-            self.redis = RedisProcess(password=password)
+            tls = None
+            if self.redis_tls:
+                ident = self.identity
+                tls = RedisTls(ident.cert("redis"), ident.key("redis"), ident.ca_file)
+            self.redis = RedisProcess(password=password, tls=tls)
             self.redis.start()
         new = []
         for role, n in self.counts.items():

@@ -92,7 +92,8 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
     srv.add_shutdown_hook(runtime.stop)
     srv.install_signal_handlers()
     watchdog = asyncio.ensure_future(_watch_engine(engine, aengine, srv))
-    mport = serve_metrics(metrics.registry, settings.metrics_port, settings.host)
+    mport = serve_metrics(metrics.registry, settings.metrics_port, settings.host,
+                          settings)
     print(f"READY {role} {address} worker_id={runtime.worker_id}"
           + (f" metrics={mport}" if mport else ""), flush=True)
     logger.info("%s worker %s serving %s on %s", role, runtime.worker_id, engine.model_id, address)

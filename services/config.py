@@ -103,6 +103,11 @@ class ServiceSettings:
     max_message_bytes: int = setting(64 * 1024 * 1024, "gRPC max message size", ge=1024,
                                      unit="bytes")
     metrics_port: int = _port(0, "Prometheus /metrics port (0: off)")
+    metrics_tls_cert_file: str = setting("", "TLS on the /metrics port: its certificate (PEM; "
+                                             "read at start); empty: plaintext")
+    metrics_tls_key_file: str = setting("", "TLS on the /metrics port: its private key (PEM)")
+    metrics_tls_ca_file: str = setting("", "TLS on the /metrics port: also require a client "
+                                           "certificate signed by this CA (the scraper's)")
     log_level: str = setting("INFO", "log level", choices=LOG_LEVELS)
     log_format: str = setting("json", "log lines: json or text", choices=LOG_FORMATS)
     tls_ca_file: str = setting("", "mutual TLS between services: the cluster CA certificate "
@@ -145,6 +150,12 @@ class ServiceSettings:
                 f"host {self.host!r} is not a loopback address: without certificates "
                 f"(tls_ca_file, tls_cert_file, tls_key_file) a service binds loopback "
                 f"only; give certificates, or --insecure to serve plaintext there"))
+        if bool(self.metrics_tls_cert_file) != bool(self.metrics_tls_key_file):
+            raise SettingError("metrics_tls_cert_file", "metrics_tls_cert_file and "
+                                                        "metrics_tls_key_file go together")
+        if self.metrics_tls_ca_file and not self.metrics_tls_cert_file:
+            raise SettingError("metrics_tls_ca_file", "metrics_tls_ca_file needs "
+                                                      "metrics_tls_cert_file")
         if self.redis_tls_ca_file and not self.redis_url.startswith("rediss://"):
             raise SettingError("redis_tls_ca_file", "redis_tls_ca_file needs a rediss:// "
                                                     "redis_url")

@@ -25,11 +25,21 @@ TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 ROUTE_MODES = ("prefix", "load", "load_only", "colocated", "local_prefill")
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> int | None:
-    """Serve ``registry`` on http://host:port/metrics in a daemon thread; None when port is 0."""
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0",
+                  settings=None) -> int | None:
+    """Serve ``registry`` on http://host:port/metrics in a daemon thread; None when port is 0.
+    With ``settings.metrics_tls_cert_file`` (and _key_file) it is https, and with
+    ``metrics_tls_ca_file`` only a scraper with a client certificate of that CA gets in."""
     if not port:
         return None
-    start_http_server(port, addr=host, registry=registry)
+    cert = getattr(settings, "metrics_tls_cert_file", "")
+    if cert:
+        ca = settings.metrics_tls_ca_file
+        start_http_server(port, addr=host, registry=registry, certfile=cert,
+                          keyfile=settings.metrics_tls_key_file, client_cafile=ca or None,
+                          client_auth_required=bool(ca))
+    else:
+        start_http_server(port, addr=host, registry=registry)
     return port
 
 

@@ -1,12 +1,20 @@
 """uvicorn serving the HTTP front on the running event loop (the gateway's uvloop, beside
 the gRPC server). The gateway owns the signals: uvicorn's own handlers are not installed, and
-:meth:`HttpServer.stop` ends it after the gRPC server's shutdown."""
+:meth:`HttpServer.stop` ends it after the gRPC server's shutdown.
+
+TLS: the same client-facing settings as the gRPC client port (``client_tls_cert_file``,
+``client_tls_key_file``, and with ``client_tls_ca_file`` a client certificate of that CA is
+required), so both ports serve one certificate. As on the gRPC port the files are re-read
+when they change (checked at most once a second, on a new connection's handshake)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 import socket
+import ssl
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -21,13 +29,73 @@ def _server_class():
     return uvicorn, _Server
 
 
+class ReloadingTls:
+    """The HTTP port's TLS: a server context of the certificate, key and optional client CA,
+    rebuilt when one of the files changed (checked at most every ``check_s`` on a handshake;
+    a rebuild that fails keeps the previous context and logs why)."""
+
+    def __init__(self, cert_file: str, key_file: str, ca_file: str = "",
+                 check_s: float = 1.0) -> None:
+        self.files = tuple(f for f in (cert_file, key_file, ca_file) if f)
+        self.cert_file, self.key_file, self.ca_file = cert_file, key_file, ca_file
+        self.check_s = check_s
+        self._stamp = self._stat()
+        self._checked = time.monotonic()
+        self.current = self._build()  # raises at start on bad material
+        self.context = self._build()  # what the listener holds: swaps per handshake
+        self.context.sni_callback = self._pick
+
+    def _stat(self) -> tuple:
+        out = []
+        for f in self.files:
+            try:
+                st = os.stat(f)
+                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def _build(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.cert_file, self.key_file)
+        if self.ca_file:
+            ctx.load_verify_locations(self.ca_file)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.set_alpn_protocols(["http/1.1"])
+        return ctx
+
+    def _pick(self, sslobj: ssl.SSLObject, _name, _ctx) -> None:
+        now = time.monotonic()
+        if now - self._checked >= self.check_s:
+            self._checked = now
+            stamp = self._stat()
+            if stamp != self._stamp:
+                try:
+                    self.current = self._build()
+                    self._stamp = stamp
+                    logger.info("HTTP port: certificate reloaded")
+                except (OSError, ssl.SSLError, ValueError) as e:
+                    logger.warning("HTTP port: certificate reload failed, keeping the "
+                                   "previous one: %s", e)
+        sslobj.context = self.current
+
+
 class HttpServer:
-    def __init__(self, app, *, host: str, port: int, grace_s: float = 5.0) -> None:
+    def __init__(self, app, *, host: str, port: int, grace_s: float = 5.0,
+                 tls: ReloadingTls | None = None) -> None:
         self.host, self.port = host, port
+        self.tls = tls
         uvicorn, server_cls = _server_class()
+        ssl_kw = {}
+        if tls is not None:  # uvicorn's settings, and the context that follows the files
+            ssl_kw = dict(ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file,
+                          ssl_ca_certs=tls.ca_file or None,
+                          ssl_cert_reqs=ssl.CERT_REQUIRED if tls.ca_file else ssl.CERT_NONE,
+                          ssl_context_factory=lambda _config, _default: tls.context)
         config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
                                 timeout_graceful_shutdown=max(grace_s, 0.1),
-                                timeout_keep_alive=30, http="auto", loop="none")
+                                timeout_keep_alive=30, http="auto", loop="none", **ssl_kw)
         self.server = server_cls(config)
         self._task: asyncio.Task | None = None
 
@@ -67,8 +135,18 @@ async def start_front(settings, env, keys, grpc_server) -> HttpServer | None:
     front = HttpFront(env, keys=keys, served_model_name=settings.served_model_name,
                       request_timeout_s=settings.request_timeout_s,
                       max_body_bytes=settings.http_max_body_bytes)
+    tls = None
+    if settings.client_tls_cert_file:  # the gRPC client port's settings: one certificate
+        tls = ReloadingTls(settings.client_tls_cert_file, settings.client_tls_key_file,
+                           settings.client_tls_ca_file)
     srv = HttpServer(front.app(), host=settings.host, port=settings.http_port,
-                     grace_s=settings.grace_s)
+                     grace_s=settings.grace_s, tls=tls)
     srv.port = await srv.start()
+    if tls is None:
+        from services.config import is_loopback
+        if not is_loopback(settings.host):
+            logger.warning("HTTP port %s:%d is plaintext: API keys and prompts travel in "
+                           "clear (client_tls_cert_file turns TLS on)", settings.host,
+                           srv.port)
     grpc_server.add_shutdown_hook(lambda: setattr(front, "draining", True))
     return srv

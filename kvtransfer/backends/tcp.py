@@ -5,10 +5,11 @@ After the handshake the sender writes the payload straight from the cache's memo
 ``sock_sendall`` per run of consecutive source block ids (no gather copy), then the blocks'
 checksums, then waits for the final OK (the receiver has the data). The receiver
 ``sock_recv_into``s straight into the destination blocks, one run of consecutive destination
-ids at a time, checks the checksums, then acks. A GPU cache's blocks travel through pinned
-host buffers instead (:mod:`kvtransfer.staging`), so GPU hosts without NVLink or RDMA still
-disaggregate. A peer that dies mid-transfer shows up as end-of-stream / reset on the other
-side at once.
+ids at a time (inside TLS the pump encrypts from / decrypts into that memory:
+:func:`kvtransfer.secure.sendall`), checks the checksums, then acks. A GPU cache's blocks
+travel through pinned host buffers instead (:mod:`kvtransfer.staging`), so GPU hosts
+without NVLink or RDMA still disaggregate. A peer that dies mid-transfer shows up as
+end-of-stream / reset on the other side at once.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer import checksum, wire
+from kvtransfer import checksum, secure, wire
 from kvtransfer.api import (
     BackendSpec,
     KVLayout,
@@ -84,7 +85,7 @@ class TcpPayloadSender:
                     async for data in pieces:
                         if sm.corrupt and sm.num_bytes == 0:
                             data = _flipped(data, sm.transfer_id)
-                        await loop.sock_sendall(sock, data)
+                        await secure.sendall(loop, sock, data)  # TLS: no socketpair
                         sm.num_bytes += len(data)
             if sm.checksums:
                 await checksum.send_checksums(loop, sock, await sums.collect(watch=sock))
@@ -115,18 +116,18 @@ class TcpPayloadReceiver:
             if entry.checksums and not self._io.staged else None
         if self._io.staged:  # copies into the blocks end before the transfer's waiter wakes
             entry.on_end(self._io.synchronize)
-        async with contextlib.aclosing(self._io.incoming(dst)) as regions:
+
+        def landed(n: int) -> None:
+            entry.add_bytes(n)
+            if landing is not None:
+                landing.landed(entry.num_bytes // bb)
+        async with secure.reading(conn), contextlib.aclosing(self._io.incoming(dst)) as regions:
             async for region in regions:
-                got = 0
-                while got < len(region):
-                    n = await loop.sock_recv_into(conn, region[got:])
-                    if n == 0:
-                        raise wire.PeerClosed(f"sender closed the connection after "
-                                              f"{entry.num_bytes} of {len(dst) * bb} bytes")
-                    got += n
-                    entry.add_bytes(n)
-                    if landing is not None:
-                        landing.landed(entry.num_bytes // bb)
+                # TLS: the pump decrypts straight into the region (no socketpair)
+                if await secure.recv_exactly(loop, conn, region, landed,
+                                             entry.on_end) < len(region):
+                    raise wire.PeerClosed(f"sender closed the connection after "
+                                          f"{entry.num_bytes} of {len(dst) * bb} bytes")
         if entry.checksums:
             await checksum.check_arrived(loop, conn, self._cache, dst,
                                          getattr(self._io, "stream", None), landing)

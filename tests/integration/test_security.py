@@ -221,7 +221,8 @@ def test_workers_do_not_dial_unregistered_addresses(cluster):
 
 
 def test_redis_refuses_a_client_without_the_password(cluster):
-    r = redis_sync.Redis.from_url(cluster.redis.url)  # the address without the password
+    # the address and the CA to trust, without the password
+    r = redis_sync.Redis.from_url(cluster.redis.url, ssl_ca_certs=cluster.identity.ca_file)
     try:
         with pytest.raises(redis_sync.exceptions.AuthenticationError):
             r.ping()
@@ -229,6 +230,39 @@ def test_redis_refuses_a_client_without_the_password(cluster):
             r.hset("pdserve:worker:evil", mapping={"address": "127.0.0.1:1"})
     finally:
         r.close()
+
+
+def test_redis_speaks_tls_only_and_the_cluster_registers_and_routes_through_it(cluster):
+    """The default cluster's Redis is a real redis-server listening for TLS only
+    (rediss://, a certificate of the cluster CA's ``redis`` role): the workers registered
+    through it (signed entries), the gateway routes with them; a client that does not trust
+    the CA, or speaks plaintext, gets nowhere even with the password."""
+    assert cluster.redis.url.startswith("rediss://")
+    password = open(cluster.identity.redis_password_file).read().strip()
+    r = redis_sync.Redis.from_url(cluster.redis.client_url, decode_responses=True)
+    try:
+        ids = r.smembers("pdserve:workers")
+        assert {w.worker_id for w in cluster.workers} <= ids
+        for w in cluster.workers:
+            assert r.hget(f"pdserve:worker:{w.worker_id}", "sig")  # signed, written over TLS
+    finally:
+        r.close()
+    outs = run(gen_many(cluster.address, [client.make_request(
+        prompt=f"rediss {i} " * 6, max_tokens=4, temperature=0.0) for i in range(4)], timeout=60))
+    assert all(o.finish_reason == "length" for o in outs), outs
+    port = cluster.redis.port
+    for url, kw, exc in (
+            (f"rediss://:{password}@127.0.0.1:{port}/0", {}, redis_sync.exceptions.ConnectionError),
+            (f"rediss://:{password}@127.0.0.1:{port}/0",
+             {"ssl_ca_certs": write_cluster_files(tempfile.mkdtemp()).ca_file},  # another CA
+             redis_sync.exceptions.ConnectionError),
+            (f"redis://:{password}@127.0.0.1:{port}/0", {}, redis_sync.exceptions.ConnectionError)):
+        bad = redis_sync.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3, **kw)
+        try:
+            with pytest.raises(exc):
+                bad.ping()
+        finally:
+            bad.close()
 
 
 def test_forged_registry_entries_receive_no_request(cluster):
@@ -320,3 +354,46 @@ def test_pdserve_up_is_secure_by_default_and_insecure_on_request():
             env={**os.environ, "PYTHONPATH": REPO})
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         assert want in out.stdout and "finish=" in out.stdout, out.stdout[-2000:]
+
+
+def test_the_http_front_serves_the_client_port_certificate_and_requires_client_certs():
+    """The gateway's OpenAI HTTP port takes the gRPC client port's TLS settings: the same
+    certificate, and with client_tls_ca_file a client certificate of that CA on both ports.
+    The official openai client (an httpx client trusting the CA, with a client certificate)
+    and curl --cacert --cert get through; without the client certificate, nothing."""
+    import openai
+    front = write_cluster_files(tempfile.mkdtemp(prefix="front-"))  # client-facing PKI
+    users = write_cluster_files(tempfile.mkdtemp(prefix="users-"))  # who may call
+    args = ("--client-tls-cert-file", front.cert("gateway"), "--client-tls-key-file",
+            front.key("gateway"), "--client-tls-ca-file", users.ca_file)
+    mine = (users.cert("operator"), users.key("operator"))
+    with LocalCluster("dummy:tiny", prefill=1, decode=1, http_port=0,
+                      gateway_args=args) as c:
+        port = c.gateway.http_port
+        url = f"https://localhost:{port}/v1"
+
+        def sdk(cert=None):
+            ctx = ssl.create_default_context(cafile=front.ca_file)
+            if cert:
+                ctx.load_cert_chain(*cert)
+            return openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60,
+                                 http_client=openai.DefaultHttpxClient(verify=ctx))
+        models = [m.id for m in sdk(mine).models.list()]
+        assert models, models
+        done = sdk(mine).completions.create(model=models[0], prompt="hello over https",
+                                            max_tokens=4, temperature=0.0)
+        assert done.choices[0].finish_reason == "length", done
+        with pytest.raises(openai.APIConnectionError):
+            sdk().models.list()  # no client certificate
+        ok = subprocess.run(["curl", "-sS", "--max-time", "20", "--cacert", front.ca_file,
+                             "--cert", mine[0], "--key", mine[1], f"{url}/models"],
+                            capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0 and models[0] in ok.stdout, ok.stdout + ok.stderr
+        refused = subprocess.run(["curl", "-sS", "--max-time", "20", "--cacert",
+                                  front.ca_file, f"{url}/models"],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode != 0 and models[0] not in refused.stdout
+        plain = subprocess.run(["curl", "-sS", "--max-time", "20",
+                                f"http://127.0.0.1:{port}/v1/models"],
+                               capture_output=True, text=True, timeout=60)
+        assert models[0] not in plain.stdout

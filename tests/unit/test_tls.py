@@ -340,6 +340,7 @@ def _conformance():
     import tests.unit.test_kvtransfer as kv
     import tests.unit.test_kvtransfer_pool as pool
     import tests.unit.test_kvtransfer_stream as stream
+    import tests.unit.test_kvtransfer_staging as staging
     cases = [(kv.test_round_trip, ("tcp", "uvloop")), (kv.test_round_trip, ("tcp", "asyncio"))]
     for fn in (kv.test_destination_given_after_the_sender_connected,
                kv.test_destination_never_given_times_out_and_cancel_ends_it,
@@ -351,7 +352,9 @@ def _conformance():
                kv.test_sender_times_out_when_receiver_never_acks, kv.test_sender_cancel,
                kv.test_sender_cancel_mid_transfer_fails_receiver, kv.test_receiver_cancel,
                stream.test_streamed_send_moves_parts_as_they_are_ready,
-               stream.test_failed_stream_fails_both_sides):
+               stream.test_failed_stream_fails_both_sides,
+               staging.test_staged_round_trip_streamed_and_concurrent,  # bulk via pinned
+               staging.test_staged_corruption_is_caught_and_cancel_stops_the_copies):
         cases.append((fn, ("tcp",)))
     for fn in (pool.test_sequential_transfers_share_one_connection,
                pool.test_concurrent_transfers_take_their_own_connections_and_keep_them,
@@ -407,40 +410,62 @@ def test_gateway_client_port_tls_with_an_optional_client_ca(two_cas, tmp_path):
                                                "OK", "UNAVAILABLE"]
 
 
-def test_rediss_urls_speak_tls_with_the_given_ca(two_cas):
-    """The redis-server here is built without TLS: a listener stands in for it and sees the
-    client's TLS handshake (a ClientHello record) where a plaintext client would send RESP."""
-    import socket
-    import threading
+def test_rediss_end_to_end_with_a_real_tls_redis_server(two_cas, tmp_path):
+    """A real redis-server (built with TLS) listening for TLS only, with a certificate of the
+    cluster CA's redis role and a password: a worker's settings (rediss://, the CA, the
+    password file) register signed entries that a gateway's read back; a client that does
+    not trust the CA, one of another CA, one without the password and a plaintext one are
+    refused."""
+    from pdserve.cluster import RedisProcess, RedisTls
     from services.redis_client import RedisConn, RedisUnavailable
-    a, _ = two_cas
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(4)
-    first: list[bytes] = []
+    from services.registry import RegistryUnavailable, WorkerInfo, WorkerRegistry
+    a, b = two_cas
+    pw = tmp_path / "redis-password"
+    pw.write_text("tls-pw-123\n")
+    redis = RedisProcess(password="tls-pw-123",
+                         tls=RedisTls(a.cert("redis"), a.key("redis"), a.ca_file))
+    redis.start()
+    assert redis.url.startswith("rediss://")
 
-    def accept():
-        conn, _ = srv.accept()
-        conn.settimeout(5)
-        first.append(conn.recv(1))
-        conn.close()
-    threading.Thread(target=accept, daemon=True).start()
-    s = worker_settings(["--redis-url", f"rediss://127.0.0.1:{srv.getsockname()[1]}/0",
-                         "--redis-tls-ca-file", a.ca_file], env={"PDSERVE_DEVICE": "cpu"})
-    assert s.redis_auth() == {"ssl_ca_certs": a.ca_file}
+    def settings(*extra):
+        return worker_settings(["--redis-url", redis.url, *extra], env={"PDSERVE_DEVICE": "cpu"})
+    good = settings("--redis-tls-ca-file", a.ca_file, "--redis-password-file", str(pw))
+    assert good.redis_auth() == {"password": "tls-pw-123", "ssl_ca_certs": a.ca_file}
+    worker, _ = identity(a, "decode", tmp_path, "w")
+    gateway, _ = identity(a, "gateway", tmp_path, "g")
 
-    async def main():
-        conn = RedisConn(s.redis_url, timeout_s=2, auth=s.redis_auth())
+    async def refused(auth, url=redis.url):
+        conn = RedisConn(url, timeout_s=2, auth=auth)
         try:
-            with pytest.raises(RedisUnavailable):
+            with pytest.raises(RedisUnavailable) as e:
                 await conn.call(lambda r: r.ping())
+            return str(e.value)
         finally:
             await conn.close()
+
+    async def main():
+        writer = WorkerRegistry(good.redis_url, auth=good.redis_auth(), signer=worker)
+        reader = WorkerRegistry(good.redis_url, auth=good.redis_auth(), verifier=gateway)
+        try:
+            await writer.register(WorkerInfo("w1", "127.0.0.1:7", "decode", "m"))
+            listed = [w.worker_id for w in await reader.list_workers()]
+        finally:
+            await writer.close()
+            await reader.close()
+        why = [await refused({"password": "tls-pw-123"}),  # the system's CAs only
+               await refused({"password": "tls-pw-123", "ssl_ca_certs": b.ca_file}),
+               await refused({"ssl_ca_certs": a.ca_file}),  # no password
+               await refused({"password": "tls-pw-123"},
+                             redis.url.replace("rediss://", "redis://"))]  # plaintext
+        return listed, why
     try:
-        run(main(), "asyncio")
+        listed, why = run(main(), "asyncio")
     finally:
-        srv.close()
-    assert first == [b"\x16"]  # a TLS handshake record
+        redis.stop()
+    assert listed == ["w1"]
+    assert "certificate verify failed" in why[0] and "certificate verify failed" in why[1]
+    assert "refused our credentials" in why[2], why[2]
+    assert "tls-pw-123" not in " ".join(why)
     with pytest.raises(ConfigError, match="needs a rediss://"):
         worker_settings(["--redis-url", "redis://h:1/0", "--redis-tls-ca-file", a.ca_file],
                         env={"PDSERVE_DEVICE": "cpu"})
