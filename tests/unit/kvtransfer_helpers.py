@@ -4,7 +4,9 @@ under test, two layouts, caches, and a started receiver/sender pair."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
+import socket
 
 import torch
 import uvloop
@@ -40,3 +42,42 @@ async def pair(backend: str, src: torch.Tensor, dst: torch.Tensor, layout: KVLay
     opts = {**SENDER_OPTS.get(backend, {}), **(sender_opts if backend == "shm" else {})}
     tx = make_sender(backend, src, src_layout or layout, **opts)
     return rx, tx
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def memfd_mappings() -> list[str]:
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if "pdkv" in line]
+
+
+class StalledPeer:
+    """An endpoint that accepts a connection but never answers (for sender timeouts)."""
+
+    def __init__(self, backend: str, dst: torch.Tensor) -> None:
+        self.backend, self.dst = backend, dst
+        self.sock: socket.socket | None = None
+        self.rx = None
+
+    async def __aenter__(self) -> str:
+        if self.backend == "fake":
+            self.rx = make_receiver("fake", self.dst, SMALL, stall=True)
+            await self.rx.start()
+            self.rx.expect("stalled", [0], 30)
+            return self.rx.endpoint
+        # tcp and the control-connection backends (nixl) listen on TCP, shm on a unix socket
+        family = socket.AF_UNIX if self.backend == "shm" else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        name = f"pdkv-test-stall-{os.getpid()}"
+        self.sock.bind("\0" + name if self.backend == "shm" else ("127.0.0.1", 0))
+        self.sock.listen(8)  # never accepted: the kernel completes the connect, nobody reads
+        if self.backend == "shm":
+            return f"shm://{name}"
+        return f"{self.backend}://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    async def __aexit__(self, *exc) -> None:
+        if self.rx is not None:
+            await self.rx.close()
+        if self.sock is not None:
+            self.sock.close()
