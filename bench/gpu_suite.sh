@@ -101,6 +101,7 @@ PY
       done ;;
     openai) run python3 -m bench.openai_front_gpu --out "$OUT/openai_front_gpu.json" ;;
     xfer-tests) run python3 -m pytest -q -m gpu tests/gpu/test_kvtransfer_gpu.py \
+        tests/gpu/test_kvtransfer_gpu_checks.py \
         -p no:cacheprovider ;;
     xfer-sweep)  # one process pair per setting; "name|backend|env"
       for spec in ${XFER_SWEEP:-"ipc_l1|cuda_ipc|PDSERVE_CUDA_IPC_LANES=1" \
