@@ -58,6 +58,7 @@ def test_fuzz_a_few_hundred(cluster):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # ~10 min of fuzzing on 2 busy cores, the KV fill and three trims
 def test_fuzz_ten_thousand(cluster):
     report, rel, grown = _fuzz(cluster, 10_000, seed=2)
     assert _bounded(rel, grown), (rel, grown)
