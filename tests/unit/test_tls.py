@@ -338,6 +338,7 @@ def kv_tls_by_default(two_cas, monkeypatch):
 
 def _conformance():
     import tests.unit.test_kvtransfer as kv
+    import tests.unit.test_kvtransfer_faults as kvf
     import tests.unit.test_kvtransfer_pool as pool
     import tests.unit.test_kvtransfer_stream as stream
     import tests.unit.test_kvtransfer_staging as staging
@@ -348,9 +349,9 @@ def _conformance():
                kv.test_block_count_mismatch_fails_both_sides,
                kv.test_unknown_and_expired_transfer_ids_are_rejected,
                kv.test_corrupted_data_fails_the_transfer_naming_the_block,
-               kv.test_sender_without_receiver_fails_fast,
-               kv.test_sender_times_out_when_receiver_never_acks, kv.test_sender_cancel,
-               kv.test_sender_cancel_mid_transfer_fails_receiver, kv.test_receiver_cancel,
+               kvf.test_sender_without_receiver_fails_fast,
+               kvf.test_sender_times_out_when_receiver_never_acks, kvf.test_sender_cancel,
+               kvf.test_sender_cancel_mid_transfer_fails_receiver, kvf.test_receiver_cancel,
                stream.test_streamed_send_moves_parts_as_they_are_ready,
                stream.test_failed_stream_fails_both_sides,
                staging.test_staged_round_trip_streamed_and_concurrent,  # bulk via pinned
