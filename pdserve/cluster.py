@@ -26,6 +26,26 @@ from pdcore.config_tree import child_environ
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+# Run before a child's program: the kernel sends the child SIGTERM when this process ends,
+# however it ends (SIGKILL included), so a killed test run or bench driver leaves no
+# workers or redis-server behind (Linux; elsewhere the program is run as it is).
+_GUARD = ("import ctypes, os, signal, sys\n"
+          "try:\n"
+          "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+          "except (OSError, AttributeError):\n"
+          "    pass\n"
+          "if os.getppid() != int(sys.argv[1]):\n"
+          "    sys.exit(1)  # the parent ended before the guard was set\n"
+          "os.execvp(sys.argv[2], sys.argv[2:])\n")
+
+
+def orphan_guard() -> list[str]:
+    """The command prefix that ties a child's life to this process (see _GUARD)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    return [sys.executable, "-c", _GUARD, str(os.getpid())]
+
 # Set in every process of a cluster that uses a GPU: NVLink multicast (NVLS) must stay off on
 # the machines we run on (NCCL, torch symmetric memory and NVSHMEM would each try to use it).
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -112,7 +132,7 @@ class RedisProcess:
             conf += f"requirepass {self.password}\n"
         if self.tls:
             conf += self._tls_conf()
-        self.proc = subprocess.Popen([self.binary, "-"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([*orphan_guard(), self.binary, "-"], stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.proc.stdin.write(conf.encode())
         self.proc.stdin.close()
@@ -323,7 +343,7 @@ class LocalCluster:
     def _spawn(self, kind: str, args: list[str]) -> Service:
         if self.metrics:
             args = [*args, "--metrics-port", str(free_port())]
-        cmd = [sys.executable, "-m", "pdserve.cli", kind, *args]
+        cmd = [*orphan_guard(), sys.executable, "-m", "pdserve.cli", kind, *args]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=self.env, cwd=REPO, start_new_session=True)
         svc = Service(kind, proc, args=list(args))
