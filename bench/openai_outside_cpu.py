@@ -21,10 +21,12 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from pdserve.benchlib import harness, metrics, workload
@@ -102,6 +104,30 @@ def pdserve_round(a, http: str, vocab: int, i: int) -> dict:
             else 0}
 
 
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_marks(servers: list[int]) -> tuple:
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (time.process_time(), kids.ru_utime + kids.ru_stime,
+            [_proc_cpu_s(p) for p in servers], time.perf_counter())
+
+
+def _cpu_spent(marks: tuple, servers: list[int]) -> dict:
+    """CPU seconds a round cost: the client (this process for pdserve bench's runner, the
+    waited-for aiperf process tree for aiperf) and the serving processes, and the wall
+    time; on a 2-core machine a client's CPU is taken from the CPU-bound server."""
+    own, kids, srv, wall = marks
+    k = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"client": round(time.process_time() - own + (k.ru_utime + k.ru_stime - kids), 2),
+            "servers": round(sum(_proc_cpu_s(p) for p in servers) - sum(srv), 2),
+            "wall": round(time.perf_counter() - wall, 2)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python3 -m bench.openai_outside_cpu",
@@ -132,9 +158,12 @@ def main(argv: list[str] | None = None) -> dict:
         for i in range(a.rounds):
             order = ("aiperf", "pdserve") if i % 2 == 0 else ("pdserve", "aiperf")
             r = {}
+            servers = [c.gateway.proc.pid] + [w.proc.pid for w in c.workers]
             for who in order:
+                cpu = _cpu_marks(servers)
                 r[who] = aiperf_round(a, c.http_address, tok, Path(tmp), i) if who == "aiperf" \
                     else pdserve_round(a, c.http_address, vocab, i)
+                r[who]["cpu_s"] = _cpu_spent(cpu, servers)
             print(f"round {i}: " + ", ".join(
                 f"{w} {r[w]['output_tok_s']:.1f} tok/s TTFT p50 {r[w]['ttft_p50_ms']:.1f} ms"
                 for w in order), flush=True)
@@ -151,6 +180,10 @@ def main(argv: list[str] | None = None) -> dict:
         "output_tok_s_ratio": med("aiperf", "output_tok_s") / med("pdserve", "output_tok_s"),
         "ttft_p50_ratio": med("aiperf", "ttft_p50_ms") / med("pdserve", "ttft_p50_ms"),
         "itl_p50_ratio": med("aiperf", "itl_p50_ms") / med("pdserve", "itl_p50_ms"),
+        "client_cpu_s_aiperf": statistics.median(r["aiperf"]["cpu_s"]["client"]
+                                                 for r in rounds),
+        "client_cpu_s_pdserve": statistics.median(r["pdserve"]["cpu_s"]["client"]
+                                                  for r in rounds),
         "target": "output_tok_s_ratio within [0.9, 1.1]"}
     print(rec["summary"])
     print(f"wrote {rec.save()}")
