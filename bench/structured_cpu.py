@@ -182,7 +182,7 @@ def engines_section(a, tok, vocab: int) -> dict:
 def _engine(a):
     from engine.engine import LLMEngine
     from engine.llm import build_engine_config
-    return LLMEngine(build_engine_config(a.model, max_num_seqs=a.batch))
+    return LLMEngine(build_engine_config(a.model, max_num_seqs=a.batch, device=a.device))
 
 
 def _mix(eng, a, k: int, tag: str) -> float:
@@ -192,11 +192,12 @@ def _mix(eng, a, k: int, tag: str) -> float:
     for i in range(a.batch):
         c = Constraint("regex", FOREVER) if i < k else None
         eng.add_request(f"{tag}-{i}", prompt, SamplingParams(
-            max_tokens=a.steps + 4, temperature=0.8, seed=i, ignore_eos=True, constraint=c))
+            max_tokens=a.steps + 4, temperature=a.temperature, seed=i, ignore_eos=True,
+            constraint=c))
     times = []
     while eng.has_work:
         t0 = time.perf_counter()
-        eng.step()
+        eng.step()  # returns once the step's tokens are on the host (CUDA synchronised)
         times.append(time.perf_counter() - t0)
     return _med(times[3:-2])
 
@@ -205,7 +206,7 @@ def _mask_only(eng, a, k: int) -> float:
     """The mask work of one step with ``k`` constrained rows of --batch (s, median)."""
     import torch
     from engine.layers.sampler import Sampler, SamplingBatch
-    from engine import Constraint, SamplingParams
+    from engine import Constraint
     ids = eng.encode('{"k":"ab c","n":12},{"k":"x')
     c = Constraint("regex", FOREVER)
     ms = []
@@ -215,12 +216,13 @@ def _mask_only(eng, a, k: int) -> float:
         ms.append(m)
     batch = SamplingBatch([0.8] * a.batch, [0] * a.batch, [1.0] * a.batch,
                           [None] * a.batch, False, masks=list(zip(range(k), ms)))
-    del SamplingParams
-    logits = torch.randn(a.batch, eng.model_config.vocab_size)
+    logits = torch.randn(a.batch, eng.model_config.vocab_size, device=eng.runner.device)
     ts = []
     for _ in range(a.mask_repeats):
         t0 = time.perf_counter()
         Sampler.process(logits, batch)
+        if logits.is_cuda:
+            torch.cuda.synchronize()
         ts.append(time.perf_counter() - t0)
     return _med(ts)
 
@@ -250,17 +252,25 @@ def steps_section(a) -> dict:
     return out
 
 
+def add_step_args(ap: argparse.ArgumentParser, batch: int) -> None:
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per mix")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--mask-repeats", type=int, default=50)
+    ap.add_argument("--temperature", type=float, default=0.8,
+                    help="every row's; 0: greedy (unconstrained greedy batches may chain "
+                         "steps ahead on a GPU, which a constrained row turns off)")
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python3 -m bench.structured_cpu",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
+    add_step_args(ap, 16)
     ap.add_argument("--engines", nargs="+", default=["llguidance", "xgrammar"])
     ap.add_argument("--max-doc-tokens", type=int, default=120)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=16, help="decode steps per mix")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--mask-repeats", type=int, default=50)
     ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument("--note", default="")
     harness.add_output_args(ap, "structured_cpu")
