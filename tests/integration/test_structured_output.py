@@ -222,7 +222,7 @@ def test_tool_calls_are_constrained_to_their_schemas(hermes):
     streamed, fin = [], None
     for chunk in c.chat.completions.create(model=model, messages=ask, max_tokens=120,
                                            temperature=0, tools=[FLIGHT], stream=True,
-                                           tool_choice="required"):
+                                           tool_choice="required", parallel_tool_calls=False):
         if chunk.choices:
             streamed += _calls(chunk.choices[0].delta.tool_calls)
             fin = chunk.choices[0].finish_reason or fin
