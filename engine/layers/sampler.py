@@ -314,16 +314,21 @@ def apply_masks(x: torch.Tensor, rows: list[tuple[int, object]]) -> None:
     host = torch.empty((len(rows), words), dtype=torch.int32,
                        pin_memory=dev.type == "cuda")
     fill_bitmasks([m for _, m in rows], host)
-    shifts = _SHIFTS.get(dev)
-    if shifts is None:
-        shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
-    bits = host.to(dev, non_blocking=True)
-    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(rows), words * 32)[:, :V]
+    if dev.type == "cpu":  # one C pass: bits (little-endian words) -> bools
+        bits = np.unpackbits(host.numpy().view(np.uint8), axis=1, bitorder="little")
+        forbid = torch.from_numpy(bits[:, :V]) == 0
+    else:
+        shifts = _SHIFTS.get(dev)
+        if shifts is None:
+            shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+        on_dev = host.to(dev, non_blocking=True)
+        bits = ((on_dev.unsqueeze(-1) >> shifts) & 1).view(len(rows), words * 32)
+        forbid = bits[:, :V] == 0
     if len(rows) == x.shape[0] and all(r == j for j, (r, _) in enumerate(rows)):
-        x.masked_fill_(allowed == 0, float("-inf"))
+        x.masked_fill_(forbid, float("-inf"))
         return
     idx = _dev([r for r, _ in rows], torch.int64, dev)
-    x.index_copy_(0, idx, x.index_select(0, idx).masked_fill_(allowed == 0, float("-inf")))
+    x.index_copy_(0, idx, x.index_select(0, idx).masked_fill_(forbid, float("-inf")))
 
 
 def _apply_penalties(x: torch.Tensor, rows: list) -> None:
