@@ -178,10 +178,10 @@ class StructuredConfig:
              "compile; compiles run off the event loop", gt=0)
     grammar_max_size: int = setting(200_000, "largest grammar (symbols of its rules, a JSON "
                                              "schema's included) the grammar engine builds",
-                                    ge=1000)
+                                    ge=1)
     grammar_lexer_fuel: int = setting(
         1_000_000, "the grammar engine's budget for building a grammar's lexer (about 50,000 "
-                   "per ms): bounds the compile time of a regex or schema", ge=1000)
+                   "per ms): bounds the compile time of a regex or schema", ge=1)
 
     def __post_init__(self) -> None:
         check_settings(self)
