@@ -34,6 +34,8 @@
 #   xfer-tests   pytest -m gpu tests/gpu/test_kvtransfer_gpu.py (2 GPUs)                    ~2
 #   openai       bench/openai_front_gpu.py: the OpenAI HTTP front vs gRPC, colocated
 #                dummy:llama-3-8b, concurrency 64 and 256 (1 GPU)                          ~6
+#   structured   bench/structured_gpu.py: the structured-output mask per decode step, batch
+#                64 and 1, sampled then greedy (1 GPU; needs the llguidance wheel)          ~3
 #   disagg       bench/disagg_gpu.py nccl 1P1D vs colocated, rates 4,8,...,32 (2 GPUs)    ~8
 #   ttft         bench/ttft_breakdown.py: where a 1P1D request's TTFT goes (2 GPUs)         ~1
 #   ipc16        bench/disagg_gpu.py 1P1D only, 16 req/s, cuda_ipc then nccl (2 GPUs)      ~4
@@ -61,6 +63,9 @@ for step in "$@"; do
     engine-tests) run python3 -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py \
         tests/gpu/test_engine_gpu.py -p no:cacheprovider ;;
     kernels) run python3 -m bench.kernels_gpu --out "$OUT/kernels_gpu_h200.json" ;;
+    structured) run python3 -m bench.structured_gpu --out "$OUT/structured_gpu_h200.json"
+      run python3 -m bench.structured_gpu --temperature 0 \
+        --out "$OUT/structured_gpu_h200_greedy.json" ;;
     kvcopy) run python3 -m bench.kv_copy_gpu --out "$OUT/kv_copy_gpu_h200.json" ;;
     attn) run python3 -m bench.attention_prefill_gpu --out "$OUT/attention_prefill_gpu_h200.json" ;;
     mixed) run python3 -m bench.mixed_step_gpu ${MIXED_ARGS:-} \

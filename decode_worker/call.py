@@ -136,6 +136,7 @@ class DecodeCall:
             logger.debug("request %s: internal id %s", self.log_id, self.rid)
             try:
                 self.req = self._validate()
+                await validation.compile_constraint(self.env.engine, self.req.sp)
                 if self.req.prefill_address:  # dial cluster members only
                     await self.env.runtime.members.admit(self.req.prefill_address, "prefill")
                 async for resp in self._serve():

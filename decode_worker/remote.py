@@ -167,12 +167,13 @@ def early_first(pending: RemotePrefill, num_tokens: int, sp, engine) -> RequestO
     """The first token as an output to stream before the KV landed, or None when it could
     end the request (then only the engine, after the commit, says how): one token left to
     generate, a stop / EOS token, stop strings (which trim text), the model's length limit,
-    or a prefill worker too old to send the token's text. ``num_tokens``: prompt tokens
+    a constraint (its grammar may end at that token), or a prefill worker too old to send
+    the token's text. ``num_tokens``: prompt tokens
     plus tokens already generated (a resumed request)."""
     resp = pending.resp
     tok = resp.first_token_id
     left = sp.max_tokens - (num_tokens - pending.call.req.num_prompt_tokens)
-    if (not resp.HasField("first_text") or left <= 1 or sp.stop
+    if (not resp.HasField("first_text") or left <= 1 or sp.stop or sp.constraint is not None
             or tok in sp.stop_token_ids or (not sp.ignore_eos and tok in engine.eos_token_ids)
             or num_tokens + 1 >= engine.max_model_len):
         return None

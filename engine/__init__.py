@@ -3,9 +3,9 @@
 ``from engine import LLM, SamplingParams`` is the offline API. Heavy modules load lazily so
 that torch-free processes (the gateway) can import the tokenizer without importing torch.
 """
-from engine.request import RequestOutput, SamplingParams
+from engine.request import Constraint, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "Constraint"]
 
 
 def __getattr__(name):

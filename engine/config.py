@@ -168,6 +168,26 @@ class KernelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredConfig:
+    """Structured output (engine.grammar, llguidance): bounds on what a constraint may cost."""
+
+    grammar_cache_size: int = setting(256, "compiled grammars kept, by (kind, text); the "
+                                           "least recently used goes first", ge=1)
+    grammar_compile_timeout_s: float = setting(
+        5.0, "a worker refuses (INVALID_ARGUMENT) a constraint whose grammar takes longer to "
+             "compile; compiles run off the event loop", gt=0)
+    grammar_max_size: int = setting(200_000, "largest grammar (symbols of its rules, a JSON "
+                                             "schema's included) the grammar engine builds",
+                                    ge=1)
+    grammar_lexer_fuel: int = setting(
+        1_000_000, "the grammar engine's budget for building a grammar's lexer (about 50,000 "
+                   "per ms): bounds the compile time of a regex or schema", ge=1)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The engine: model, numerics, device and execution (offline ``LLM`` and every worker)."""
 
@@ -210,6 +230,7 @@ class EngineConfig:
     cache: CacheConfig = section(CacheConfig, "KV cache")
     scheduler: SchedulerConfig = section(SchedulerConfig, "scheduler")
     kernels: KernelConfig = section(KernelConfig, "kernels")
+    structured: StructuredConfig = section(StructuredConfig, "structured output")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -219,7 +240,7 @@ class EngineConfig:
             raise SettingError("device", f"device must be auto, cpu, cuda or cuda:N, "
                                          f"got {self.device!r}")
         for name, cls in (("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                          ("kernels", KernelConfig)):
+                          ("kernels", KernelConfig), ("structured", StructuredConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise SettingError(name, f"{name} must be a {cls.__name__}")
         if self.tensor_parallel_size > 1 and (self.quantization != "none"

@@ -19,6 +19,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, resolve_engine_config
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar import GrammarCompiler
 from engine.model_runner import DTYPES, ModelRunner, StepHandle
 from engine.request import FinishReason, PrefillProgress, RequestOutput, SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -123,6 +124,10 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.runner.eos_token_ids = self.eos_token_ids
+        sc = config.structured  # structured output: grammars compiled on first use, cached
+        self.grammars = GrammarCompiler(self.tokenizer, loaded.config.vocab_size,
+                                        self.eos_token_ids, sc.grammar_cache_size,
+                                        sc.grammar_max_size, sc.grammar_lexer_fuel)
         # sampling.n > 1: request id -> samples to fork once its prompt is computed, and
         # request id -> the ids of its forked samples still running (see _fork)
         self.forks: dict[str, int] = {}
@@ -201,7 +206,19 @@ class LLMEngine:
         seq.detok = IncrementalDetokenizer(self.tokenizer, sampling.stop)
         for tok in output_token_ids:  # a resumed request: the text so far was streamed
             seq.detok.add(tok)
+        if sampling.constraint is not None:
+            seq.matcher = self._matcher(sampling, output_token_ids)
         return seq
+
+    def _matcher(self, sampling: SamplingParams, output_token_ids=()):
+        """A matcher for ``sampling.constraint`` advanced over the tokens already generated
+        (elsewhere: a resumed request), so generation continues inside the grammar.
+        Compiling is cached (workers compile before adding, off their event loop);
+        raises ValueError (engine.grammar.GrammarError) for a constraint that cannot be."""
+        m = self.grammars.matcher(sampling.constraint)
+        if not m.consume_all(output_token_ids):
+            raise ValueError("the tokens already generated do not match the constraint")
+        return m
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams, prefill_only: bool = False,
@@ -266,6 +283,8 @@ class LLMEngine:
             child = Sequence(f"{parent.request_id}/{i}", ids, parent.sampling)
             child.group_id, child.sample_index = parent.request_id, i
             child.detok = IncrementalDetokenizer(self.tokenizer, parent.sampling.stop)
+            if parent.sampling.constraint is not None:
+                child.matcher = self._matcher(parent.sampling)
             child.order = parent.order  # the request's age, for scheduling and preemption
             self.block_manager.fork_prefix(parent, child, keep)
             child.num_cached_tokens = parent.num_cached_tokens
@@ -424,9 +443,11 @@ class LLMEngine:
         if n:  # the prompt is computed: the other samples start from it
             self._fork(seq, n)
         delta, hit_stop = seq.detok.add(tok)
-        reason = None
+        reason = self._grammar_end(seq, tok)
         if hit_stop:
             reason = FinishReason.STOP
+        elif reason is not None:
+            pass
         elif tok in sp.stop_token_ids or (not sp.ignore_eos and tok in self.eos_token_ids):
             reason = FinishReason.STOP
         elif seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
@@ -453,6 +474,20 @@ class LLMEngine:
         if seq.prefill_only:
             out.held_block_ids = list(seq.block_table)  # no extra engine round trip to ask
         return out
+
+    @staticmethod
+    def _grammar_end(seq: Sequence, tok: int) -> FinishReason | None:
+        """Advance a constrained sequence's matcher over its new token: STOP once the grammar
+        is complete (nothing but EOS may follow), ABORT if the token broke it (the mask
+        should make that impossible; logged)."""
+        m = seq.matcher
+        if m is None:
+            return None
+        if not m.consume(tok):
+            logger.error("request %s: token %d is outside its constraint's grammar: %s",
+                         seq.request_id, tok, m.error[:200])
+            return FinishReason.ABORT
+        return FinishReason.STOP if m.done else None
 
     def _sample_done(self, seq: Sequence) -> None:
         children = self.groups.get(seq.group_id)

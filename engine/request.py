@@ -7,6 +7,25 @@ import math
 from typing import Any
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output (engine.grammar): the answer must match ``text`` read as ``kind``:
+    a JSON Schema (as JSON text), any JSON object (no text), a regular expression, or a
+    grammar (Lark, or llama.cpp's GBNF)."""
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, "
+                             f"got {self.kind!r}")
+        if not isinstance(self.text, str) or (not self.text and self.kind != "json_object"):
+            raise ValueError(f"a {self.kind} constraint needs its text")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -20,8 +39,8 @@ class SamplingParams:
     logprobs: bool = False  # return the logprob of each chosen token
     # Controls applied to the logits in this order (engine.layers.sampler): logit_bias,
     # min_tokens (EOS and stop_token_ids masked), repetition penalty, frequency and presence
-    # penalties; logprobs are those of the distribution after them, before temperature; then
-    # temperature, top_k, top_p, min_p and the draw.
+    # penalties, the constraint's token mask; logprobs are those of the distribution after
+    # them, before temperature; then temperature, top_k, top_p, min_p and the draw.
     presence_penalty: float = 0.0  # OpenAI: -= presence * (count > 0), over the output tokens
     frequency_penalty: float = 0.0  # OpenAI: -= frequency * count, over the output tokens
     repetition_penalty: float = 1.0  # Keskar et al. over prompt + output tokens; 1 = off
@@ -30,6 +49,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
     top_logprobs: int = 0  # also return the N most likely tokens (and logprobs) per step
     n: int = 1  # parallel samples of the prompt (sharing its KV blocks)
+    # structured output: tokens the constraint's grammar does not allow next are masked,
+    # and the answer stops ("stop") once the grammar is complete
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +107,8 @@ class SamplingParams:
                              f"({self.max_tokens})")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError("constraint must be an engine.request.Constraint")
 
     @property
     def greedy(self) -> bool:
@@ -100,7 +124,7 @@ class SamplingParams:
         """Nothing but temperature / top-k / top-p: a greedy plain request is an argmax of
         the raw logits (the CUDA-graph fast path)."""
         return not (self.penalized or self.logit_bias or self.min_tokens or self.min_p
-                    or self.top_logprobs)
+                    or self.top_logprobs or self.constraint is not None)
 
 
 class FinishReason(str, Enum):

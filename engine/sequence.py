@@ -40,6 +40,7 @@ class Sequence:
         "order", "block_hashes", "finish_reason", "logprobs", "prefill_only",
         "detok", "stop_text_len", "num_preemptions", "first_token_time", "report_progress",
         "num_hashed_blocks", "group_id", "sample_index", "top_logprobs", "_ids_np", "_ids_have",
+        "matcher",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -75,6 +76,9 @@ class Sequence:
         self.top_logprobs: list | None = [] if sampling.top_logprobs else None
         self._ids_np: np.ndarray | None = None  # token_ids as int64, grown (token_array)
         self._ids_have = 0
+        # sampling.constraint: an engine.grammar.Matcher at the end of token_ids (the engine
+        # sets it and advances it over every token appended)
+        self.matcher = None
 
     @property
     def num_tokens(self) -> int:

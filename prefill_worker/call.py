@@ -119,6 +119,7 @@ class PrefillCall:
                              telemetry.trace_id(self.span, self.context)):
             try:
                 self.req = self._validate()
+                await validation.compile_constraint(self.env.engine, self.req.sp)
                 await self._admit_receiver()
                 resp = await self._serve()
                 outcome = "ok"

@@ -1,6 +1,7 @@
 # Source on the GPU machine (no package registry there): installs the wheels carried in
 # .whl/ (redis, grpcio + protobuf at the versions the generated code needs, grpc health /
-# reflection, nixl-cu13) into /tmp/site and puts the carried redis-server on PATH.
+# reflection, nixl-cu13, llguidance for structured output) into /tmp/site and puts the
+# carried redis-server on PATH.
 #   source scripts/device_env.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || return 1

@@ -1,8 +1,26 @@
 """Translation between proto messages and the engine's plain dataclasses (one place)."""
 from __future__ import annotations
 
-from engine.request import RequestOutput, SamplingParams
+from engine.request import Constraint, RequestOutput, SamplingParams
 from protos.pdserve.v1 import common_pb2
+
+
+def constraint_from_proto(pb: common_pb2.Constraint) -> Constraint:
+    """The one field set (ValueError when several are)."""
+    set_ = [k for k in ("json_schema", "json_object", "regex", "grammar") if getattr(pb, k)]
+    if len(set_) > 1:
+        raise ValueError(f"constraint: set one of json_schema, json_object, regex, grammar "
+                         f"(got {', '.join(set_)})")
+    if not set_:
+        raise ValueError("constraint: set one of json_schema, json_object, regex, grammar")
+    kind = set_[0]
+    return Constraint(kind, "" if kind == "json_object" else getattr(pb, kind))
+
+
+def constraint_to_proto(c: Constraint) -> common_pb2.Constraint:
+    if c.kind == "json_object":
+        return common_pb2.Constraint(json_object=True)
+    return common_pb2.Constraint(**{c.kind: c.text})
 
 def sampling_from_proto(pb: common_pb2.SamplingParams, default_max_tokens: int = 16
                         ) -> SamplingParams:
@@ -22,7 +40,8 @@ def sampling_from_proto(pb: common_pb2.SamplingParams, default_max_tokens: int =
         frequency_penalty=opt("frequency_penalty", 0.0),
         repetition_penalty=opt("repetition_penalty", 1.0), min_p=opt("min_p", 0.0),
         logit_bias=dict(pb.logit_bias), min_tokens=pb.min_tokens,
-        top_logprobs=pb.top_logprobs, n=max(pb.n, 1))
+        top_logprobs=pb.top_logprobs, n=max(pb.n, 1),
+        constraint=constraint_from_proto(pb.constraint) if pb.HasField("constraint") else None)
 
 
 def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
@@ -45,6 +64,8 @@ def sampling_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
         pb.min_p = sp.min_p
     for t, v in sp.logit_bias:
         pb.logit_bias[t] = v
+    if sp.constraint is not None:
+        pb.constraint.CopyFrom(constraint_to_proto(sp.constraint))
     return pb
 
 

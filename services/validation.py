@@ -10,6 +10,7 @@ Nothing is allocated for a request before these checks pass.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 import dataclasses
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ class RequestLimits:
     max_logit_bias: int = _lim(300, "most logit_bias entries per request")
     max_top_logprobs: int = setting(20, "most top_logprobs per token a request may ask for",
                                     ge=0, le=20)
+    max_constraint_bytes: int = _lim(64 << 10, "longest structured-output constraint (a JSON "
+                                               "schema, regex or grammar), in UTF-8 bytes")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -151,8 +154,30 @@ def check_sampling_lists(pb: common_pb2.SamplingParams, limits: RequestLimits) -
         raise InvalidRequest(f"top_logprobs is {pb.top_logprobs}; at most "
                              f"{limits.max_top_logprobs}")
     if pb.HasField("constraint"):
-        raise InvalidRequest("structured output (sampling.constraint) is not supported by "
-                             "this server")
+        c = pb.constraint
+        if max(_nbytes(c.json_schema), _nbytes(c.regex), _nbytes(c.grammar)) \
+                > limits.max_constraint_bytes:
+            raise InvalidRequest(f"sampling.constraint is longer than "
+                                 f"{limits.max_constraint_bytes} bytes")
+
+
+async def compile_constraint(engine, sp: SamplingParams) -> None:
+    """A worker compiles a request's constraint (engine.grammar) on a thread, before the
+    engine sees the request (it then takes the compiled grammar from its cache): a bad
+    schema, regex or grammar, or one that does not compile within the engine's
+    grammar_compile_timeout_s, is refused with a short message."""
+    if sp.constraint is None:
+        return
+    limit = engine.config.structured.grammar_compile_timeout_s
+    task = asyncio.get_running_loop().run_in_executor(None, engine.grammars.compile,
+                                                      sp.constraint)
+    try:
+        await asyncio.wait_for(asyncio.shield(task), limit)
+    except TimeoutError:
+        raise InvalidRequest(f"sampling.constraint did not compile within {limit:g} s") \
+            from None
+    except ValueError as e:
+        raise InvalidRequest(str(e)[:400]) from None
 
 
 def check_sampling_vocab(sp: SamplingParams, vocab_size: int) -> None:

@@ -8,6 +8,10 @@ Per step, for the rows that sample (one per sequence), in this order:
      positive, multiplied when not.
   4. frequency / presence penalties (OpenAI): ``logit -= frequency * count + presence *
      (count > 0)``, counts over the output tokens.
+  4b. structured output: each constrained row's matcher (engine.grammar) writes its
+     next-token bitmask (on the host, all rows at once on the grammar engine's threads; on a
+     GPU while the forward pass runs); the bits are unpacked on the device and the tokens
+     they forbid get -inf. Unconstrained rows are neither copied nor read for it.
   Chosen-token logprobs and ``top_logprobs`` are those of this processed distribution
   (log-softmax, before temperature); a request without controls gets the raw model's.
   5. greedy rows: argmax. Sampled rows: temperature, top-k, top-p, min_p (probability below
@@ -49,6 +53,8 @@ class SamplingBatch:
     # output, an int64 array), number of prompt tokens)
     penalties: list[tuple[int, float, float, float, np.ndarray, int]] = \
         field(default_factory=list)
+    # constrained rows: (row, engine.grammar.Matcher); the masks are computed by the sampler
+    masks: list[tuple[int, object]] = field(default_factory=list)
 
     @property
     def all_greedy(self) -> bool:
@@ -57,7 +63,7 @@ class SamplingBatch:
     @property
     def processed(self) -> bool:
         """Some row's logits change before the argmax / draw."""
-        return bool(self.bias or self.banned or self.penalties)
+        return bool(self.bias or self.banned or self.penalties or self.masks)
 
     @property
     def plain(self) -> bool:
@@ -93,6 +99,9 @@ class SamplingBatch:
                 b.penalties.append((i, sp.presence_penalty, sp.frequency_penalty,
                                     sp.repetition_penalty, _token_array(s),
                                     s.num_prompt_tokens))
+            matcher = getattr(s, "matcher", None)
+            if matcher is not None:
+                b.masks.append((i, matcher))
         return b
 
 
@@ -207,6 +216,8 @@ class Sampler:
             flat.index_fill_(0, _flat_index(rows, toks, V, dev), float("-inf"))
         if batch.penalties:
             _apply_penalties(x, batch.penalties)
+        if batch.masks:
+            apply_masks(x, batch.masks)
         return x
 
     def _draw(self, scores: torch.Tensor, tokens: torch.Tensor, rows: list[int],
@@ -289,6 +300,35 @@ def _top_p_drop(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
         drop[rows] = torch.zeros_like(sp, dtype=torch.bool).scatter_(
             1, order, _nucleus_drop(sp, tp[rows]))
     return drop & on
+
+
+_SHIFTS: dict = {}  # device -> int32 [32]: 0..31
+
+
+def apply_masks(x: torch.Tensor, rows: list[tuple[int, object]]) -> None:
+    """Step 4b on the constrained ``rows`` of ``x`` [B, V], in place."""
+    from engine.grammar import fill_bitmasks
+    V = x.shape[1]
+    dev = x.device
+    words = (V + 31) // 32
+    host = torch.empty((len(rows), words), dtype=torch.int32,
+                       pin_memory=dev.type == "cuda")
+    fill_bitmasks([m for _, m in rows], host)
+    if dev.type == "cpu":  # one C pass: bits (little-endian words) -> bools
+        bits = np.unpackbits(host.numpy().view(np.uint8), axis=1, bitorder="little")
+        forbid = torch.from_numpy(bits[:, :V]) == 0
+    else:
+        shifts = _SHIFTS.get(dev)
+        if shifts is None:
+            shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+        on_dev = host.to(dev, non_blocking=True)
+        bits = ((on_dev.unsqueeze(-1) >> shifts) & 1).view(len(rows), words * 32)
+        forbid = bits[:, :V] == 0
+    if len(rows) == x.shape[0] and all(r == j for j, (r, _) in enumerate(rows)):
+        x.masked_fill_(forbid, float("-inf"))
+        return
+    idx = _dev([r for r, _ in rows], torch.int64, dev)
+    x.index_copy_(0, idx, x.index_select(0, idx).masked_fill_(forbid, float("-inf")))
 
 
 def _apply_penalties(x: torch.Tensor, rows: list) -> None:

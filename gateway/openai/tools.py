@@ -46,6 +46,7 @@ class ToolSpec:
     tools: list[dict]
     fmt: str
     choice: str = "auto"  # auto | required | <function name>
+    parallel: bool = True  # parallel_tool_calls: false makes "required" exactly one call
 
 
 def _functions(tools) -> list[dict]:
@@ -80,7 +81,10 @@ def tool_spec(body: dict, fmt: str | None) -> ToolSpec | None:
     elif choice not in ("auto", "required"):
         raise bad("tool_choice must be none, auto, required or a named function",
                   "tool_choice")
-    return ToolSpec(tools, fmt, choice)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    return ToolSpec(tools, fmt, choice, parallel)
 
 
 def _call_schema(tool: dict) -> dict:
@@ -92,14 +96,18 @@ def _call_schema(tool: dict) -> dict:
 
 def forced_schema(spec: ToolSpec) -> dict | None:
     """The JSON schema an answer must match when ``tool_choice`` forces a call: one call
-    object for a named function, an array of at least one call for ``required``."""
+    object for a named function, an array of at least one call for ``required`` (exactly
+    one with ``parallel_tool_calls: false``)."""
     if spec.choice == "auto":
         return None
     if spec.choice != "required":
         tool = next(t for t in spec.tools if t["function"]["name"] == spec.choice)
         return _call_schema(tool)
-    return {"type": "array", "minItems": 1,
-            "items": {"anyOf": [_call_schema(t) for t in spec.tools]}}
+    calls = {"type": "array", "minItems": 1,
+             "items": {"anyOf": [_call_schema(t) for t in spec.tools]}}
+    if not spec.parallel:
+        calls["maxItems"] = 1
+    return calls
 
 
 def _call(obj) -> dict | None:

@@ -165,7 +165,11 @@ def test_bad_sampling_values_are_invalid_argument(cluster):
         (request("hi", logit_bias={5: 150.0}), "logit_bias"),
         (request("hi", logit_bias={t: 1.0 for t in range(301)}), "logit_bias entries"),
         (request("hi", max_tokens=4, min_tokens=5), "min_tokens"),
-        (request("hi", constraint=common_pb2.Constraint(json_object=True)), "structured"),
+        (request("hi", constraint=common_pb2.Constraint(json_schema="{not json")),
+         "not valid JSON"),
+        (request("hi", constraint=common_pb2.Constraint(json_object=True, regex="a")),
+         "set one of"),
+        (request("hi", constraint=common_pb2.Constraint(regex="a" * 70000)), "longer than"),
     ]
     for req, words in cases:
         code, details = run(status(req))

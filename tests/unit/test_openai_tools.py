@@ -97,6 +97,10 @@ def test_forced_tool_choice_asks_for_the_calls_json():
     req = job(tool_choice="required")
     schema = json.loads(req.creq.sampling.constraint.json_schema)
     assert schema["type"] == "array" and len(schema["items"]["anyOf"]) == 2
+    assert "maxItems" not in schema
+    one = json.loads(job(tool_choice="required", parallel_tool_calls=False)
+                     .creq.sampling.constraint.json_schema)
+    assert one["maxItems"] == 1
     assert len(tools.parse('[{"name": "get_time", "arguments": {}}]', req.tools)[1]) == 1
     assert job(tool_choice="none").tools is None and job(tool_choice="none").creq.tools is None
     assert not job().creq.sampling.HasField("constraint")

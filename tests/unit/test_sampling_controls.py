@@ -14,7 +14,7 @@ from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
                           RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from engine import LLM, SamplingParams
+from engine import LLM, Constraint, SamplingParams
 from engine.engine import LLMEngine
 from engine.layers.sampler import Sampler, SamplingBatch, warp
 from engine.llm import build_engine_config
@@ -321,11 +321,15 @@ def test_sampling_state_survives_the_proto_round_trip():
                         logit_bias={7: -100.0, 2: 0.5}, min_tokens=2, top_logprobs=3, n=4)
     assert sampling_from_proto(sampling_to_proto(sp)) == sp
     assert sampling_from_proto(sampling_to_proto(SamplingParams())) == SamplingParams()
+    for c in (Constraint("json_schema", '{"type": "string"}'), Constraint("json_object"),
+              Constraint("regex", "a+"), Constraint("grammar", 'start: "x"')):
+        sp = SamplingParams(constraint=c)
+        assert sampling_from_proto(sampling_to_proto(sp)) == sp
 
 
 @pytest.mark.parametrize("field, value, words", [
     ("n", 17, "at most 16 samples"), ("top_logprobs", 21, "at most 20"),
-    ("logit_bias", 301, "at most 300 logit_bias"), ("constraint", True, "structured output"),
+    ("logit_bias", 301, "at most 300 logit_bias"), ("constraint", 65537, "constraint is longer than 65536"),
 ])
 def test_request_limits(field, value, words):
     from protos.pdserve.v1 import common_pb2
@@ -335,7 +339,7 @@ def test_request_limits(field, value, words):
         for t in range(value):
             pb.logit_bias[t] = 1.0
     elif field == "constraint":
-        pb.constraint.json_object = True
+        pb.constraint.regex = "a" * value
     else:
         setattr(pb, field, value)
     with pytest.raises(validation.InvalidRequest, match=words):
