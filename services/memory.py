@@ -21,32 +21,21 @@ import logging
 logger = logging.getLogger(__name__)
 
 
-def _libc_trim():
+def _libc(fn_name: str, argtypes: list):
+    """A function of the C library, typed (returns int); None where there is none."""
     name = ctypes.util.find_library("c")
     if not name:
         return None
     try:
-        fn = ctypes.CDLL(name).malloc_trim
+        fn = getattr(ctypes.CDLL(name), fn_name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return fn
 
 
-_TRIM = _libc_trim()
+_TRIM = _libc("malloc_trim", [ctypes.c_size_t])
 _M_ARENA_MAX = -8  # malloc.h
-
-
-def _libc_mallopt():
-    name = ctypes.util.find_library("c")
-    if not name:
-        return None
-    try:
-        fn = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return fn
 
 
 def limit_arenas(n: int) -> bool:
@@ -54,7 +43,7 @@ def limit_arenas(n: int) -> bool:
     the C library has no such setting. Call before starting threads."""
     if n <= 0:
         return False
-    fn = _libc_mallopt()
+    fn = _libc("mallopt", [ctypes.c_int, ctypes.c_int])
     ok = bool(fn is not None and fn(_M_ARENA_MAX, n))
     if ok:
         logger.info("malloc arenas: at most %d", n)

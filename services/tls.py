@@ -65,6 +65,19 @@ KV_SENDER_ROLES = ("prefill", "colocated")
 KV_RECEIVER_ROLES = ("decode", "colocated")
 
 
+def files_stamp(files) -> tuple:
+    """What changes when any of ``files`` is rewritten or replaced (mtime, size, inode; None
+    for a missing one): certificate reloads compare it."""
+    out = []
+    for f in files:
+        try:
+            st = os.stat(f)
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class _Material:
     ca: bytes
@@ -90,14 +103,7 @@ class ClusterTls:
 
     # ------------------------------------------------------------------ files
     def _stat(self) -> tuple:
-        out = []
-        for f in self.files:
-            try:
-                st = os.stat(f)
-                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
-            except OSError:
-                out.append(None)
-        return tuple(out)
+        return files_stamp(self.files)
 
     def _read(self, generation: int) -> _Material:
         from cryptography.hazmat.primitives import serialization

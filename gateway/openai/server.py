@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import ssl
 import time
+
+from services.tls import files_stamp
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +47,7 @@ class ReloadingTls:
         self.context.sni_callback = self._pick
 
     def _stat(self) -> tuple:
-        out = []
-        for f in self.files:
-            try:
-                st = os.stat(f)
-                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
-            except OSError:
-                out.append(None)
-        return tuple(out)
+        return files_stamp(self.files)
 
     def _build(self) -> ssl.SSLContext:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
