@@ -44,6 +44,10 @@ T = TypeVar("T")
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 KEEPALIVE_S = 1.0
 KEEPALIVE_TIMEOUT_S = 2.0
+# a connection attempt (TCP + TLS + HTTP/2 settings) gives up after this; gRPC's default,
+# 20 s, held every call to a stopped peer that long (its kernel still accepts the TCP
+# connection, the handshake never ends)
+CONNECT_TIMEOUT_S = KEEPALIVE_S + KEEPALIVE_TIMEOUT_S
 
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
@@ -59,8 +63,9 @@ def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tup
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         # a peer that stops answering (SIGSTOP, a partition, a dead host whose TCP does not
-        # reset) fails its calls within KEEPALIVE_S + KEEPALIVE_TIMEOUT_S: pings every
-        # second on every connection, and servers accept pings that often
+        # reset) fails its calls within KEEPALIVE_S + KEEPALIVE_TIMEOUT_S, on a connection
+        # open or being opened: pings every second on every connection, servers accept
+        # pings that often, and a connection attempt ends after CONNECT_TIMEOUT_S
         ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
         ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
         ("grpc.http2.max_pings_without_data", 0),
@@ -70,6 +75,8 @@ def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tup
         ("grpc.http2.min_ping_interval_without_data_ms", int(KEEPALIVE_S * 1000)),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_S * 500)),
         ("grpc.http2.max_ping_strikes", 0),
+        # gRPC core uses the minimum reconnect backoff as each connection attempt's deadline
+        ("grpc.min_reconnect_backoff_ms", int(CONNECT_TIMEOUT_S * 1000)),
     ]
 
 

@@ -11,6 +11,8 @@ keep serving with load-only routing, so a call must never hang. Every call here:
 * authenticates (``auth``: ``password``, ``username``, and ``ssl_ca_certs`` for rediss://)
   from the service's settings, never from a URL on a command line; a URL is shown (logs,
   errors) with any password in it cut out (:func:`shown_url`);
+* re-raises a cancellation that landed during the command even when redis-py swallowed it
+  and returned the reply (a cancelled caller never goes on with a result);
 * after a failure, fails immediately for ``cooldown_s`` (default 0.5 s) without touching the
   network (a small circuit breaker), so a black-holed Redis costs one timeout per cooldown, not
   one per request. The first call after the cooldown tries again: recovery is automatic.
@@ -106,6 +108,12 @@ class RedisConn:
         if self._down_logged:
             logger.info("%s: Redis at %s is reachable again", self.name, self.url)
             self._down_logged = False
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # redis-py (8.1) can swallow a cancellation that lands during a command and
+            # return its reply: the caller was cancelled (a client gone, say) and must not
+            # go on with the result
+            raise asyncio.CancelledError()
         return result
 
     async def close(self) -> None:

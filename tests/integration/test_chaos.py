@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.chaos.scenarios import SCENARIOS
 
-DEFAULT = ("kill-decode", "stop-prefill", "kv-corruption")
+DEFAULT = ("kill-decode", "stop-prefill", "stop-prefill-unnoticed", "kv-corruption")
 
 
 @pytest.mark.parametrize("name", [

