@@ -125,6 +125,7 @@ def test_cpu_drivers_run_briefly(tmp_path):
                            "--prompt-len", "32"],
         "openai_front_cpu": ["--pairs", "1", "--requests", "4", "--ttft-requests", "2",
                              "--max-tokens", "4"],
+        "tls_ceiling_cpu": ["--mib", "4", "--rounds", "1", "--repeats", "1"],
     }
     for name, args in runs.items():
         out = tmp_path / f"{name}.json"
