@@ -44,6 +44,28 @@ def case_decode(K, R, batch, ctx):
     return fn, e, {"bytes": batch * ctx * 2 * KV_HEADS * HEAD_DIM * 2}
 
 
+def case_decode_kvq(K, R, kind, batch, ctx):
+    """Decode attention over an int8 / fp8 cache (codes + a scale per token and head;
+    "bf16" the float control at the same shape): error against the reference over the
+    dequantized cache, and the bytes read (codes and scales)."""
+    if kind == "bf16":
+        return case_decode(K, R, batch, ctx)
+    from engine.quant.kv import CODE_DTYPES, dequantize_rows
+    blocks = -(-ctx // BLOCK)
+    n = batch * blocks + 1
+    cache = torch.zeros(n, 2, 2, BLOCK, KV_HEADS, HEAD_DIM + 4, dtype=CODE_DTYPES[kind],
+                        device="cuda")
+    kv = torch.randn(n * BLOCK, KV_HEADS, HEAD_DIM, dtype=BF16, device="cuda")
+    K.store_kv(kv, kv.roll(1, 0), cache, 1, torch.arange(n * BLOCK, device="cuda"))
+    bt = torch.randperm(n, device="cuda")[: batch * blocks].view(batch, blocks).to(torch.int32)
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=BF16, device="cuda")
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    fn = lambda: K.paged_decode_attention(q, cache, 1, bt, lens, SCALE)
+    deq = dequantize_rows(cache.view(torch.uint8)[:, 1:2], CODE_DTYPES[kind], BF16)
+    e = err(fn(), R.paged_decode_attention_ref(q, deq, 0, bt, lens, SCALE))
+    return fn, e, {"bytes": batch * ctx * 2 * KV_HEADS * (HEAD_DIM + 4)}
+
+
 def case_prefill(K, R, prefix, n):
     cache, bt = paged(1, prefix + n)
     q = torch.randn(n, HEADS, HEAD_DIM, dtype=BF16, device="cuda")
@@ -137,6 +159,11 @@ CASES = [
     ("decode b1 ctx256", case_decode, (1, 256)),
     ("decode b1 ctx4096", case_decode, (1, 4096)),
     ("decode b64 ctx512", case_decode, (64, 512)),
+    ("decode b1 ctx32768 bf16 KV", case_decode_kvq, ("bf16", 1, 32768)),
+    ("decode b1 ctx32768 fp8 KV", case_decode_kvq, ("fp8", 1, 32768)),
+    ("decode b1 ctx32768 int8 KV", case_decode_kvq, ("int8", 1, 32768)),
+    ("decode b16 ctx32768 bf16 KV", case_decode_kvq, ("bf16", 16, 32768)),
+    ("decode b16 ctx32768 fp8 KV", case_decode_kvq, ("fp8", 16, 32768)),
     ("prefill 4096 no prefix", case_prefill, (0, 4096)),
     ("prefill 1024 + 3072 prefix", case_prefill, (3072, 1024)),
     ("torch sdpa causal 4096", case_sdpa, (4096,)),
@@ -171,6 +198,8 @@ FIGURES = [
     for case, what, unit, key, fmt in (
         ("decode b1 ctx4096", "max abs error", "", "max_abs_err", ".2g"),
         ("decode b64 ctx512", "bandwidth", "GB/s", "GB/s", ".0f"),
+        ("decode b16 ctx32768 bf16 KV", "time", "ms", "median_ms", ".3f"),
+        ("decode b16 ctx32768 fp8 KV", "time", "ms", "median_ms", ".3f"),
         ("prefill 4096 no prefix", "max abs error", "", "max_abs_err", ".2g"),
         ("prefill 4096 no prefix", "rate", "TFLOP/s", "TFLOP/s", ".0f"),
         ("gemv gate_up 28672x4096 add_rmsnorm", "bandwidth", "GB/s", "GB/s", ".0f"))]

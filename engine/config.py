@@ -199,8 +199,10 @@ class EngineConfig:
     device: str = setting("auto", "auto (cuda when a GPU is visible, else cpu), cpu, cuda or "
                                   "cuda:N")
     seed: int = setting(0, "engine seed (weights of dummy models, sampling without a seed)")
-    attention_backend: str = setting("auto", "auto (triton on a GPU, torch on the CPU), torch "
-                                             "or triton", choices=ATTENTION_BACKENDS)
+    attention_backend: str = setting(
+        "auto", "auto (triton on a GPU, torch on the CPU; torch for an int8 / fp8 KV cache "
+                "until its Triton kernels are measured on a GPU), torch or triton",
+        choices=ATTENTION_BACKENDS)
     enforce_eager: bool = setting(False, "GPU: no CUDA graphs")
     mixed_graph_tokens: int = setting(
         512, "GPU: steps that mix decodes with prompt chunks of up to this many tokens in all "
@@ -248,9 +250,6 @@ class EngineConfig:
                                               or self.cache.kv_dtype in KV_QUANT_DTYPES):
             raise SettingError("quantization", "quantized weights or KV cache with "
                                                "tensor_parallel_size > 1 are not supported yet")
-        if self.cache.kv_dtype in KV_QUANT_DTYPES and self.attention_backend == "triton":
-            raise SettingError("kv_dtype", f"kv_dtype {self.cache.kv_dtype} needs the torch "
-                                           "attention backend (attention_backend=torch or auto)")
 
     @property
     def device_kind(self) -> str:

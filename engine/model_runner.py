@@ -45,17 +45,20 @@ def kv_layout_of(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype
 def make_attention_backend(config: EngineConfig, mc: ModelConfig) -> AttentionBackend:
     scale = mc.head_dim ** -0.5
     want = config.attention_backend
-    if config.cache.kv_dtype in KV_QUANT_DTYPES:  # int8 / fp8 codes + scales in the block
-        from engine.quant.kv import CODE_DTYPES, QuantKVAttention
-        return QuantKVAttention(scale, CODE_DTYPES[config.cache.kv_dtype])
+    quantized = config.cache.kv_dtype in KV_QUANT_DTYPES  # int8 / fp8 codes + scales
     if want == "auto":
-        want = "triton" if config.device.startswith("cuda") else "torch"
+        # a quantized cache keeps the torch backend unless triton is asked for: its Triton
+        # kernels are checked on the CPU interpreter only so far (docs/quantization.md)
+        want = "triton" if config.device.startswith("cuda") and not quantized else "torch"
     if want == "triton":
         from engine.kernels.backend import TritonAttention  # GPU path
         # A/B measurements: kernels.fuse_rotary off: separate rotary and store_kv kernels;
         # kernels.split_mixed off: a mixed step's decode rows through the prefill kernel
         return TritonAttention(scale, fuse_rotary=config.kernels.fuse_rotary,
-                               split_mixed=config.kernels.split_mixed)
+                               split_mixed=config.kernels.split_mixed, kv_quantized=quantized)
+    if quantized:
+        from engine.quant.kv import CODE_DTYPES, QuantKVAttention
+        return QuantKVAttention(scale, CODE_DTYPES[config.cache.kv_dtype])
     return TorchAttention(scale)
 
 
@@ -143,9 +146,10 @@ class ModelRunner(CudaGraphsMixin):
         self._make_kv_cache()
         if gpu_kernels:
             kc = config.kernels
-            if hasattr(self.model, "set_gemv_plan") and not self.quantization:
-                # one-token projections: Triton GEMV or cuBLAS, timed per shape once per
-                # process (kernels.gemv: off|auto|force)
+            if hasattr(self.model, "set_gemv_plan"):
+                # one-token projections: Triton GEMV (float or quantized weights) or the
+                # module's own path, timed per shape once per process (kernels.gemv:
+                # off|auto|force)
                 from engine.kernels.gemv_tune import tune_gemv_plan
                 plan, self.gemv_tuning = tune_gemv_plan(self.model, kc.gemv, pdl=kc.gemv_pdl,
                                                         split_k=kc.gemv_split_k)

@@ -28,12 +28,36 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
         raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
 
 
-def check_kv_cache(kv_cache, layer: int, device=None) -> tuple[int, int, int, int]:
-    """kv_cache is [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
+# A quantized KV cache (engine.quant.kv): int8 or float8_e4m3fn, each (token, head) row the
+# head's codes then the 4 bytes of its float32 scale. KV_CODES: the kernels' KVQ constexpr.
+KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}
+SCALE_BYTES = 4
+
+
+def kv_quant_kind(kv_cache: torch.Tensor) -> int:
+    """0: a float cache; 1: int8 codes + scales; 2: fp8 (e4m3) codes + scales."""
+    return KV_CODES.get(kv_cache.dtype, 0)
+
+
+def check_kv_cache(kv_cache, layer: int, device=None, quantized: bool = False
+                   ) -> tuple[int, int, int, int]:
+    """kv_cache is [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (a float
+    cache) or, with ``quantized``, also [..., head_dim + 4] of int8 / fp8 codes and scales.
 
     Returns (num_layers, block_size, num_kv_heads, head_dim)."""
-    check_tensor("kv_cache", kv_cache, ndim=6, dtypes=FLOAT_DTYPES, device=device)
+    dtypes = FLOAT_DTYPES + tuple(KV_CODES) if quantized else FLOAT_DTYPES
+    check_tensor("kv_cache", kv_cache, ndim=6, dtypes=dtypes, device=device)
     _, num_layers, two, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if kv_quant_kind(kv_cache):
+        head_dim -= SCALE_BYTES
+        # the kernels read each row's scale as a float32 and tell the compiler its rows
+        # are 4-byte aligned (tl.multiple_of): every row start must be
+        if (head_dim < 1 or head_dim % SCALE_BYTES or kv_cache.data_ptr() % SCALE_BYTES
+                or any(st % SCALE_BYTES for st in kv_cache.stride()[:5])):
+            raise ValueError(f"a quantized kv_cache's rows must hold head_dim codes + "
+                             f"{SCALE_BYTES} scale bytes, 4-byte aligned (head_dim a "
+                             f"multiple of 4); got shape {tuple(kv_cache.shape)}, strides "
+                             f"{kv_cache.stride()}")
     if two != 2:
         raise ValueError(f"kv_cache dim 2 must be 2 (K, V), got {two}")
     if not (0 <= int(layer) < num_layers):

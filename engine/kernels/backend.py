@@ -7,7 +7,8 @@ padded row, which the CUDA-graph decode path relies on), then:
   block-table width, so a graph captured with a fixed width replays for any context length;
 * a step whose sequences have no cached prefix and are long: torch SDPA (flash) over the
   fresh K/V, one call per sequence: on a long causal prefill the flash kernel runs about
-  twice as fast as the Triton paged kernel (docs/performance.md, "Kernels");
+  twice as fast as the Triton paged kernel (docs/performance.md, "Kernels"); not with a
+  quantized cache, whose prefills attend to the K/V as stored (codes), like its decodes;
 * everything else (prefix hits, chunked prefill, many short prompts): one
   ``paged_prefill_attention`` launch over the whole ragged batch, reading K/V back from the
   cache;
@@ -36,13 +37,19 @@ class TritonAttention(AttentionBackend):
     name = "triton"
 
     def __init__(self, scale: float, sdpa_min_tokens: int = SDPA_MIN_TOKENS,
-                 fuse_rotary: bool = True, split_mixed: bool = True):
+                 fuse_rotary: bool = True, split_mixed: bool = True,
+                 kv_quantized: bool = False):
+        """``kv_quantized``: the cache holds int8 / fp8 codes and scales (engine.quant.kv):
+        store_kv quantizes, the attention kernels read codes, every prefill reads its K/V
+        back from the cache (as a later decode step sees them: no SDPA over the fresh
+        float K/V), and rotary runs apart from the store."""
         self.scale = scale
+        self.kv_quantized = kv_quantized
         self.sdpa_min_tokens = sdpa_min_tokens
         # False: a mixed step's decode rows go through the prefill kernel with the rest
         self.split_mixed = split_mixed
         # the model passes rope=(positions, cos_sin_cache) instead of rotating q/k itself
-        self.fuses_rotary = fuse_rotary
+        self.fuses_rotary = fuse_rotary and not kv_quantized
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, rope=None) -> torch.Tensor:
@@ -65,7 +72,8 @@ class TritonAttention(AttentionBackend):
     def _prefill(self, layer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Sequences of any query length (no one-token rows in a mixed step's ``rest``)."""
         qlens, slens = meta.query_lens_list, meta.seq_lens_list
-        if (all(a == b for a, b in zip(qlens, slens))
+        if (not self.kv_quantized  # its prefills read the stored codes, like its decodes
+                and all(a == b for a, b in zip(qlens, slens))
                 and min(qlens) >= self.sdpa_min_tokens):
             out = torch.empty_like(q)
             start = 0

@@ -1,12 +1,15 @@
-"""store_kv: write one layer's new K/V rows into the paged, block-major KV cache."""
+"""store_kv: write one layer's new K/V rows into the paged, block-major KV cache (float, or
+int8 / fp8 codes with a scale per token and head: engine.quant.kv's layout and math)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._checks import (FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor,
-                                    next_pow2)
+from engine.kernels._checks import (FLOAT_DTYPES, check_kv_cache, check_shape,
+                                    check_tensor, kv_quant_kind, next_pow2)
+
+_QMAX = {1: 127.0, 2: 448.0}  # int8, e4m3: engine.quant.kv._QMAX
 
 
 @triton.jit
@@ -28,12 +31,57 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, layer, n_heads, head_dim
         tl.store(dst + s_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _quantize_rows(x, qmax, KVQ: tl.constexpr):
+    """x float32 [H, D] (masked columns 0) -> (codes as uint8 [H, D], scale float32 [H]):
+    scale = max(max|x|, 1e-8) / qmax, codes = clamp(x / scale) rounded half to even (int8)
+    or to the nearest e4m3 (fp8), as engine.quant.kv.quantize_rows."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8), qmax)
+    y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -qmax, qmax)
+    if KVQ == 1:
+        r = tl.floor(y + 0.5)
+        odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+        r = tl.where(((r - y) == 0.5) & odd, r - 1.0, r)  # a tie goes to the even code
+        codes = r.to(tl.int8).to(tl.uint8, bitcast=True)
+    else:
+        codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return codes, scale
+
+
+@triton.jit(do_not_specialize=["layer"])
+def _store_kv_quant_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, layer, n_heads, head_dim,
+                           block_size, qmax, stride_k_tok, stride_k_head, stride_v_tok,
+                           stride_v_head, s_blk, s_layer, s_kv, s_tok, s_head,
+                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KVQ: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)[None, :]
+        h_mask = h < n_heads
+        mask = h_mask[:, None] & (d < head_dim)
+        row = (cache_ptr + (slot // block_size) * s_blk + layer * s_layer
+               + (slot % block_size) * s_tok + h * s_head)  # uint8 pointers, one per head
+        row = tl.multiple_of(row, 4)  # 4-byte aligned rows (check_kv_cache): wider stores
+        k = tl.load(k_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d, mask=mask,
+                    other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d, mask=mask,
+                    other=0.0).to(tl.float32)
+        kc, ks = _quantize_rows(k, qmax, KVQ)
+        vc, vs = _quantize_rows(v, qmax, KVQ)
+        tl.store(row[:, None] + d, kc, mask=mask)
+        tl.store(row[:, None] + s_kv + d, vc, mask=mask)
+        tl.store((row + head_dim).to(tl.pointer_type(tl.float32)), ks, mask=h_mask)
+        tl.store((row + s_kv + head_dim).to(tl.pointer_type(tl.float32)), vs, mask=h_mask)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int,
              slot_mapping: torch.Tensor) -> None:
     """key/value [num_tokens, num_kv_heads, head_dim] -> kv_cache[slot // bs, layer, 0/1,
     slot % bs]. slot_mapping int64 [num_tokens]; slot -1 skips the token (padding).
-    Slots are not bounds-checked on device (that would need a host sync)."""
-    _, block_size, n_heads, head_dim = check_kv_cache(kv_cache, layer)
+    Slots are not bounds-checked on device (that would need a host sync). A quantized
+    cache (int8 / float8_e4m3fn, rows of head_dim + 4) gets each row's codes and scale."""
+    _, block_size, n_heads, head_dim = check_kv_cache(kv_cache, layer, quantized=True)
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES, device=kv_cache.device)
     check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=kv_cache.device)
     check_shape("key", key, (None, n_heads, head_dim))
@@ -44,6 +92,14 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, lay
     if key.shape[0] == 0:
         return
     s = kv_cache.stride()
+    kvq = kv_quant_kind(kv_cache)
+    if kvq:
+        _store_kv_quant_kernel[(key.shape[0],)](
+            key, value, kv_cache.view(torch.uint8), slot_mapping, int(layer), n_heads,
+            head_dim, block_size, _QMAX[kvq], key.stride(0), key.stride(1), value.stride(0),
+            value.stride(1), s[0], s[1], s[2], s[3], s[4], BLOCK_H=next_pow2(n_heads),
+            BLOCK_D=next_pow2(head_dim), KVQ=kvq)
+        return
     _store_kv_kernel[(key.shape[0],)](
         key, value, kv_cache, slot_mapping, int(layer), n_heads, head_dim, block_size,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

@@ -5,6 +5,12 @@ group (padded to >= 16 rows for tl.dot) and streams that group's K/V once over i
 the context. With one split it writes the output; with several it writes fp32 partials
 (acc, running max, sum-exp) and a reduce kernel combines them. num_splits is chosen from
 shapes only (never from device values), so the launch is CUDA-graph safe.
+
+A quantized cache (int8 / fp8 codes, then a float32 scale per token and head:
+engine.quant.kv) is read as bytes: each K/V tile's codes are converted in registers and its
+rows' scales fold into the scores (K: s[:, n] * k_scale[n]) and the probabilities (V:
+p[:, n] * v_scale[n]), so no dequantized tile is ever written. ``kv_tile`` is shared with
+the prefill kernel.
 """
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._checks import check_kv_cache, check_shape, check_tensor, next_pow2
+from engine.kernels._checks import (FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor,
+                                    kv_quant_kind, next_pow2)
 
 _LOG2E = 1.4426950408889634
 _INT = (torch.int32, torch.int64)
@@ -29,13 +36,48 @@ _INT = (torch.int32, torch.int64)
 _VARYING = ["layer", "num_splits", "stride_bt"]
 
 
+@triton.jit
+def kv_tile(ptrs, scale_ptrs, mask, n_mask, KVQ: tl.constexpr):
+    """A [N, D] K or V tile and its rows' scales (float32 [N]). KVQ 0, a float cache: the
+    tile as stored, scales unused. KVQ 1 / 2: ``ptrs`` point at int8 / e4m3 code bytes, the
+    tile is the codes as int8 / float8e4nv (the caller converts them straight to q's dtype:
+    exact in bf16 / fp16, |int8| <= 127 and every e4m3 value), ``scale_ptrs`` at each row's
+    4 scale bytes."""
+    if KVQ == 0:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+        scales = tl.zeros(n_mask.shape, tl.float32)
+    else:
+        raw = tl.load(ptrs, mask=mask, other=0)
+        if KVQ == 1:
+            tile = raw.to(tl.int8, bitcast=True)
+        else:
+            tile = raw.to(tl.float8e4nv, bitcast=True)
+        scales = tl.load(scale_ptrs.to(tl.pointer_type(tl.float32)), mask=n_mask, other=0.0)
+    return tile, scales
+
+
+@triton.jit
+def softmax_accumulate(s, v, v_scale, acc, m_i, l_i, KVQ: tl.constexpr):
+    """One online-softmax step over a tile of scores ``s`` [M, N] (base 2, masked entries
+    -inf) and its V tile: (acc, m_i, l_i) updated. A quantized V's row scales multiply the
+    probabilities after their sum is taken (the sum is of the softmax, not of V)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if KVQ:
+        p = p * v_scale[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=_VARYING)
 def _decode_kernel(q_ptr, cache_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, layer, qk_scale,
                    group, head_dim, block_size, num_splits,
                    stride_q_seq, stride_q_head, stride_o_seq, stride_o_head, stride_bt,
                    s_blk, s_layer, s_kv, s_tok, s_head,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, UPCAST: tl.constexpr):
+                   SPLIT: tl.constexpr, UPCAST: tl.constexpr, KVQ: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -54,24 +96,29 @@ def _decode_kernel(q_ptr, cache_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, 
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     base = cache_ptr + layer * s_layer + kvh * s_head
+    if KVQ:  # rows of head_dim + 4 bytes, 4-byte aligned (check_kv_cache): 4-byte loads
+        base = tl.multiple_of(base, 4)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < end
         blk = tl.load(bt_ptr + seq * stride_bt + pos // block_size, mask=n_mask, other=0)
         tok_off = blk.to(tl.int64) * s_blk + (pos % block_size) * s_tok
+        if KVQ:
+            tok_off = tl.multiple_of(tok_off, 4)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(base + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        v = tl.load(base + s_kv + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, k_scale = kv_tile(base + tok_off[:, None] + d[None, :], base + tok_off + head_dim,
+                             kv_mask, n_mask, KVQ)  # [N, D], [N]
+        v, v_scale = kv_tile(base + s_kv + tok_off[:, None] + d[None, :],
+                             base + s_kv + tok_off + head_dim, kv_mask, n_mask, KVQ)
         if UPCAST:  # the CPU interpreter's tl.dot mishandles bf16
             q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
+        else:
+            k, v = k.to(q.dtype), v.to(q.dtype)  # codes -> q's dtype (a float cache: as is)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # qk_scale = scale * log2(e): softmax in exp2
+        if KVQ:
+            s = s * k_scale[None, :]
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc, m_i, l_i = softmax_accumulate(s, v, v_scale, acc, m_i, l_i, KVQ)
     if SPLIT:
         row = (seq * tl.num_programs(1) * group + heads) * num_splits + split  # [B, H, S]
         tl.store(acc_ptr + row[:, None] * head_dim + d[None, :], acc,
@@ -125,9 +172,12 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     """q [num_seqs, num_heads, head_dim] (the last token of each sequence, whose K/V are
     already stored) attends to context_lens[i] cached tokens. block_tables int32
     [num_seqs, max_blocks]; context_lens int32 [num_seqs] (0 gives a zero output row).
-    num_splits None picks from shapes: max context is taken as max_blocks * block_size."""
-    _, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache, layer)
-    check_tensor("q", q, ndim=3, dtypes=(kv_cache.dtype,), device=kv_cache.device)
+    num_splits None picks from shapes: max context is taken as max_blocks * block_size.
+    kv_cache: float, of q's dtype, or quantized (int8 / fp8 codes + scales, module doc)."""
+    _, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache, layer, quantized=True)
+    kvq = kv_quant_kind(kv_cache)
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES if kvq else (kv_cache.dtype,),
+                 device=kv_cache.device)
     num_seqs, num_heads = q.shape[0], q.shape[1]
     check_shape("q", q, (num_seqs, None, head_dim))
     if num_heads % num_kv_heads:
@@ -155,11 +205,11 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     s = kv_cache.stride()
     block_d = next_pow2(head_dim)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, kv_cache, block_tables, context_lens, out, acc, ml, int(layer), scale * _LOG2E,
+        q, kv_cache.view(torch.uint8) if kvq else kv_cache, block_tables, context_lens, out, acc, ml, int(layer), scale * _LOG2E,
         group, head_dim, block_size, num_splits, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_tables.stride(0), s[0], s[1], s[2], s[3], s[4],
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=32, SPLIT=split,
-        UPCAST=not q.is_cuda, num_warps=4, num_stages=2)
+        UPCAST=not q.is_cuda, KVQ=kvq, num_warps=4, num_stages=2)
     if split:
         _reduce_kernel[(num_seqs, num_heads)](acc, ml, out, num_heads, head_dim, num_splits,
                                               out.stride(0), out.stride(1),

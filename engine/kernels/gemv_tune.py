@@ -26,6 +26,15 @@ logger = logging.getLogger(__name__)
 # block_k * split_k does not divide K is skipped for that role.
 CONFIGS = [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (16, 512, 4, 1), (8, 2048, 8, 1),
            (16, 1024, 8, 1)]
+# quantized weights carry 1 (fp8, int8) or 1/2 (int4) bytes a feature: wider K tiles keep
+# the bytes a load moves where the float configs have them
+# the same wider K tiles; a fifth element names a variant of matvec.gemv: "bits" (codes to
+# fp32 by integer operations), "mma" (tiles through the tensor cores)
+QUANT_CONFIGS = [(8, 1024, 4, 1), (8, 2048, 8, 1), (16, 1024, 4, 1), (16, 2048, 8, 1),
+                 (4, 2048, 4, 1), (32, 1024, 8, 1), (8, 1024, 4, 1, "bits"),
+                 (8, 2048, 8, 1, "bits"), (16, 1024, 4, 1, "bits"), (16, 2048, 8, 1, "bits"),
+                 (4, 2048, 4, 1, "bits"), (32, 1024, 8, 1, "bits"), (4, 1024, 4, 1, "bits"),
+                 (32, 512, 4, 1, "mma"), (64, 256, 4, 1, "mma")]
 SPLIT_K_CONFIGS = [(4, 1024, 4, 2), (8, 1024, 4, 2), (8, 512, 4, 4), (16, 512, 4, 4),
                    (16, 1024, 8, 2)]
 ROUNDS = 5  # candidates are timed in turn, ROUNDS times, so clock drift hits them alike
@@ -80,69 +89,73 @@ def _role_inputs(model, role):
         pro = "add_rmsnorm"
     else:
         lin, norms, pro = [l.mlp.down_proj for l in layers], None, "silu_mul"
-    k = lin[0].weight.shape[1] * (2 if pro == "silu_mul" else 1)
+    k = lin[0].in_features * (2 if pro == "silu_mul" else 1)
     return lin, norms, pro, k
 
 
 def tune_role(model, role: str, mode: str = "auto", pdl: bool = True, split_k: bool = False):
-    """-> (config dict or None for cuBLAS, {"cublas_ms": .., "triton_ms": {cfg: ms}})."""
+    """-> (config dict or None for the module's own path, {"cublas_ms": .., "triton_ms":
+    {cfg: ms}}). The baseline is each projection's forward: cuBLAS for float weights, the
+    quantized kernels (engine.quant.kernels) for quantized ones."""
     from engine.kernels.elementwise import fused_add_rmsnorm, silu_and_mul
-    from engine.kernels.matvec import gemv
+    from engine.kernels.matvec import gemv, gemv_weight
     lin, norms, pro, k = _role_inputs(model, role)
-    w0 = lin[0].weight
-    key = (role, tuple(w0.shape), w0.dtype, lin[0].bias is not None, len(lin), mode,
+    ws = [gemv_weight(l) for l in lin]
+    w0 = ws[0][0]
+    formats = tuple(wkw.get("w_format", "float") for _, wkw in ws)
+    key = (role, tuple(w0.shape), w0.dtype, formats, lin[0].bias is not None, len(lin), mode,
            split_k, pdl, torch.cuda.get_device_name(w0.device))
     if key in _CACHE:
         return _CACHE[key]
-    dev, dt = w0.device, w0.dtype
+    dev = w0.device
+    dt = model.embed_tokens.weight.dtype
     x = torch.randn(1, k, device=dev, dtype=dt)
     res = torch.randn(1, k, device=dev, dtype=dt)
     eps = norms[0].eps if norms else 1e-6
 
+    def prologue(i):
+        if pro == "add_rmsnorm":
+            return fused_add_rmsnorm(x, res, norms[i].weight, eps)[0]
+        return silu_and_mul(x) if pro == "silu_mul" else x
+
     def cublas():
         for i, l in enumerate(lin):
-            h = x
-            if pro == "add_rmsnorm":
-                h, _ = fused_add_rmsnorm(x, res, norms[i].weight, eps)
-            elif pro == "silu_mul":
-                h = silu_and_mul(x)
-            F.linear(h, l.weight, l.bias)
+            l(prologue(i))
+
+    def call(i, cfg):
+        bn, bk, nw, split, *var = cfg
+        w, wkw = ws[i]
+        got = gemv(x, w, lin[i].bias, prologue=pro, residual=res if norms else None,
+                   norm_weight=norms[i].weight if norms else None, eps=eps, block_n=bn,
+                   block_k=bk, num_warps=nw, split_k=split, pdl=pdl, **wkw,
+                   **{v: True for v in var})
+        return got[0] if isinstance(got, tuple) else got
 
     def triton_fn(cfg):
-        bn, bk, nw, split = cfg
-
         def fn():
-            for i, l in enumerate(lin):
-                gemv(x, l.weight, l.bias, prologue=pro, residual=res if norms else None,
-                     norm_weight=norms[i].weight if norms else None, eps=eps,
-                     block_n=bn, block_k=bk, num_warps=nw, split_k=split, pdl=pdl)
+            for i in range(len(lin)):
+                call(i, cfg)
         return fn
 
-    # every config is checked against cuBLAS on layer 0 before it may be timed
-    h = x
-    if pro == "add_rmsnorm":
-        h, _ = fused_add_rmsnorm(x, res, norms[0].weight, eps)
-    elif pro == "silu_mul":
-        h = silu_and_mul(x)
-    want = F.linear(h, w0, lin[0].bias).float()
-    tol = 2e-2 * want.abs().max().item() + 1e-3
+    # every config is checked against the module's own path on the first layer of each
+    # weight format before it may be timed
+    checks = [(i, lin[i](prologue(i)).float()) for i in
+              sorted({formats.index(f) for f in formats})]
     fns, rejected = {"cublas": cublas}, {}
-    configs = CONFIGS + (SPLIT_K_CONFIGS if split_k else [])
+    quantized = any(f != "float" for f in formats)
+    configs = (QUANT_CONFIGS if quantized else CONFIGS) + (SPLIT_K_CONFIGS if split_k else [])
     for cfg in configs:
-        bn, bk, nw, split = cfg
-        if split > 1 and (k // (2 if pro == "silu_mul" else 1)) % (bk * split):
+        bn, bk, nw, split, *_ = cfg
+        if split > 1 and lin[0].in_features % (bk * split):
             continue
         try:
-            got = gemv(x, w0, lin[0].bias, prologue=pro, residual=res if norms else None,
-                       norm_weight=norms[0].weight if norms else None, eps=eps, block_n=bn,
-                       block_k=bk, num_warps=nw, split_k=split, pdl=pdl)
-            got = got[0] if isinstance(got, tuple) else got
-            err = (got.float() - want).abs().max().item()
-            if not err <= tol:
-                rejected[str(cfg)] = f"max error {err:.3g} > {tol:.3g}"
-                continue
+            for i, want in checks:
+                err = (call(i, cfg).float() - want).abs().max().item()
+                tol = 2e-2 * want.abs().max().item() + 1e-3
+                if not err <= tol:
+                    raise ValueError(f"layer {i}: max error {err:.3g} > {tol:.3g}")
             fns[str(cfg)] = triton_fn(cfg)
-        except Exception as e:  # a config that does not compile is skipped
+        except Exception as e:  # a config that does not compile or is wrong is skipped
             rejected[str(cfg)] = f"failed: {e}"
     for cfg, why in rejected.items():
         logger.warning("gemv %s config %s rejected: %s", role, cfg, why)
@@ -151,8 +164,9 @@ def tune_role(model, role: str, mode: str = "auto", pdl: bool = True, split_k: b
     best = min(timed.items(), key=lambda kv: kv[1], default=None)
     plan = None
     if best is not None and (mode == "force" or best[1] < table["cublas_ms"]):
-        bn, bk, nw, split = eval(best[0])  # noqa: S307 - our own tuple repr
-        plan = {"block_n": bn, "block_k": bk, "num_warps": nw, "split_k": split, "pdl": pdl}
+        bn, bk, nw, split, *var = eval(best[0])  # noqa: S307 - our own tuple repr
+        plan = {"block_n": bn, "block_k": bk, "num_warps": nw, "split_k": split, "pdl": pdl,
+                **{v: True for v in var}}
     table["chosen"] = plan
     _CACHE[key] = (plan, table)
     return plan, table

@@ -21,6 +21,13 @@ recomputes it from the small input vector, which stays in L2):
   writes s as the new residual;
 * ``"silu_mul"``: x = [gate | up] of width 2K -> round(silu(gate) * up).
 
+Quantized weights (``w_format``): "fp8" / "int8" (e4m3 / int8 codes [N, K], one float32
+scale per output channel, applied to the row sums) and "int4" (two codes a byte [N, Kp/2], low nibble the even
+feature; float32 scale and minimum per group of ``group`` features [N, Kp/group]: each group's
+code dot product is scaled and its minimum times the group's sum of x added, so the codes are
+never expanded to weights). The bytes stream the same way, the prologues and split-K apply
+unchanged (engine.quant.reference defines the formats; tests compare with it).
+
 Rows of a multi-row x are handled by a second grid axis (each row re-reads W: correct, but
 meant for M = 1). The choice between this kernel and cuBLAS is made per shape by the caller
 (engine.kernels.gemv_tune), once per process.
@@ -37,6 +44,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from engine.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
 
 PROLOGUES = {"none": 0, "rmsnorm": 1, "add_rmsnorm": 2, "silu_mul": 3}
+W_FORMATS = {"float": 0, "fp8": 1, "int4": 2, "int8": 3}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MIN_COUNTERS = 1 << 16
 
@@ -79,11 +87,101 @@ def _load_x(x_ptr, res_ptr, nw_ptr, kk, km, K, inv, PRO: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, new_res_ptr, part_ptr, cnt_ptr,
-                 N, K, eps, stride_xm, stride_rm, stride_w, stride_ym, stride_nrm,
+def _rms_inv(x_ptr, res_ptr, new_res_ptr, ks, K, eps, writer, PRO: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """The rmsnorm prologues' 1 / rms over the whole row (1.0 without a norm prologue);
+    add_rmsnorm's ``writer`` program also stores x + residual as the new residual."""
+    inv = 1.0
+    if PRO == 1 or PRO == 2:
+        ss = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            km = kk < K
+            xv = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            if PRO == 2:
+                r = tl.load(res_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                s = (xv + r).to(new_res_ptr.dtype.element_ty)
+                tl.store(new_res_ptr + kk, s, mask=km & writer)
+                xv = s.to(tl.float32)
+            ss += xv * xv
+        inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+    return inv
+
+
+@triton.jit
+def _w_tile(w_rows, k0, n_mask, K, KW, EVEN: tl.constexpr, WFMT: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """The raw weight tile at feature k0: [BLOCK_N, BLOCK_K] values or fp8 bytes, or
+    [BLOCK_N, BLOCK_K // 2] int4 bytes (KW: bytes per row)."""
+    if WFMT == 2:
+        cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        lim = KW
+    else:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        lim = K
+    if EVEN:
+        w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
+    else:
+        w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & (cols < lim)[None, :],
+                    other=0, eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _nibble(c, BITS: tl.constexpr):
+    """int32 codes 0..15 (or, BITS, 0..255) as fp32: a conversion instruction, or (BITS) the
+    code as the mantissa of 2^23 and 2^23 subtracted (integer and add units, exact)."""
+    if BITS:
+        return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return c.to(tl.float32)
+
+
+@triton.jit
+def _tile_acc(w, xv, s_ptr, z_ptr, rows, n_mask, k0, stride_s, NG_ROW, WFMT: tl.constexpr,
+              GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              BITS: tl.constexpr, A8: tl.constexpr, sx):
+    """A tile's contribution to the accumulator: w * x ([BLOCK_N, BLOCK_K]) for float and
+    fp8 / int8 weights; for int4 per group (scale * codes . x + minimum * sum x: [BLOCK_N,
+    BLOCK_K // GROUP]; NG_ROW groups a row). BITS: codes become fp32 by integer operations
+    instead of conversion instructions (fp8: the e4m3 fields moved into an fp32's, which
+    is the value times 2^-120; the epilogue multiplies 2^120 back). A8: x is first
+    quantized to e4m3 with the row's scale sx (reference.quant_act_fp8's rounding)."""
+    if A8:
+        xv = tl.clamp(tl.math.div_rn(xv, sx), -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
+    if WFMT == 2:
+        xe, xo = tl.split(tl.reshape(xv, [BLOCK_K // 2, 2]))
+        wi = w.to(tl.int32)
+        part = (_nibble(wi & 0xF, BITS) * xe[None, :] + _nibble(wi >> 4, BITS) * xo[None, :])
+        NG: tl.constexpr = BLOCK_K // GROUP
+        part = tl.sum(tl.reshape(part, [BLOCK_N, NG, GROUP // 2]), axis=2)
+        xs = tl.sum(tl.reshape(xe + xo, [NG, GROUP // 2]), axis=1)
+        g = k0 // GROUP + tl.arange(0, NG)
+        gm = n_mask[:, None] & (g < NG_ROW)[None, :]
+        sz = rows[:, None] * stride_s + g[None, :]
+        s = tl.load(s_ptr + sz, mask=gm, other=0.0)
+        z = tl.load(z_ptr + sz, mask=gm, other=0.0)
+        return part * s + z * xs[None, :]
+    elif BITS and WFMT == 1:
+        wi = w.to(tl.int32)
+        f = (((wi & 0x80) << 24) | ((wi & 0x7F) << 20)).to(tl.float32, bitcast=True)
+        return f * xv[None, :]
+    elif BITS and WFMT == 3:
+        return (_nibble(w.to(tl.int32) + 128, BITS) - 128.0) * xv[None, :]
+    else:
+        if WFMT == 1:
+            w = w.to(tl.float8e4nv, bitcast=True)
+        return w.to(tl.float32) * xv[None, :]
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, new_res_ptr,
+                 part_ptr, cnt_ptr, N, K, KW, NG_ROW, eps, stride_xm, stride_rm, stride_w,
+                 stride_s, stride_ym, stride_nrm,
                  PRO: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                 PREFETCH: tl.constexpr, PDL: tl.constexpr, WFMT: tl.constexpr,
+                 GROUP: tl.constexpr, ACC_W: tl.constexpr, BITS: tl.constexpr,
+                 A8: tl.constexpr):
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     sk = tl.program_id(2)
@@ -104,44 +202,38 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, new_res_ptr, part_
         if PDL:
             gdc_launch_dependents()
         kk0 = k_lo + ks
-        if EVEN:
-            w_first = tl.load(w_rows + kk0[None, :], eviction_policy="evict_first")
-        else:
-            w_first = tl.load(w_rows + kk0[None, :], mask=n_mask[:, None] & (kk0 < K)[None, :],
-                              other=0.0, eviction_policy="evict_first")
+        w_first = _w_tile(w_rows, k_lo, n_mask, K, KW, EVEN, WFMT, BLOCK_K)
         if PDL:
             gdc_wait()
-    inv = 1.0
-    if PRO == 1 or PRO == 2:
-        ss = tl.zeros([BLOCK_K], tl.float32)
+    inv = _rms_inv(x_ptr, res_ptr, new_res_ptr, ks, K, eps, (pid == 0) & (sk == 0), PRO,
+                   BLOCK_K)
+    sx = 1.0
+    if A8:  # the row's activation scale, over the whole prologue output (every split)
+        am = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + ks
-            km = kk < K
-            xv = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
-            if PRO == 2:
-                r = tl.load(res_ptr + kk, mask=km, other=0.0).to(tl.float32)
-                s = (xv + r).to(new_res_ptr.dtype.element_ty)
-                tl.store(new_res_ptr + kk, s, mask=km & (pid == 0) & (sk == 0))
-                xv = s.to(tl.float32)
-            ss += xv * xv
-        inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            am = tl.maximum(am, tl.abs(_load_x(x_ptr, res_ptr, nw_ptr, kk, kk < K, K, inv, PRO)))
+        sx = tl.maximum(tl.max(am, axis=0), 1e-12) / 448.0
+    acc = tl.zeros([BLOCK_N, ACC_W], tl.float32)
     k_start = k_lo
     if PREFETCH:
-        acc += w_first.to(tl.float32) * _load_x(x_ptr, res_ptr, nw_ptr, kk0, kk0 < K, K, inv,
-                                                PRO)[None, :]
+        xv0 = _load_x(x_ptr, res_ptr, nw_ptr, kk0, kk0 < K, K, inv, PRO)
+        acc += _tile_acc(w_first, xv0, s_ptr, z_ptr, rows, n_mask, k_lo, stride_s, NG_ROW,
+                         WFMT, GROUP, BLOCK_N, BLOCK_K, BITS, A8, sx)
         k_start = k_lo + BLOCK_K
     for k0 in range(k_start, k_lo + k_len, BLOCK_K):
         kk = k0 + ks
-        km = kk < K
-        xv = _load_x(x_ptr, res_ptr, nw_ptr, kk, km, K, inv, PRO)
-        if EVEN:
-            w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first")
-        else:
-            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & km[None, :], other=0.0,
-                        eviction_policy="evict_first")
-        acc += w.to(tl.float32) * xv[None, :]
+        xv = _load_x(x_ptr, res_ptr, nw_ptr, kk, kk < K, K, inv, PRO)
+        w = _w_tile(w_rows, k0, n_mask, K, KW, EVEN, WFMT, BLOCK_K)
+        acc += _tile_acc(w, xv, s_ptr, z_ptr, rows, n_mask, k0, stride_s, NG_ROW, WFMT, GROUP,
+                         BLOCK_N, BLOCK_K, BITS, A8, sx)
     y = tl.sum(acc, axis=1)
+    if WFMT == 1 or WFMT == 3:  # fp8 / int8: the channel scale on the row sums
+        y *= tl.load(s_ptr + rows, mask=n_mask, other=0.0)
+        if BITS and WFMT == 1:
+            y *= 1.329227995784916e36  # 2^120
+        if A8:
+            y *= sx
     if SPLIT_K == 1:
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)
@@ -163,22 +255,96 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, new_res_ptr, part_
             tl.atomic_xchg(ctr, 0, sem="relaxed", scope="gpu")
 
 
+@triton.jit
+def _half_tile(w, s_ptr, z_ptr, rows, n_mask, k0, stride_s, NG_ROW, WFMT: tl.constexpr,
+               GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A quantized tile as fp16 [BLOCK_N, BLOCK_K]: fp8 / int8 codes as they are (the channel
+    scale comes after the sum), int4 codes times their group's scale plus its minimum."""
+    if WFMT == 2:
+        wi = w.to(tl.int32)
+        codes = tl.reshape(tl.join((wi & 0xF).to(tl.float16), (wi >> 4).to(tl.float16)),
+                           [BLOCK_N, BLOCK_K])
+        NG: tl.constexpr = BLOCK_K // GROUP
+        g = k0 // GROUP + tl.arange(0, NG)
+        gm = n_mask[:, None] & (g < NG_ROW)[None, :]
+        sz = rows[:, None] * stride_s + g[None, :]
+        sc = tl.load(s_ptr + sz, mask=gm, other=0.0).to(tl.float16)
+        zc = tl.load(z_ptr + sz, mask=gm, other=0.0).to(tl.float16)
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, NG, GROUP]), [BLOCK_N, BLOCK_K])
+        zc = tl.reshape(tl.broadcast_to(zc[:, :, None], [BLOCK_N, NG, GROUP]), [BLOCK_N, BLOCK_K])
+        return codes * sc + zc
+    elif WFMT == 1:
+        return w.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        return w.to(tl.float16)
+
+
+@triton.jit
+def _gemv_mma_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, new_res_ptr,
+                     N, K, KW, NG_ROW, eps, stride_xm, stride_rm, stride_w, stride_s,
+                     stride_ym, stride_nrm, PRO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr, WFMT: tl.constexpr, GROUP: tl.constexpr):
+    """Quantized weights on the tensor cores: each tile is expanded to fp16 and multiplied
+    by x as row 0 of a 16-row operand (the other rows zero), so registers hold fp16 tiles
+    and a [16, BLOCK_N] accumulator instead of a [BLOCK_N, BLOCK_K] fp32 one."""
+    pid = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    x_ptr += m * stride_xm
+    res_ptr += m * stride_rm
+    new_res_ptr += m * stride_nrm
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < N
+    ks = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    inv = _rms_inv(x_ptr, res_ptr, new_res_ptr, ks, K, eps, pid == 0, PRO, BLOCK_K)
+    r16 = tl.arange(0, 16)
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        xv = _load_x(x_ptr, res_ptr, nw_ptr, kk, kk < K, K, inv, PRO)
+        w = _w_tile(w_rows, k0, n_mask, K, KW, EVEN, WFMT, BLOCK_K)
+        wh = _half_tile(w, s_ptr, z_ptr, rows, n_mask, k0, stride_s, NG_ROW, WFMT, GROUP,
+                        BLOCK_N, BLOCK_K)
+        xt = tl.where(r16[:, None] == 0, xv[None, :], 0.0).to(tl.float16)
+        acc = tl.dot(xt, tl.trans(wh), acc)
+    y = tl.sum(tl.where(r16[:, None] == 0, acc, 0.0), axis=0)
+    if WFMT == 1 or WFMT == 3:
+        y *= tl.load(s_ptr + rows, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          prologue: str = "none", residual: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          block_n: int = 8, block_k: int = 1024, num_warps: int = 4, split_k: int = 1,
-         num_stages: int | None = None, pdl: bool = False):
+         num_stages: int | None = None, pdl: bool = False, w_format: str = "float",
+         w_scale: torch.Tensor | None = None, w_zero: torch.Tensor | None = None,
+         group: int = 0, mma: bool = False, bits: bool = False, a8: bool = False):
     """x [M, K] (or [M, 2K] for silu_mul), weight [N, K] -> y [M, N] in x.dtype.
 
     With prologue "add_rmsnorm" returns (y, x + residual); with "rmsnorm" returns (y, x);
     otherwise y. The last dims must be contiguous. ``split_k`` > 1 needs
     ``block_k * split_k`` to divide K. ``pdl`` launches with programmatic dependent launch
     (Hopper and later, CUDA only): the kernel prefetches its first weight tile and lets the
-    next kernel be scheduled while it runs; a no-op request elsewhere."""
+    next kernel be scheduled while it runs; a no-op request elsewhere. ``w_format`` "fp8" /
+    "int8" (weight float8_e4m3fn / int8 [N, K], w_scale [N]) or "int4" (weight uint8 [N, Kp/2], w_scale
+    and w_zero [N, Kp/group], ``block_k`` a multiple of ``group``): module docstring.
+    ``mma`` (quantized weights, no split-K, block_n and block_k >= 16): the tensor-core
+    variant (_gemv_mma_kernel); x is rounded to fp16 for it. ``bits`` (quantized weights):
+    codes become fp32 through integer operations (_tile_acc), not conversions. ``a8``
+    (fp8 weights): W8A8, each row of x (after the prologue) quantized to e4m3 per token
+    in the kernel, as engine.quant.reference.quant_act_fp8 does."""
     pro = PROLOGUES[prologue]
+    fmt = W_FORMATS[w_format]
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device)
-    n, k = weight.shape
+    k = x.shape[1] // 2 if pro == 3 else x.shape[1]
+    n, kw, ng = _check_weight(fmt, weight, w_scale, w_zero, group, k, block_k, x)
     check_shape("x", x, (None, 2 * k if pro == 3 else k))
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight need a contiguous last dim")
@@ -212,13 +378,31 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, n_blocks * m)
     use_pdl = bool(pdl) and _pdl_capable(x.device)
-    if m and n:
-        even = n % block_n == 0 and k % block_k == 0
+    w = weight.view(torch.uint8) if fmt == 1 else weight
+    s = w_scale if fmt else x
+    z = w_zero if fmt == 2 else s
+    if mma and (fmt == 0 or split_k != 1 or block_n < 16 or block_k < 16 or a8):
+        raise ValueError("mma: quantized weights, no a8, split_k 1, block_n and block_k >= 16")
+    if a8 and fmt != 1:
+        raise ValueError("a8 (activations in fp8) needs fp8 weights")
+    even = n % block_n == 0 and k % block_k == 0 and (fmt != 2 or 2 * kw == k)
+    if mma and m and n:
+        _gemv_mma_kernel[(n_blocks, m)](
+            x, res, nw, w, s, z, bias if bias is not None else x, y, new_res, n, k, kw, ng,
+            float(eps), x.stride(0), stride_rm, w.stride(0), s.stride(0) if fmt == 2 else 1,
+            y.stride(0), stride_nrm, PRO=pro, HAS_BIAS=bias is not None, EVEN=even,
+            BLOCK_N=block_n, BLOCK_K=block_k, PDL=use_pdl, WFMT=fmt, GROUP=max(group, 1),
+            num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+            **({"launch_pdl": True} if use_pdl else {}))
+    elif m and n:
         _gemv_kernel[(n_blocks, m, split_k)](
-            x, res, nw, weight, bias if bias is not None else x, y, new_res, part, cnt, n, k,
-            float(eps), x.stride(0), stride_rm, weight.stride(0), y.stride(0), stride_nrm,
+            x, res, nw, w, s, z, bias if bias is not None else x, y, new_res, part, cnt, n, k,
+            kw, ng, float(eps), x.stride(0), stride_rm, w.stride(0),
+            s.stride(0) if fmt == 2 else 1, y.stride(0), stride_nrm,
             PRO=pro, HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=block_n, BLOCK_K=block_k,
-            SPLIT_K=split_k, PREFETCH=bool(pdl), PDL=use_pdl, num_warps=num_warps,
+            SPLIT_K=split_k, PREFETCH=bool(pdl), PDL=use_pdl, WFMT=fmt, GROUP=max(group, 1),
+            ACC_W=block_k // group if fmt == 2 else block_k, BITS=bool(bits) and fmt != 0,
+            A8=bool(a8), num_warps=num_warps,
             **({} if num_stages is None else {"num_stages": num_stages}),
             **({"launch_pdl": True} if use_pdl else {}))
     if pro == 2:
@@ -226,3 +410,40 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if pro == 1:
         return y, x
     return y
+
+
+def _check_weight(fmt: int, weight, scale, zero, group: int, k: int, block_k: int, x):
+    """-> (N, bytes or values a row, groups a row) after checking the weight's format."""
+    if fmt == 0:
+        check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=x.device)
+        if weight.shape[1] != k:
+            raise ValueError(f"weight has {weight.shape[1]} features, x {k}")
+        return weight.shape[0], k, 0
+    dtype = {1: torch.float8_e4m3fn, 2: torch.uint8, 3: torch.int8}[fmt]
+    check_tensor("weight", weight, ndim=2, dtypes=(dtype,), device=x.device)
+    n, kw = weight.shape
+    if scale is None:
+        raise ValueError("quantized weights need w_scale")
+    check_tensor("w_scale", scale, dtypes=(torch.float32,), device=x.device)
+    if fmt != 2:
+        if kw != k or tuple(scale.shape) != (n,):
+            raise ValueError(f"fp8 / int8 weight [N, K] = {tuple(weight.shape)} with w_scale [N]: "
+                             f"x has {k} features, w_scale {tuple(scale.shape)}")
+        return n, kw, 0
+    if group < 2 or group & (group - 1) or block_k % group:
+        raise ValueError(f"int4: group {group} must be a power of two >= 2 dividing block_k "
+                         f"({block_k})")
+    ng = scale.shape[1] if scale.dim() == 2 else 0
+    if (2 * kw < k or scale.dim() != 2 or scale.shape[0] != n or ng * group < k
+            or zero is None or zero.shape != scale.shape or zero.dtype != torch.float32
+            or scale.stride(1) != 1 or zero.stride() != scale.stride()):
+        raise ValueError("int4 weight: uint8 [N, Kp/2] with float32 w_scale and w_zero "
+                         f"[N, Kp/group], Kp >= K = {k}")
+    return n, kw, ng
+
+
+def gemv_weight(linear) -> tuple[torch.Tensor, dict]:
+    """(weight, the gemv keywords of its format) of an nn.Linear or a quantized projection
+    (engine.quant.linear.QuantLinear.gemv_args)."""
+    args = getattr(linear, "gemv_args", None)
+    return args() if args is not None else (linear.weight, {})

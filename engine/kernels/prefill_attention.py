@@ -3,7 +3,9 @@
 Every K/V row, the new tokens' included, is read from the paged cache: the caller runs
 store_kv for the new tokens first, so no separate k/v arguments are needed. Grid is
 (query tiles of the longest query, num_seqs, num_heads); tiles past a sequence's query
-length do nothing. KV tiles left of the diagonal run without the causal mask.
+length do nothing. KV tiles left of the diagonal run without the causal mask. A quantized
+cache is read as decode_attention reads it (``kv_tile``: codes converted in registers, the
+rows' scales folded into scores and probabilities).
 """
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._checks import check_kv_cache, check_shape, check_tensor, next_pow2
+from engine.kernels._checks import (FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor,
+                                    kv_quant_kind, next_pow2)
+from engine.kernels.decode_attention import kv_tile, softmax_accumulate
 
 _LOG2E = 1.4426950408889634
 _INT = (torch.int32, torch.int64)
@@ -20,27 +24,30 @@ CUDA_CONFIG = (128, 64, 8, 2)  # picked on the H200 for bf16, head_dim 128 (docs
 
 @triton.jit
 def _tile(q, acc, m_i, l_i, kv_base, bt_row, s_blk, s_tok, s_kv, lo, hi, q_pos, qk_scale,
-          block_size, d, d_mask, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-          UPCAST: tl.constexpr):
+          block_size, head_dim, d, d_mask, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+          UPCAST: tl.constexpr, KVQ: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < hi
         blk = tl.load(bt_row + pos // block_size, mask=n_mask, other=0)
         off = blk.to(tl.int64) * s_blk + (pos % block_size) * s_tok
+        if KVQ:  # quantized rows are 4-byte aligned (check_kv_cache): 4-byte loads
+            off = tl.multiple_of(off, 4)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kv_base + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(kv_base + s_kv + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, k_scale = kv_tile(kv_base + off[:, None] + d[None, :], kv_base + off + head_dim,
+                             kv_mask, n_mask, KVQ)
+        v, v_scale = kv_tile(kv_base + s_kv + off[:, None] + d[None, :],
+                             kv_base + s_kv + off + head_dim, kv_mask, n_mask, KVQ)
         if UPCAST:  # the CPU interpreter's tl.dot mishandles bf16
             q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
+        else:
+            k, v = k.to(q.dtype), v.to(q.dtype)  # codes -> q's dtype (a float cache: as is)
         s = tl.dot(q, tl.trans(k)) * qk_scale
+        if KVQ:
+            s = s * k_scale[None, :]
         if CAUSAL:
             s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc, m_i, l_i = softmax_accumulate(s, v, v_scale, acc, m_i, l_i, KVQ)
     return acc, m_i, l_i
 
 
@@ -49,7 +56,7 @@ def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr, la
                     group, head_dim, block_size, stride_q_tok, stride_q_head, stride_o_tok,
                     stride_o_head, stride_bt, s_blk, s_layer, s_kv, s_tok, s_head,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                    UPCAST: tl.constexpr, KVQ: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     seq = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
@@ -72,11 +79,15 @@ def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr, la
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_base = cache_ptr + layer * s_layer + (head // group) * s_head
+    if KVQ:
+        kv_base = tl.multiple_of(kv_base, 4)
     bt_row = bt_ptr + seq * stride_bt
     acc, m_i, l_i = _tile(q, acc, m_i, l_i, kv_base, bt_row, s_blk, s_tok, s_kv, 0, full_hi,
-                          q_pos, qk_scale, block_size, d, d_mask, BLOCK_N, False, UPCAST)
+                          q_pos, qk_scale, block_size, head_dim, d, d_mask, BLOCK_N, False,
+                          UPCAST, KVQ)
     acc, m_i, l_i = _tile(q, acc, m_i, l_i, kv_base, bt_row, s_blk, s_tok, s_kv, full_hi, hi,
-                          q_pos, qk_scale, block_size, d, d_mask, BLOCK_N, True, UPCAST)
+                          q_pos, qk_scale, block_size, head_dim, d, d_mask, BLOCK_N, True,
+                          UPCAST, KVQ)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_o_tok + head * stride_o_head + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -90,9 +101,12 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     query_start_loc[i]:query_start_loc[i+1] (int32 [num_seqs + 1]); seq_lens int32
     [num_seqs] = cached prefix + new tokens, all already in the cache. Query j of sequence i
     sits at position seq_lens[i] - query_len_i + j and attends causally.
-    max_query_len sizes the grid; None reads it from the device (one host sync)."""
-    _, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache, layer)
-    check_tensor("q", q, ndim=3, dtypes=(kv_cache.dtype,), device=kv_cache.device)
+    max_query_len sizes the grid; None reads it from the device (one host sync).
+    kv_cache: float, of q's dtype, or quantized (engine.kernels.decode_attention)."""
+    _, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache, layer, quantized=True)
+    kvq = kv_quant_kind(kv_cache)
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES if kvq else (kv_cache.dtype,),
+                 device=kv_cache.device)
     check_shape("q", q, (None, None, head_dim))
     num_heads = q.shape[1]
     if num_heads % num_kv_heads:
@@ -114,9 +128,9 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     s = kv_cache.stride()
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, kv_cache, block_tables, query_start_loc, seq_lens, out, int(layer), scale * _LOG2E,
+        q, kv_cache.view(torch.uint8) if kvq else kv_cache, block_tables, query_start_loc, seq_lens, out, int(layer), scale * _LOG2E,
         num_heads // num_kv_heads, head_dim, block_size, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), s[0], s[1], s[2], s[3], s[4],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), UPCAST=not q.is_cuda,
-        num_warps=warps, num_stages=stages)
+        KVQ=kvq, num_warps=warps, num_stages=stages)
     return out

@@ -132,16 +132,17 @@ class DecoderLayer(nn.Module):
         cfg = plan.get("down")
         if cfg is None:
             return mlp.down_proj(mlp.act(gu)), residual
-        from engine.kernels.matvec import gemv
-        return gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias, prologue="silu_mul",
-                    **cfg), residual
+        from engine.kernels.matvec import gemv, gemv_weight
+        w, wkw = gemv_weight(mlp.down_proj)
+        return gemv(gu, w, mlp.down_proj.bias, prologue="silu_mul", **wkw, **cfg), residual
 
 
 def _linear(linear: nn.Linear, x, cfg):
     if cfg is None:
         return linear(x)
-    from engine.kernels.matvec import gemv
-    return gemv(x, linear.weight, linear.bias, **cfg)
+    from engine.kernels.matvec import gemv, gemv_weight
+    w, wkw = gemv_weight(linear)
+    return gemv(x, w, linear.bias, **wkw, **cfg)
 
 
 def _norm_linear(norm: RMSNorm, linear: nn.Linear, x, residual, cfg):
@@ -152,12 +153,13 @@ def _norm_linear(norm: RMSNorm, linear: nn.Linear, x, residual, cfg):
         else:
             h, residual = norm(x, residual)
         return linear(h), residual
-    from engine.kernels.matvec import gemv
+    from engine.kernels.matvec import gemv, gemv_weight
+    w, wkw = gemv_weight(linear)
     if residual is None:
-        return gemv(x, linear.weight, linear.bias, prologue="rmsnorm", norm_weight=norm.weight,
-                    eps=norm.eps, **cfg)
-    return gemv(x, linear.weight, linear.bias, prologue="add_rmsnorm", residual=residual,
-                norm_weight=norm.weight, eps=norm.eps, **cfg)
+        return gemv(x, w, linear.bias, prologue="rmsnorm", norm_weight=norm.weight,
+                    eps=norm.eps, **wkw, **cfg)
+    return gemv(x, w, linear.bias, prologue="add_rmsnorm", residual=residual,
+                norm_weight=norm.weight, eps=norm.eps, **wkw, **cfg)
 
 
 class LlamaForCausalLM(nn.Module):

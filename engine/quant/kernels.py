@@ -2,15 +2,18 @@
 engine.quant.reference.quant_matmul_ref (tests/unit/test_quant_kernels.py through
 TRITON_INTERPRET=1 at small shapes, tests/gpu/test_quant_gpu.py at full size).
 
-    calls of <= GEMV_MAX_ROWS tokens   _gemv: one program per (BLOCK_N outputs, token); the
+    one token, fp8 up to GEMV_MAX_ROWS engine.kernels.matvec.gemv (w_format): the weight
+                                       stream of the dense GEMV, codes expanded in registers
+                                       (fp8: x quantized per token in the kernel, a8)
+    int8 / int4, <= GEMV_MAX_ROWS      _gemv: one program per (BLOCK_N outputs, token); the
                                        weight codes are read once and expanded in registers
-                                       (int8 / fp8: code * channel scale after the sum;
+                                       (int8: code * channel scale after the sum;
                                        int4: low / high nibble against the even / odd
                                        features, code * group scale + group zero)
     more tokens, int8 / int4           _gemm: tl.dot tiles, each weight tile expanded to the
                                        activation dtype in registers (W8A16 / W4A16)
     more tokens, fp8                   torch._scaled_mm: per-token dynamic activation scales
-                                       (quant_act_fp8) and per-channel weight scales, FP8
+                                       (_act_fp8, one kernel) and per-channel weight scales, FP8
                                        tensor cores (W8A8)
 
 All of it is launch-only (no host sync, no allocation that depends on values), so the decode
@@ -23,7 +26,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import check_tensor
-from engine.quant.reference import GEMV_MAX_ROWS, quant_act_fp8
+from engine.quant.reference import FP8_MAX, GEMV_MAX_ROWS, gemv_keywords
 
 _FMT = {"int8": 0, "int4": 1, "fp8": 2}
 
@@ -58,10 +61,7 @@ def _gemv(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, KB, stride_xm, stride_
             rk = k0 + tl.arange(0, BLOCK_K)
             kmask = rk < K
             w = tl.load(q_ptr + rn[:, None] * stride_qn + rk[None, :],
-                        mask=nmask[:, None] & kmask[None, :], other=0)
-            if FMT == 2:  # fp8 codes arrive as their bytes (a masked load needs a fill value)
-                w = w.to(tl.float8e4nv, bitcast=True)
-            w = w.to(tl.float32)
+                        mask=nmask[:, None] & kmask[None, :], other=0).to(tl.float32)
             x = tl.load(x_ptr + m * stride_xm + rk, mask=kmask, other=0.0).to(tl.float32)
             acc += tl.sum(w * x[None, :], axis=1)
         acc *= tl.load(s_ptr + rn, mask=nmask, other=0.0)
@@ -106,6 +106,43 @@ def _gemm(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_q
              mask=mmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _act_fp8(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """One row: scale = max(max|x|, 1e-12) / FP8_MAX, q = clamp(x / scale) as e4m3 bytes
+    (reference.quant_act_fp8's math: fp32, division rounded to nearest)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_ptr += row * stride_x
+    q_ptr += row * stride_q
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        c = k0 + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        c = k0 + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + c, mask=c < K, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + c, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=c < K)
+
+
+def act_fp8(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic fp8 quantization in one kernel (two passes over each row, the
+    second from L2): (xq float8_e4m3fn [M, K], scale float32 [M, 1]), as
+    reference.quant_act_fp8 computes them (tests compare the two)."""
+    check_tensor("x", x, ndim=2)
+    if x.stride(1) != 1:
+        raise ValueError("x needs a contiguous last dim")
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.uint8, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m and k:
+        _act_fp8[(m,)](x, q, s, k, x.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK=block)
+    return q.view(torch.float8_e4m3fn), s
+
+
 def _check(x: torch.Tensor, qw: dict) -> int:
     fmt = qw["format"]
     if fmt not in _FMT:
@@ -128,15 +165,17 @@ def _check(x: torch.Tensor, qw: dict) -> int:
 
 def quant_gemv(x: torch.Tensor, qw: dict, bias: torch.Tensor | None = None,
                block_n: int = 64, block_k: int = 128) -> torch.Tensor:
+    """int8 / int4 weight-only rows (fp8 quantizes its activations: matvec.gemv, a8)."""
     n = _check(x, qw)
+    if qw["format"] == "fp8":
+        raise ValueError("fp8 GEMVs quantize their activations: engine.kernels.matvec.gemv "
+                         "with a8 (quant_linear)")
     m, k = x.shape
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     fmt = _FMT[qw["format"]]
     q, s = qw["q"], qw["scale"]
     z = qw.get("zero") if fmt == 1 else s
     grid = (triton.cdiv(n, block_n), m)
-    if fmt == 2:
-        q = q.view(torch.uint8)
     _gemv[grid](x, q, s, z, bias if bias is not None else s, y, n, k, q.shape[1],
                 x.stride(0), q.stride(0), s.stride(0) if s.dim() == 2 else 1, y.stride(0),
                 FMT=fmt, GROUP=qw.get("group", 1), HAS_BIAS=bias is not None,
@@ -166,7 +205,7 @@ def quant_gemm(x: torch.Tensor, qw: dict, bias: torch.Tensor | None = None,
 def fp8_gemm(x: torch.Tensor, qw: dict, bias: torch.Tensor | None = None) -> torch.Tensor:
     """W8A8: per-token fp8 activations x per-channel fp8 weights on the FP8 tensor cores."""
     _check(x, qw)
-    xq, sx = quant_act_fp8(x)
+    xq, sx = act_fp8(x)
     y = torch._scaled_mm(xq, qw["q"].t(), scale_a=sx, scale_b=qw["scale"][None, :],
                          out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16)
     y = y.to(x.dtype)
@@ -175,6 +214,12 @@ def fp8_gemm(x: torch.Tensor, qw: dict, bias: torch.Tensor | None = None) -> tor
 
 def quant_linear(x: torch.Tensor, qw: dict, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) for a quantized W, by the call's size (module docstring)."""
+    if x.shape[0] == 1 or (x.shape[0] <= GEMV_MAX_ROWS and qw["format"] == "fp8"):
+        # one token (fp8: up to GEMV_MAX_ROWS, each row quantizing its own activations):
+        # the bandwidth GEMV of engine.kernels.matvec
+        from engine.kernels.matvec import gemv
+        _check(x, qw)
+        return gemv(x.contiguous(), qw["q"], bias, **gemv_keywords(qw))
     if x.shape[0] <= GEMV_MAX_ROWS:
         return quant_gemv(x.contiguous(), qw, bias)
     if qw["format"] == "fp8":

@@ -40,6 +40,10 @@ class QuantLinear(nn.Module):
             d.update(zero=self.zero, group=self.group)
         return d
 
+    def gemv_args(self) -> tuple[torch.Tensor, dict]:
+        """(codes, keywords) for engine.kernels.matvec.gemv (one-token projections)."""
+        return self.q, ref.gemv_keywords(self.qweight())
+
     @property
     def weight_bytes(self) -> int:
         return ref.weight_bytes(self.qweight())
@@ -60,7 +64,7 @@ class QuantLinear(nn.Module):
                            else self.q.float())
         if self.format == "int4":
             y = x.float() @ self._dense.t()
-        elif self.format == "fp8" and x.shape[0] > ref.GEMV_MAX_ROWS:
+        elif self.format == "fp8":  # W8A8 in every call (engine.quant.reference)
             xq, sx = ref.quant_act_fp8(x)
             y = (xq.float() @ self._dense.t()) * sx * self.scale[None, :]
         else:

@@ -10,10 +10,11 @@ Every format keeps one output feature per row (``[N, K]`` like ``nn.Linear.weigh
            w = q * scale + zero   (zero is the group's minimum: AWQ / GPTQ's integer zero
            point z converts to zero = -z * scale)
     fp8    e4m3 weights, one scale per output channel, float32 [N]   w = q * scale
-           W8A8 for calls of more than GEMV_MAX_ROWS tokens: activations quantized per token
-           (dynamic scale = max|x| / 448) and multiplied in fp8 (FP8 tensor cores on Hopper);
-           calls of up to GEMV_MAX_ROWS tokens (decode) keep their activations and read the
-           fp8 weights (a weight-only GEMV: the bytes of the weights are what batch-1 costs)
+           W8A8 for every call: activations quantized per token (dynamic scale = max|x| /
+           448) and multiplied in fp8 (FP8 tensor cores on Hopper for more than
+           GEMV_MAX_ROWS tokens, a GEMV that quantizes x itself below), so a token's result
+           does not depend on how many others share its call (a weight-only decode once
+           made a request's logits change with the batch and with CUDA-graph padding)
 
 The reference matmuls dequantize to float32 and use one plain matmul, so a GPU kernel can be
 checked against them; the CPU runs them as its kernels (quality is what the CPU measures).
@@ -25,11 +26,12 @@ import torch.nn.functional as F
 
 GROUP = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-GEMV_MAX_ROWS = 8  # fp8: calls of at most this many tokens run weight-only
+GEMV_MAX_ROWS = 8  # calls of at most this many tokens run as GEMVs (engine.quant.kernels)
 FORMATS = ("int8", "int4", "fp8")
 
 __all__ = ["GROUP", "FP8_MAX", "GEMV_MAX_ROWS", "FORMATS", "quantize_int8", "quantize_int4",
-           "quantize_fp8", "dequantize", "quant_act_fp8", "quant_matmul_ref", "weight_bytes"]
+           "quantize_fp8", "dequantize", "gemv_keywords", "quant_act_fp8", "quant_matmul_ref",
+           "weight_bytes"]
 
 
 def quantize_int8(w: torch.Tensor) -> dict:
@@ -90,6 +92,17 @@ def dequantize(qw: dict) -> torch.Tensor:
     raise ValueError(f"unknown weight format {f!r}")
 
 
+def gemv_keywords(qw: dict) -> dict:
+    """The engine.kernels.matvec.gemv keywords of a quantized weight (its codes go as the
+    weight argument)."""
+    kw = {"w_format": qw["format"], "w_scale": qw["scale"]}
+    if qw["format"] == "fp8":
+        kw["a8"] = True  # W8A8 in every call (the module docstring)
+    if qw["format"] == "int4":
+        kw.update(w_zero=qw["zero"], group=qw["group"])
+    return kw
+
+
 def quant_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token dynamic fp8 quantization: (xq float8_e4m3fn [M, K], scale float32 [M, 1])."""
     x = x.float()
@@ -100,7 +113,7 @@ def quant_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quant_matmul_ref(x: torch.Tensor, qw: dict, bias: torch.Tensor | None = None
                      ) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) in float32, W as the format says; returns x's dtype."""
-    if qw["format"] == "fp8" and x.shape[0] > GEMV_MAX_ROWS:
+    if qw["format"] == "fp8":
         xq, sx = quant_act_fp8(x)
         y = (xq.float() @ qw["q"].float().t()) * sx * qw["scale"][None, :]
     else:

@@ -271,10 +271,9 @@ def test_rotary_store_kv(dtype, head_dim, rot_dim):
     close(cache, expect, dtype)
 
 
-def test_model_gemv_plan_matches_default_path():
-    """One-token decode through the GEMV plan (fused norm / silu prologues) and the fused
-    rotary+store_kv backend vs the plain model, on dummy:tiny."""
-    from engine.kernels.backend import TritonAttention
+def _tiny_decode_step():
+    """dummy:tiny (fp32, fused ops on) and the inputs of one decode token at context 6:
+    (model, config, KV cache, metadata, ids, positions)."""
     from engine.layers.attention import AttentionMetadata
     from engine.loader import load_model
     from engine.models.llama import LlamaForCausalLM
@@ -284,16 +283,23 @@ def test_model_gemv_plan_matches_default_path():
         model = LlamaForCausalLM(cfg)
     model.load_weights(loaded.weights)
     model.enable_fused_ops(True)
-    bs, ctx = 4, 6
-    cache = torch.randn(4, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim, device=DEV)
+    ctx = 6
+    cache = torch.randn(4, cfg.num_layers, 2, 4, cfg.num_kv_heads, cfg.head_dim, device=DEV)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([ctx - 1], device=DEV),
         block_tables=torch.tensor([[2, 0]], dtype=torch.int32, device=DEV),
         seq_lens=torch.tensor([ctx], dtype=torch.int32, device=DEV),
         query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEV),
         seq_lens_list=[ctx], query_lens_list=[1], max_seq_len=ctx, max_query_len=1)
-    ids = torch.tensor([7], device=DEV)
-    pos = torch.tensor([ctx - 1], device=DEV)
+    return model, cfg, cache, meta, torch.tensor([7], device=DEV), torch.tensor([ctx - 1],
+                                                                              device=DEV)
+
+
+def test_model_gemv_plan_matches_default_path():
+    """One-token decode through the GEMV plan (fused norm / silu prologues) and the fused
+    rotary+store_kv backend vs the plain model, on dummy:tiny."""
+    from engine.kernels.backend import TritonAttention
+    model, cfg, cache, meta, ids, pos = _tiny_decode_step()
     outs = []
     for plan, fuse in ((None, False), ({"qkv": {"block_n": 8, "block_k": 32}, "o": None,
                                         "gate_up": {"block_n": 16, "block_k": 64},
@@ -305,3 +311,32 @@ def test_model_gemv_plan_matches_default_path():
                                                                     fuse_rotary=fuse)), c))
     close(outs[1][0], outs[0][0], torch.float32, scale=10)
     close(outs[1][1], outs[0][1], torch.float32, scale=10)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_model_gemv_plan_reads_quantized_projections(fmt):
+    """The GEMV plan over QuantLinear projections (codes through matvec.gemv's w_format,
+    prologues fused; bits and mma variants on two roles) against the same quantized model
+    on its module path, one decode token of dummy:tiny."""
+    from engine.kernels.backend import TritonAttention
+    from engine.quant.linear import QuantLinear
+    if fmt == "fp8" and DEV == "cpu":
+        pytest.skip("the interpreter's float8 cast rounds some activations to half their "
+                    "value (test_quant_kernels.py); fp8 W8A8 is checked against its torch "
+                    "reference on the GPU (tests/gpu/test_quant_gpu.py)")
+    model, cfg, cache, meta, ids, pos = _tiny_decode_step()
+    for layer in model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            setattr(parent, name, QuantLinear.from_linear(getattr(parent, name), fmt))
+    outs = []
+    variant = "bits" if fmt == "fp8" else "mma"  # fp8 quantizes x in the kernel: no mma
+    for plan in (None, {"qkv": {"block_n": 8, "block_k": 128}, "o": None,
+                        "gate_up": {"block_n": 16, "block_k": 128, variant: True},
+                        "down": {"block_n": 8, "block_k": 128, "bits": True}}):
+        model.set_gemv_plan(plan)
+        c = cache.clone()
+        with torch.no_grad():
+            outs.append(model(ids, pos, c, meta, TritonAttention(cfg.head_dim ** -0.5)))
+    err = (outs[1] - outs[0]).norm() / outs[0].norm()
+    assert 0 < err < 5e-3, f"relative error {err:.2e}"  # mma: x and int4 weights in fp16

@@ -81,9 +81,27 @@ def test_engine_with_a_quantized_kv_cache(kind):
     assert lq.block_bytes * 4 * mc.head_dim == lf.block_bytes * (mc.head_dim + 4)
 
 
-def test_quantized_kv_refuses_the_triton_backend():
-    from engine.config import EngineConfig
-    from pdcore.settings import SettingError
-    from engine.config import CacheConfig
-    with pytest.raises(SettingError, match="needs the torch attention backend"):
-        EngineConfig(attention_backend="triton", cache=CacheConfig(kv_dtype="fp8"))
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_triton_backend_over_a_quantized_cache_matches_the_torch_path(kind):
+    """attention_backend triton with an int8 / fp8 cache (store_kv quantizing, the attention
+    kernels reading codes; the CPU interpreter here) gives the torch path's greedy tokens;
+    auto keeps the torch path for a quantized cache. int8: the first layer's cache bytes
+    are the torch path's and the logprobs within 1e-4 (later layers see inputs that differ
+    in the last bits, so a scale may differ by an ulp). fp8: the interpreter's own e4m3
+    cast (tests/reference.assert_fp8_codes) moves logprobs by ~0.02, so tokens only."""
+    from engine import LLM, SamplingParams
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True)
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11] * 3, [20, 21, 22]]
+    torch_llm = LLM("dummy:tiny", num_blocks=32, kv_dtype=kind)
+    triton_llm = LLM("dummy:tiny", num_blocks=32, kv_dtype=kind, attention_backend="triton")
+    assert torch_llm.engine.runner.backend.name == "torch-kvq"
+    assert triton_llm.engine.runner.backend.name == "triton"
+    want = torch_llm.generate(prompts, sp)
+    got = triton_llm.generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    if kind == "int8":
+        for g, w in zip(got, want):
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+        layer0 = [llm.engine.runner.kv_cache.view(torch.uint8)[:, 0]
+                  for llm in (triton_llm, torch_llm)]
+        assert torch.equal(*layer0)

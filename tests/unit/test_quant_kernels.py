@@ -18,6 +18,7 @@ if not K.triton_available():
 
 from engine.quant import kernels as QK  # noqa: E402
 from engine.quant import reference as ref  # noqa: E402
+from tests.reference import assert_fp8_codes  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
@@ -32,7 +33,25 @@ def _case(fmt, n, k, m, bias, seed=0):
     return x, qw, b
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def _prologue_case(fmt, n, k, m, bias, prologue):
+    """_case plus the x and keywords a GEMV prologue takes: (x, qw, bias, keywords)."""
+    x, qw, b = _case(fmt, n, k, m, bias)
+    if prologue == "silu_mul":
+        x = torch.randn(m, 2 * k, device=DEV)
+    kw = {}
+    if prologue == "add_rmsnorm":
+        kw = {"norm_weight": torch.randn(k, device=DEV), "residual": torch.randn(m, k, device=DEV),
+              "eps": 1e-5}
+    return x, qw, b, kw
+
+
+def _weight_only(qw):
+    """The GEMV keywords of ``qw`` with fp8's activation quantization off (the kernel's
+    weight stream alone, checked against the dequantized weight)."""
+    return {k: v for k, v in ref.gemv_keywords(qw).items() if k not in ("a8", "w_format")}
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("n,k,m,bias", [(40, 200, 1, False), (64, 256, 3, True),
                                         (33, 130, 8, False)])
 def test_gemv_matches_reference(fmt, n, k, m, bias):
@@ -60,3 +79,126 @@ def test_dispatch_and_argument_checks():
         QK.quant_gemm(*_case("fp8", 16, 64, 16, False)[:2])
     with pytest.raises(ValueError, match="unknown weight format"):
         QK.quant_linear(x, {**qw, "format": "nf4"})
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("prologue", ["none", "add_rmsnorm", "silu_mul"])
+@pytest.mark.parametrize("n,k,bias,cfg", [
+    (40, 256, False, (8, 128, 4, 1)), (33, 200, True, (16, 128, 4, 1)),
+    (48, 512, False, (8, 128, 4, 2)), (40, 256, True, (8, 256, 4, 1, True))])
+@pytest.mark.parametrize("bits", [False, True])
+def test_bandwidth_gemv_reads_quantized_weights(fmt, prologue, n, k, bias, cfg, bits):
+    """engine.kernels.matvec.gemv with w_format: the dense GEMV's weight stream, prologues,
+    split-K and the PDL prefetch on codes (converted by instructions, or by integer
+    operations: bits), against the prologue then the dequantized weight (the reference's
+    own math)."""
+    from engine.kernels import reference as R
+    from engine.kernels.matvec import gemv
+    x, qw, b, kw = _prologue_case(fmt, n, k, 1, bias, prologue)
+    wkw = _weight_only(qw)
+    bn, bk, nw, split, *pdl = cfg
+    got = gemv(x, qw["q"], b, prologue=prologue, block_n=bn, block_k=bk, num_warps=nw,
+               split_k=split, pdl=bool(pdl), w_format=fmt, bits=bits, **wkw, **kw)
+    want = R.gemv_ref(x, ref.dequantize(qw)[:, :k].contiguous(), b, prologue=prologue, **kw)
+    if isinstance(want, tuple):
+        torch.testing.assert_close(got[1], want[1])
+        got, want = got[0], want[0]
+    torch.testing.assert_close(got, want, atol=5e-4, rtol=5e-4)
+
+
+def test_bandwidth_gemv_refuses_mismatched_quantized_weights():
+    from engine.kernels.matvec import gemv
+    x, qw, _ = _case("int4", 16, 256, 1, False)
+    with pytest.raises(ValueError, match="group 128 must be"):
+        gemv(x, qw["q"], w_format="int4", w_scale=qw["scale"], w_zero=qw["zero"], group=128,
+             block_k=64)
+    with pytest.raises(ValueError, match="int4 weight"):
+        gemv(x, qw["q"], w_format="int4", w_scale=qw["scale"], group=128, block_k=128)
+    x8, q8, _ = _case("fp8", 16, 64, 1, False)
+    with pytest.raises(ValueError, match="need w_scale"):
+        gemv(x8, q8["q"], w_format="fp8")
+    with pytest.raises(ValueError, match=r"w_scale \[N\]"):
+        gemv(x8, q8["q"], w_format="fp8", w_scale=q8["scale"][:8])
+    with pytest.raises(ValueError, match="dtype"):
+        gemv(x8, q8["q"], w_format="int8", w_scale=q8["scale"])
+
+
+@pytest.mark.parametrize("m,k", [(1, 64), (9, 200), (5, 1500)])
+def test_fp8_activation_kernel_matches_reference(m, k):
+    """One-kernel per-token fp8 quantization: the same codes and scales as the torch
+    reference (rows with a zero row and a large outlier included)."""
+    x = torch.randn(m, k, device=DEV) * 3
+    x[0, k // 2] = 900.0
+    if m > 2:
+        x[1] = 0.0
+    q, s = QK.act_fp8(x, block=128)
+    want_q, want_s = ref.quant_act_fp8(x)
+    assert torch.equal(s, want_s)
+    # (tests/gpu/test_quant_gpu.py checks every code on the GPU)
+    assert_fp8_codes(q, want_q, exact=DEV == "cuda")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("prologue", ["none", "add_rmsnorm", "silu_mul"])
+@pytest.mark.parametrize("n,k,bias,bk", [(48, 256, False, 128), (33, 200, True, 128),
+                                         (40, 512, False, 256)])
+def test_tensor_core_gemv_reads_quantized_weights(fmt, prologue, n, k, bias, bk):
+    """gemv(mma=True): tiles expanded to fp16 and multiplied on the tensor cores (x rounded
+    to fp16, int4 weights too), against the prologue then the dequantized weight."""
+    from engine.kernels import reference as R
+    from engine.kernels.matvec import gemv
+    x, qw, b, kw = _prologue_case(fmt, n, k, 1, bias, prologue)
+    wkw = _weight_only(qw)
+    got = gemv(x, qw["q"], b, prologue=prologue, block_n=16, block_k=bk, mma=True,
+               w_format=fmt, **wkw, **kw)
+    want = R.gemv_ref(x, ref.dequantize(qw)[:, :k].contiguous(), b, prologue=prologue, **kw)
+    if isinstance(want, tuple):
+        torch.testing.assert_close(got[1], want[1])
+        got, want = got[0], want[0]
+    assert not torch.isnan(got).any()
+    assert ((got - want).norm() / want.norm()).item() < 3e-3
+    with pytest.raises(ValueError, match="mma"):
+        gemv(x, qw["q"], b, prologue=prologue, block_n=8, block_k=bk, mma=True, w_format=fmt,
+             **wkw, **kw)
+
+
+@pytest.mark.parametrize("prologue", ["none", "add_rmsnorm", "silu_mul"])
+@pytest.mark.parametrize("n,k,m,split,pdl", [(48, 256, 1, 1, False), (33, 200, 3, 1, True),
+                                             (48, 512, 1, 2, False), (40, 256, 8, 1, False)])
+def test_fp8_gemv_quantizes_its_activations(prologue, n, k, m, split, pdl):
+    """fp8 is W8A8 in every call: the GEMV (a8) quantizes each row of the prologue's output
+    per token in the kernel, as act_fp8 does, then multiplies codes by codes. Compared
+    with act_fp8 on the same values and a float32 matmul of the codes (on the CPU the
+    interpreter's float8 cast stands on both sides; tests/gpu checks the torch reference)."""
+    from engine.kernels import reference as R
+    from engine.kernels.matvec import gemv
+    x, qw, _, kw = _prologue_case("fp8", n, k, m, False, prologue)
+    got = gemv(x, qw["q"], None, prologue=prologue, block_n=16, block_k=128, split_k=split,
+               pdl=pdl, **ref.gemv_keywords(qw), **kw)
+    h = R.gemv_ref(x, torch.eye(k, device=DEV), None, prologue=prologue, **kw)
+    h = h[0] if isinstance(h, tuple) else h
+    xq, sx = QK.act_fp8(h.contiguous(), block=128)
+    want = (xq.float() @ qw["q"].float().t()) * sx * qw["scale"][None, :]
+    got = got[0] if isinstance(got, tuple) else got
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    with pytest.raises(ValueError, match="a8"):
+        gemv(x, qw["q"], None, prologue=prologue, mma=True, block_n=16, block_k=128,
+             **ref.gemv_keywords(qw), **kw)
+    with pytest.raises(ValueError, match="quantize their activations"):
+        QK.quant_gemv(x[:, :k], qw)
+
+
+def test_fp8_results_do_not_depend_on_the_batch():
+    """The same request gives the same logprob alone and prefilled with another prompt
+    (one call of more than GEMV_MAX_ROWS tokens): fp8 is W8A8 whatever the call's size.
+    Weight-only decode calls once made these differ (-3.464 against -3.495 on dummy:tiny),
+    and on the GPU a CUDA graph's padding did the same."""
+    from engine import LLM, SamplingParams
+    sp = SamplingParams(max_tokens=3, temperature=0, logprobs=True, ignore_eos=True)
+    llm = LLM("dummy:tiny", device="cpu", quantization="fp8", enable_prefix_caching=False,
+              kv_cache_memory_bytes=1 << 26, max_model_len=256)
+    a, b = [5, 9, 13, 17, 21], list(range(30, 50))
+    alone = llm.generate([a], sp)[0]
+    both = llm.generate([a, b], sp)[0]
+    assert alone.token_ids == both.token_ids
+    assert alone.logprobs == pytest.approx(both.logprobs, abs=1e-5)
