@@ -12,6 +12,7 @@ prefix cache from an earlier trial). Per pair: output tok/s at --concurrency (16
 p50 at concurrency 1; reported: the medians of the per-pair ratio (openai / grpc) and of the
 added TTFT, and, much less noisy on a shared machine, the gateway's CPU time (from /proc) per
 request with each front. Targets (issue 25): throughput >= 0.95x, added p50 TTFT <= 5 ms.
+With --pin (default) the serving processes and the runner get CPUs of their own.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import os
 import statistics
 import sys
 
-from pdserve.benchlib import harness, metrics, workload
+from pdserve.benchlib import affinity, harness, metrics, workload
 from pdserve.benchlib.runner import LoadSpec, run_load
 
 FIGURES = [
@@ -106,6 +107,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--input-lo", type=int, default=32)
     ap.add_argument("--input-hi", type=int, default=128)
     ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="the serving processes on every CPU but the last, the runner on the "
+                         "last (pdserve.benchlib.affinity): the client's CPU is not taken "
+                         "from the gateway it measures")
     ap.add_argument("--note", default="", help="free text stored in the JSON")
     harness.add_output_args(ap, "openai_front_cpu")
     a = ap.parse_args(argv)
@@ -114,6 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
                                  figures=FIGURES)
     rec["note"] = a.note
     with LocalCluster(a.model, prefill=0, decode=0, colocated=1, http_port=0) as c:
+        split = affinity.split_cluster(c) if a.pin else None
+        rec["cpus"] = split or {"server": "all", "client": "all"}
         for api in ("grpc", "openai"):  # warm-up: connections, the engine's first steps
             trial(c, api, items(a, 8, 99999), 4)
         pairs = []

@@ -9,11 +9,19 @@ live in a virtual environment of its own, named by ``--aiperf``).
 One colocated cluster (real processes, real Redis); rounds alternate aiperf and pdserve
 bench's runner (pdserve.benchlib.runner, ``api="openai"``), each at --concurrency closed-loop
 clients sending --requests streamed completions of --isl-token prompts (aiperf's synthetic
-text; pdserve's random token ids) and exactly --osl output tokens (``ignore_eos``), token
+text; pdserve's runner replays the text aiperf sent, or random token ids with
+--no-replay) and exactly --osl output tokens (``ignore_eos``), token
 counts from the server's usage. aiperf reads the model's tokenizer from a local folder this
 driver writes (tokenizer.json from the engine's tokenizer: no network). Reported per round:
 output tok/s, request/s, TTFT p50 and ITL p50 from each client, and the medians' ratio
 aiperf / pdserve (target: within 10%).
+
+Fairness on a small machine (--pin, on by default): the serving processes (gateway, worker,
+redis-server, every thread) run on all CPUs but the last and each client on the last one,
+so neither client's own CPU (aiperf's process tree uses ~60x our runner's) is taken from
+the server; aiperf runs with one worker and one record processor (--aiperf-args).
+--no-prefix-caching turns the worker's prefix cache off: aiperf's synthetic prompts share
+their first blocks, the runner's random ids do not.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import asyncio
 import json
 import os
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -29,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.benchlib import harness, metrics, workload
+from pdserve.benchlib import affinity, harness, metrics, workload
 from pdserve.benchlib.runner import LoadSpec, run_load
 
 FIGURES = [
@@ -61,8 +70,10 @@ def aiperf_round(a, http: str, tok: Path, work: Path, i: int) -> dict:
            "--warmup-request-count", str(a.concurrency), "--isl", str(a.isl),
            "--isl-stddev", "0", "--osl", str(a.osl), "--extra-inputs", "ignore_eos:true",
            "--extra-inputs", f"max_tokens:{a.osl}", "--use-server-token-count",
-           "--random-seed", str(i), "--output-artifact-dir", str(art), "--ui-type", "none"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+           "--random-seed", str(i), "--output-artifact-dir", str(art), "--ui-type", "none",
+           *shlex.split(a.aiperf_args)]
+    pin = (lambda: os.sched_setaffinity(0, a.client_cpus)) if a.client_cpus else None
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, preexec_fn=pin)
     if p.returncode != 0:
         raise RuntimeError(f"aiperf failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     found = sorted(art.rglob("profile_export_aiperf.json"))
@@ -87,10 +98,29 @@ def aiperf_round(a, http: str, tok: Path, work: Path, i: int) -> dict:
                               if k in m}}
 
 
-def pdserve_round(a, http: str, vocab: int, i: int) -> dict:
-    its = workload.generate(workload.WorkloadSpec(
-        kind="random", num_requests=a.requests + a.concurrency, seed=100 + i, fmt="tokens",
-        vocab_size=vocab, input_len=(a.isl, a.isl), output_len=(a.osl, a.osl)))
+def aiperf_prompts(work: Path, osl: int) -> list[workload.Item]:
+    """The completion prompts of the latest aiperf round (its inputs.json), as items."""
+    found = sorted(work.rglob("inputs.json"), key=lambda f: f.stat().st_mtime)
+    if not found:
+        return []
+    data = json.loads(found[-1].read_text()).get("data", [])
+    prompts = [p["prompt"] for d in data for p in d.get("payloads", [])
+               if isinstance(p.get("prompt"), str)]
+    return [workload.Item(id=f"aiperf-{k}", max_tokens=osl, prompt=t)
+            for k, t in enumerate(prompts)]
+
+
+def pdserve_round(a, http: str, vocab: int, i: int, work: Path) -> dict:
+    """One round of pdserve bench's runner: aiperf's own text prompts (``--replay``, from
+    the latest aiperf round, cycled to the request count), else random token ids."""
+    its = aiperf_prompts(work, a.osl) if a.replay else []
+    if its:
+        its = [its[k % len(its)] for k in range(a.requests + a.concurrency)]
+    else:
+        its = workload.generate(workload.WorkloadSpec(
+            kind="random", num_requests=a.requests + a.concurrency, seed=100 + i,
+            fmt="tokens", vocab_size=vocab, input_len=(a.isl, a.isl),
+            output_len=(a.osl, a.osl)))
     load = LoadSpec(concurrency=a.concurrency, api="openai")
     asyncio.run(run_load(http, its[:a.concurrency], load, progress=False))  # warm-up
     res = asyncio.run(run_load(http, its[a.concurrency:], load, progress=False))
@@ -140,6 +170,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--osl", type=int, default=32, help="output tokens")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=600.0, help="per aiperf run (s)")
+    ap.add_argument("--aiperf-args", default="--workers-max 1 --record-processors 1",
+                    help="more aiperf flags: by default one worker and one record processor "
+                         "(on 2 cores aiperf's own processes otherwise take the CPU-bound "
+                         "server's time)")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="the serving processes on every CPU but the last, each client (this "
+                         "process's runner, the aiperf process tree) on the last: on a small "
+                         "machine the clients' CPU then never comes out of the server's")
+    ap.add_argument("--replay", action=argparse.BooleanOptionalAction, default=True,
+                    help="pdserve bench's rounds send the text prompts aiperf sent in its "
+                         "latest round (so both clients run the same workload: the gateway "
+                         "tokenizes the same text); off, or before any aiperf round: random "
+                         "token ids of --isl tokens")
+    ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="the worker's prefix cache (off: aiperf's synthetic prompts, which "
+                         "share their first blocks, get no advantage over random ids)")
     ap.add_argument("--note", default="", help="free text stored in the JSON")
     harness.add_output_args(ap, "openai_outside_cpu")
     a = ap.parse_args(argv)
@@ -152,17 +198,22 @@ def main(argv: list[str] | None = None) -> dict:
     rec["aiperf_version"] = (ver.stdout or ver.stderr).strip()[:200]
     rounds = []
     with tempfile.TemporaryDirectory() as tmp, \
-            LocalCluster(a.model, prefill=0, decode=0, colocated=1, http_port=0) as c:
+            LocalCluster(a.model, prefill=0, decode=0, colocated=1, http_port=0,
+                         worker_args=() if a.prefix_caching
+                         else ("--no-enable-prefix-caching",)) as c:
         tok = tokenizer_dir(a.model, Path(tmp))
         vocab = load_config(a.model).vocab_size
-        for i in range(a.rounds):
+        servers = [c.gateway.proc.pid] + [w.proc.pid for w in c.workers]
+        split = affinity.split_cluster(c) if a.pin else None
+        a.client_cpus = set(split["client"]) if split else None  # aiperf's too
+        rec["cpus"] = split or {"server": "all", "client": "all"}
+        for i in range(a.rounds):  # aiperf first in round 0, so --replay has its prompts
             order = ("aiperf", "pdserve") if i % 2 == 0 else ("pdserve", "aiperf")
             r = {}
-            servers = [c.gateway.proc.pid] + [w.proc.pid for w in c.workers]
             for who in order:
                 cpu = _cpu_marks(servers)
                 r[who] = aiperf_round(a, c.http_address, tok, Path(tmp), i) if who == "aiperf" \
-                    else pdserve_round(a, c.http_address, vocab, i)
+                    else pdserve_round(a, c.http_address, vocab, i, Path(tmp))
                 r[who]["cpu_s"] = _cpu_spent(cpu, servers)
             print(f"round {i}: " + ", ".join(
                 f"{w} {r[w]['output_tok_s']:.1f} tok/s TTFT p50 {r[w]['ttft_p50_ms']:.1f} ms"

@@ -266,6 +266,10 @@ class GatewaySettings(ServiceSettings):
         8 * 1024 * 1024, "largest HTTP request body (bigger: 413 before it is parsed; JSON "
                          "escapes make it larger than the gRPC message)", ge=1024,
         unit="bytes")
+    http_body_timeout_s: float = setting(
+        30.0, "an HTTP request body not received in full within this many seconds is "
+              "answered 408 and its connection closed (a client that stalls mid-body holds "
+              "no connection for long)", gt=0.0)
     limits: RequestLimits = section(RequestLimits, "request limits")
 
     def __post_init__(self) -> None:

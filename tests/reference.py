@@ -106,3 +106,24 @@ def save_hf_folder(loaded: LoadedModel, path: str, *, tokenizer_json: str | None
     if tokenizer_config is not None:
         with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
             json.dump(tokenizer_config, f)
+
+
+def assert_fp8_codes(got: torch.Tensor, want: torch.Tensor, exact: bool,
+                     ties: bool = False) -> None:
+    """e4m3 codes from a Triton kernel (``got``) against torch's (``want``). ``exact`` (a
+    GPU, which rounds to nearest even as torch does): every code equal. The CPU
+    interpreter's float8 cast loses the carry when rounding up to a power of two (it gives
+    half of it), rounds subnormals its own way and, with ``ties``, breaks ties away from
+    zero (a neighbouring code: inputs of few mantissa bits, bf16, meet ties often); every
+    other code must be identical."""
+    bits_g, bits_w = got.view(torch.uint8), want.view(torch.uint8)
+    got, want = got.view(torch.float8_e4m3fn).float(), want.view(torch.float8_e4m3fn).float()
+    if exact:
+        assert torch.equal(got, want)
+        return
+    diff = (got != want) & (want.abs() > 2 ** -6)
+    pow2 = torch.frexp(want)[0].abs() == 0.5
+    ok = pow2 & (got == want / 2)
+    if ties:  # the next code away from zero (same sign bit, magnitude one code up)
+        ok |= (bits_g.int() - bits_w.int() == 1) & ((bits_g ^ bits_w) < 0x80)
+    assert ok[diff].all()

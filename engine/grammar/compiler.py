@@ -77,6 +77,28 @@ def grammar_of(kind: str, text: str) -> str:
     raise GrammarError(f"unknown constraint kind {kind!r} (one of {', '.join(KINDS)})")
 
 
+PROBE_STEPS = 4  # tokens a new grammar is walked at compile time (GrammarCompiler._probe)
+
+
+def _short(message: str) -> str:
+    """llguidance's error without the parser state it appends (``<state>...``): what a
+    client is told."""
+    return message.split("\n<state>", 1)[0].strip()[:300]
+
+
+def _first_allowed(row: torch.Tensor, eos_ids) -> int | None:
+    """The lowest token id a mask row allows, EOS aside (None: only EOS, or nothing)."""
+    for w in row.nonzero().flatten().tolist():
+        bits = int(row[w]) & 0xFFFFFFFF
+        while bits:
+            low = bits & -bits
+            tok = 32 * w + low.bit_length() - 1
+            if tok not in eos_ids:
+                return tok
+            bits ^= low
+    return None
+
+
 class _ByteVocab:
     """What llguidance's TokenizerWrapper reads, for engine.loader's ByteTokenizer."""
 
@@ -193,14 +215,30 @@ class GrammarCompiler:
         limits = ll.LLParserLimits(max_grammar_size=size, initial_lexer_fuel=fuel)
         m = ll.LLMatcher(self.ll_tokenizer(), grammar, log_level=0, limits=limits)
         if m.is_error():
-            raise GrammarError(f"{kind}: {m.get_error()[:300]}")
+            raise GrammarError(f"{kind}: {_short(m.get_error())}")
         mask = torch.empty((1, (self.vocab_size + 31) // 32), dtype=torch.int32)
         Matcher(m, None).fill(mask[0])  # warms the lexer; a grammar over limits fails here
         if m.is_error():
-            raise GrammarError(f"{kind}: {m.get_error()[:300]}")
+            raise GrammarError(f"{kind}: {_short(m.get_error())}")
         if not bool(mask.any()):
             raise GrammarError(f"{kind}: the grammar admits no token of this model")
+        self._probe(kind, m.deep_copy(), mask)
         return m
+
+    def _probe(self, kind: str, m, mask: torch.Tensor, steps: int = PROBE_STEPS) -> None:
+        """Walk a copy of a new grammar a few tokens (the lowest allowed one that is not
+        EOS, each step): a grammar whose lexer only blows past the engine's limits once it
+        moves (``a{1000000}``: "too many expressions") is refused now, with its message,
+        instead of breaking its request's first token."""
+        for _ in range(steps):
+            Matcher(m, None).fill(mask[0])
+            if m.is_error():
+                raise GrammarError(f"{kind}: {_short(m.get_error())}")
+            tok = _first_allowed(mask[0], self.eos_ids)
+            if tok is None or m.is_stopped():
+                return
+            if not m.consume_token(tok):
+                raise GrammarError(f"{kind}: {_short(m.get_error())}")
 
     def compile(self, constraint) -> object:
         """The cached template for ``constraint`` (compiled now on a miss); GrammarError."""

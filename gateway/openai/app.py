@@ -11,6 +11,7 @@ route and status) besides the request metrics every front shares.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -46,8 +47,10 @@ class _Headers:
 
 class HttpFront:
     def __init__(self, env: GatewayEnv, *, keys=(), served_model_name: str = "",
-                 request_timeout_s: float = 600.0, max_body_bytes: int = 8 << 20) -> None:
+                 request_timeout_s: float = 600.0, max_body_bytes: int = 8 << 20,
+                 body_timeout_s: float = 30.0) -> None:
         self.env, self.timeout_s, self.max_body = env, request_timeout_s, max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self._keys = ApiKeys(keys)
         self.names = tuple(dict.fromkeys(n for n in (served_model_name, env.model) if n))
         self.text = render.TokenText(env.tokenizer.tokenizer)
@@ -105,11 +108,16 @@ class HttpFront:
         if declared.isdigit() and int(declared) > self.max_body:
             raise self._too_big()
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body:
-                raise self._too_big()
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body:
+                        raise self._too_big()
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within "
+                                f"{self.body_timeout_s:g} s", code="request_timeout") from None
         raw = b"".join(chunks)
         try:
             body = json.loads(raw)
@@ -190,7 +198,10 @@ class HttpFront:
 
     # ------------------------------------------------------------- errors
     def _error(self, e: ApiError, route: str) -> Response:
-        return self._count(JSONResponse(e.body(), status_code=e.status), route)
+        # a body that never arrived (408) or was refused unread (413): the rest of it may
+        # still be on its way, so the connection ends with this answer
+        close = {"connection": "close"} if e.status in (408, 413) else None
+        return self._count(JSONResponse(e.body(), status_code=e.status, headers=close), route)
 
     def _count(self, resp: Response, route: str) -> Response:
         self.env.metrics.http_requests.labels(route, str(resp.status_code)).inc()

@@ -128,7 +128,8 @@ async def start_front(settings, env, keys, grpc_server) -> HttpServer | None:
     from gateway.openai.app import HttpFront
     front = HttpFront(env, keys=keys, served_model_name=settings.served_model_name,
                       request_timeout_s=settings.request_timeout_s,
-                      max_body_bytes=settings.http_max_body_bytes)
+                      max_body_bytes=settings.http_max_body_bytes,
+                      body_timeout_s=settings.http_body_timeout_s)
     tls = None
     if settings.client_tls_cert_file:  # the gRPC client port's settings: one certificate
         tls = ReloadingTls(settings.client_tls_cert_file, settings.client_tls_key_file,

@@ -12,10 +12,18 @@ template teaches the model (:func:`detect`):
   ``<|python_tag|>``.
 
 A template that mentions neither gets no tools: a request with tools is refused (400) rather
-than silently answered without them. ``tool_choice``: ``auto`` (default) parses whatever the
-model wrote; ``none`` renders no tools and parses nothing; ``required`` or a named function
-also asks the grammar engine for output matching the call's JSON (a ``json_schema``
-constraint over the tools' parameter schemas), so the answer is a call.
+than silently answered without them. ``tool_choice``:
+
+- ``auto`` (default): the model may answer in text or call tools; the grammar engine lets
+  text through and, once a call begins, holds it to its tool's schema (:func:`auto_grammar`:
+  a Lark grammar, free text up to the first ``<tool_call>``, then calls only; in the
+  ``llama3_json`` format an answer that starts with ``{`` is a call). With a
+  ``response_format`` as well, that constraint applies instead and calls are only parsed.
+- ``required`` or a named function: output matching the call's JSON (a ``json_schema``
+  constraint over the tools' parameter schemas), so the answer is a call.
+- ``none``: renders no tools and parses nothing.
+
+Calls are generated as compact JSON, like every JSON constraint (engine.grammar).
 """
 from __future__ import annotations
 
@@ -74,7 +82,11 @@ def tool_spec(body: dict, fmt: str | None) -> ToolSpec | None:
     if fmt is None:
         raise bad("this model's chat template defines no tool calls", "tools")
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
+        f = choice.get("function")
+        name = f.get("name") if isinstance(f, dict) else None
+        if not isinstance(name, str):
+            raise bad("tool_choice must be {'type': 'function', 'function': {'name': ...}}",
+                      "tool_choice")
         if name not in {t["function"]["name"] for t in tools}:
             raise bad("tool_choice names no tool of the request", "tool_choice")
         choice = name
@@ -87,11 +99,11 @@ def tool_spec(body: dict, fmt: str | None) -> ToolSpec | None:
     return ToolSpec(tools, fmt, choice, parallel)
 
 
-def _call_schema(tool: dict) -> dict:
+def _call_schema(tool: dict, args_key: str = "arguments") -> dict:
     f = tool["function"]
     return {"type": "object", "properties": {
-        "name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
-        "required": ["name", "arguments"]}
+        "name": {"const": f["name"]}, args_key: f.get("parameters") or {"type": "object"}},
+        "required": ["name", args_key], "additionalProperties": False}
 
 
 def forced_schema(spec: ToolSpec) -> dict | None:
@@ -110,6 +122,45 @@ def forced_schema(spec: ToolSpec) -> dict | None:
     return calls
 
 
+_COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+def _any_call(spec: ToolSpec, args_key: str) -> str:
+    """One call object of any of the request's tools, as a Lark ``%json`` body."""
+    calls = [_call_schema(t, args_key) for t in spec.tools]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return "%json " + json.dumps({**schema, "x-guidance": _COMPACT})
+
+
+def auto_grammar(spec: ToolSpec) -> str | None:
+    """The Lark grammar (llguidance's dialect) of an answer under ``tool_choice: auto``:
+    text, or calls whose JSON matches their tool's schema (module docstring). The text
+    lexeme excludes the call marker, so a marker always starts a constrained call; a lazy
+    rule ends the text before the first marker (greedy lexing would read past it)."""
+    if spec.choice != "auto":
+        return None
+    call = _any_call(spec, "arguments" if spec.fmt == "hermes" else "parameters")
+    if spec.fmt == "hermes":
+        more = '(WS? "<tool_call>" call)* WS?' if spec.parallel else "WS?"
+        return "\n".join([
+            "%llguidance {}",
+            "start: TEXT | head call more",
+            r"TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/",
+            r'head[lazy]: /(?s:.*)/ "<tool_call>"',
+            'call: WS? body WS? "</tool_call>"',
+            f"more: {more}",
+            r"WS: /[ \t\r\n]+/",
+            f"body: {call}", ""])
+    more = '(";" WS? body)* WS?' if spec.parallel else "WS?"
+    return "\n".join([  # llama3_json: text must not open with "{"
+        "%llguidance {}",
+        "start: TEXT | WS? body more",
+        r"TEXT: /(?s:\s*([^\s{].*)?)/",
+        r"WS: /[ \t\r\n]+/",
+        f"more: {more}",
+        f"body: {call}", ""])
+
+
 def _call(obj) -> dict | None:
     """An OpenAI tool call from a parsed ``{"name", "arguments" | "parameters"}``."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -124,7 +175,7 @@ def _call(obj) -> dict | None:
 def _json(text: str):
     try:
         return json.loads(text)
-    except ValueError:
+    except (TypeError, ValueError, RecursionError):  # not text, not JSON, nested too deep
         return None
 
 
@@ -177,14 +228,36 @@ def content_end(text: str, spec: ToolSpec) -> int:
     return 0
 
 
+def _template_call(c, where: str) -> dict:
+    """One assistant tool call of the conversation, its arguments as an object."""
+    f = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise bad(f"{where}: each call must be {{'function': {{'name': ..., 'arguments': "
+                  "...}}}}", where)
+    args = f.get("arguments")
+    if args is None or args == "":
+        args = {}
+    elif isinstance(args, str):  # what the model wrote earlier, echoed back: kept as it is
+        parsed = _json(args)  # when it is not JSON (the template then shows the text)
+        args = args if parsed is None else parsed
+    elif not isinstance(args, dict):
+        raise bad(f"{where}: arguments must be a JSON text (or an object)", where)
+    return {**c, "function": {**f, "arguments": args}}
+
+
 def template_messages(messages: list[dict]) -> list[dict]:
-    """Assistant tool calls with their arguments as objects (what templates expect)."""
+    """Assistant tool calls with their arguments as objects (what templates expect);
+    malformed calls are refused (400) here, not inside the template."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         calls = m.get("tool_calls")
+        where = f"messages[{i}].tool_calls"
+        if calls is not None and not isinstance(calls, list):
+            raise bad(f"{where} must be an array", where)
         if calls:
-            m = {**m, "tool_calls": [
-                {**c, "function": {**c["function"], "arguments": _json(
-                    c["function"].get("arguments") or "{}") or {}}} for c in calls]}
+            m = {**m, "tool_calls": [_template_call(c, where) for c in calls]}
+        for key in ("tool_call_id", "name"):
+            if key in m and not isinstance(m[key], str):
+                raise bad(f"messages[{i}].{key} must be a string", f"messages[{i}].{key}")
         out.append(m)
     return out

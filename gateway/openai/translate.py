@@ -61,7 +61,8 @@ def _typed(body: dict, key: str, types, what: str):
 def _int(body: dict, key: str, lo: int = 0, hi: int = 2**63 - 1) -> int | None:
     v = _typed(body, key, (int,), "an integer")
     if v is not None and not lo <= v <= hi:
-        raise bad(f"{key} must be an integer in [{lo}, {hi}], got {v}", key)
+        got = str(v) if abs(v) < 10 ** 24 else f"a {len(str(abs(v)))}-digit number"
+        raise bad(f"{key} must be an integer in [{lo}, {hi}], got {got}", key)
     return v
 
 
@@ -111,7 +112,9 @@ def _logit_bias(body: dict) -> dict[int, float]:
     v = _typed(body, "logit_bias", (dict,), "an object of token id -> bias")
     out = {}
     for k, b in (v or {}).items():
-        if not (isinstance(k, str) and k.isdigit() and int(k) <= U32):
+        # str.isdigit admits "²" and other non-ASCII digits; 10 digits bound int(k)
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10
+                and int(k) <= U32):
             raise bad(f"logit_bias keys must be token ids, got {k[:40]!r}", "logit_bias")
         if isinstance(b, bool) or not isinstance(b, (int, float)):
             raise bad("logit_bias values must be numbers", "logit_bias")
@@ -241,13 +244,18 @@ def _unsupported(body: dict, keys: tuple[str, ...]) -> None:
             raise bad(f"{key} is not supported by this server", key)
 
 
-def _forced(sp: common_pb2.SamplingParams, spec: tool_calls.ToolSpec | None) -> None:
-    schema = tool_calls.forced_schema(spec) if spec else None
+def _tool_constraint(sp: common_pb2.SamplingParams, spec: tool_calls.ToolSpec | None) -> None:
+    """The grammar a request's tool calls follow (gateway.openai.tools)."""
+    if spec is None:
+        return
+    schema = tool_calls.forced_schema(spec)
     if schema is not None:
         if sp.HasField("constraint"):
             raise bad("a forced tool_choice cannot be combined with response_format",
                       "tool_choice")
         sp.constraint.json_schema = json.dumps(schema)
+    elif not sp.HasField("constraint"):  # auto under a response_format: that format wins
+        sp.constraint.grammar = tool_calls.auto_grammar(spec)
 
 
 def chat_job(body: dict, names: tuple[str, ...], label: str, timeout_s: float,
@@ -257,7 +265,7 @@ def chat_job(body: dict, names: tuple[str, ...], label: str, timeout_s: float,
     spec = tool_calls.tool_spec(body, tool_format)
     n = _int(body, "n", 1, 128) or 1
     sp = sampling(body, "max_completion_tokens", n)
-    _forced(sp, spec)
+    _tool_constraint(sp, spec)
     if not sp.HasField("max_tokens"):
         sp.max_tokens = default_max_tokens  # to the context limit, as OpenAI's chat does
     logprobs = _flag(body, "logprobs")

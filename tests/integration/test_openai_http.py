@@ -331,6 +331,29 @@ def test_client_disconnect_cancels_and_frees_kv_on_both_workers(pd):
     assert _cancelled(pd) == before + 2
 
 
+def test_clients_gone_before_routing_leave_nothing_running(pd):
+    """Clients that close the connection right after sending: the cancellation lands while
+    the gateway routes (its prefix-index lookup, where redis-py used to swallow it, so the
+    request went on and decoded to the end for nobody). None may start generating for
+    long: the workers are idle again within seconds, every request counted cancelled."""
+    addrs = [w.address for w in pd.workers]
+    before = _cancelled(pd)
+    # token ids (no tokenizing: the disconnect is seen during routing), 4 samples each
+    body = json.dumps({"prompt": list(range(5, 37)), "max_tokens": 1500, "ignore_eos": True,
+                       "n": 4, "stream": True})
+    host, port = pd.http_address.split(":")
+    for _ in range(12):  # a leaked one decodes 1500 tokens: far longer than the wait below
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                      f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+                      .encode())
+    deadline = time.monotonic() + 15
+    while _cancelled(pd) < before + 12 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _cancelled(pd) == before + 12
+    _freed(addrs)
+
+
 class _Gateway:
     """A gateway process of its own (flags ``args``), HTTP on a free port."""
 
@@ -375,6 +398,26 @@ def test_no_workers_is_503_and_deadline_is_504(colo):
                                           stream=True, extra_body={"ignore_eos": True}):
                 pass
     _freed([worker])
+
+
+def test_a_stalled_body_is_408_and_its_connection_closed():
+    """A client that sends fewer body bytes than it declared (slowloris) gets 408 after
+    http_body_timeout_s, and the connection is closed: it holds nothing for long."""
+    with _Gateway("--decode-addrs", f"127.0.0.1:{free_port()}",
+                  "--http-body-timeout-s", "1") as g:
+        host, port = g.http.split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            t0 = time.monotonic()
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                      "application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"".encode())
+            got = b""
+            while chunk := s.recv(65536):  # until the server closes
+                got += chunk
+            waited = time.monotonic() - t0
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), got[:200]
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert 0.9 < waited < 8, waited
 
 
 def test_curl_streams_sse(pd):
@@ -471,14 +514,6 @@ def test_json_object_response_format(pd):
 # Tool calls: SmolLM2's weights in a Hugging Face folder whose chat template is Hermes-style
 # (the format of Qwen2.5's: tools in the system turn, calls as <tool_call>{json}</tool_call>).
 
-HERMES = (
-    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>{% for t in tools %}"
-    "{{ t | tojson }}\n{% endfor %}</tools>\nCall one as <tool_call>{\"name\": ..., "
-    "\"arguments\": ...}</tool_call><|im_end|>\n{%- endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}"
-    "{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
-    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -487,14 +522,8 @@ WEATHER = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory):
-    from engine.loader import load_model, load_tokenizer
-    from tests.reference import save_hf_folder
-    path = str(tmp_path_factory.mktemp("hermes") / "model")
-    tok = load_tokenizer(MODEL)
-    save_hf_folder(load_model(MODEL, keep_packed=False), path,
-                   tokenizer_json=tok.backend.to_str(),
-                   tokenizer_config={"chat_template": HERMES, "eos_token": tok.eos_token,
-                                     "bos_token": tok.bos_token})
+    from tests.tool_fixtures import save_hermes_folder
+    path = save_hermes_folder(str(tmp_path_factory.mktemp("hermes") / "model"))
     with LocalCluster(path, prefill=0, decode=0, colocated=1, http_port=0) as c:
         yield c
 

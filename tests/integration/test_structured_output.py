@@ -6,7 +6,8 @@
   token for token, in 1P1D (the prefill worker masks the first token, the decode worker
   rebuilds the matcher from it) as colocated.
 - A forced tool call (tool_choice naming a function) returns ``tool_calls`` whose arguments
-  validate against the tool's schema (HTTP, streamed too).
+  validate against the tool's schema (HTTP, streamed too); under ``tool_choice: auto`` the
+  sampled answers are text or calls, and every call validates.
 - Bad schemas / regexes / grammars: 400 (HTTP) and INVALID_ARGUMENT (gRPC), short messages.
 - Slow: the 20 committed schemas (tests/data/json_schemas.json) x 10 sampled documents = 200
   documents, colocated and 1P1D: every one parses, validates and ends with ``stop``.
@@ -26,6 +27,7 @@ from pdserve import client
 from pdserve.cluster import LocalCluster
 from protos.pdserve.v1 import gateway_pb2_grpc
 from tests.integration.helpers import run
+from tests.tool_fixtures import FLIGHT, ONE_SHOT, WEATHER, save_hermes_folder
 
 MODEL = "smollm2-135m"
 SCHEMAS = json.loads((Path(__file__).resolve().parents[1] / "data" / "json_schemas.json")
@@ -157,42 +159,13 @@ def test_200_documents_of_20_schemas(layout, request):
 
 
 # --------------------------------------------------------------------------- tool calls
-# SmolLM2's weights in a Hugging Face folder with a Hermes-style chat template (SmolLM2's
-# own has no tools), as in test_openai_http.py
-
-HERMES = (
-    "{%- if tools %}<|im_start|>system\nYou may call these tools:\n<tools>{% for t in tools %}"
-    "{{ t | tojson }}\n{% endfor %}</tools>\nCall one as <tool_call>{\"name\": ..., "
-    "\"arguments\": ...}</tool_call><|im_end|>\n{%- endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}"
-    "{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
-    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-FLIGHT = {"type": "function", "function": {
-    "name": "book_flight", "description": "Book a flight",
-    "parameters": {"type": "object", "properties": {
-        "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
-        "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
-        "passengers": {"type": "integer", "minimum": 1, "maximum": 9},
-        "cabin": {"enum": ["economy", "business"]}},
-        "required": ["origin", "destination", "passengers", "cabin"],
-        "additionalProperties": False}}}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-        "additionalProperties": False}}}
+# SmolLM2's weights in a Hugging Face folder with a Hermes-style chat template
+# (tests/tool_fixtures.py)
 
 
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory):
-    from engine.loader import load_model, load_tokenizer
-    from tests.reference import save_hf_folder
-    path = str(tmp_path_factory.mktemp("hermes") / "model")
-    tok = load_tokenizer(MODEL)
-    save_hf_folder(load_model(MODEL, keep_packed=False), path,
-                   tokenizer_json=tok.backend.to_str(),
-                   tokenizer_config={"chat_template": HERMES, "eos_token": tok.eos_token,
-                                     "bos_token": tok.bos_token})
+    path = save_hermes_folder(str(tmp_path_factory.mktemp("hermes") / "model"))
     with LocalCluster(path, prefill=1, decode=1, http_port=0) as c:
         yield c
 
@@ -219,6 +192,22 @@ def test_tool_calls_are_constrained_to_their_schemas(hermes):
                 tool = FLIGHT if name == "book_flight" else WEATHER
                 assert choice == "required" or name == "book_flight"
                 jsonschema.validate(args, tool["function"]["parameters"])
+    # auto: text or calls, as the model likes; whatever calls it makes hold to their schema
+    kinds = set()
+    for seed in range(6):
+        r = c.chat.completions.create(model=model, messages=ONE_SHOT, max_tokens=160,
+                                      temperature=1.0, seed=seed, tools=[FLIGHT, WEATHER])
+        ch = r.choices[0]
+        kinds.add(ch.finish_reason)
+        if ch.finish_reason == "length":
+            continue  # cut inside the grammar: nothing to validate
+        calls = _calls(ch.message.tool_calls)
+        assert (ch.finish_reason == "tool_calls") == bool(calls), ch
+        assert calls or "<tool_call>" not in (ch.message.content or ""), ch
+        for name, args in calls:
+            tool = FLIGHT if name == "book_flight" else WEATHER
+            jsonschema.validate(args, tool["function"]["parameters"])
+    assert "tool_calls" in kinds, kinds
     streamed, fin = [], None
     for chunk in c.chat.completions.create(model=model, messages=ask, max_tokens=120,
                                            temperature=0, tools=[FLIGHT], stream=True,

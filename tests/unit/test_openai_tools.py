@@ -1,6 +1,7 @@
 """Tool calls of the OpenAI front (gateway/openai/tools.py): the format a chat template
 teaches, tools rendered by the template, answers parsed back into tool_calls (whole and
-streamed), the constraint a forced tool_choice asks for."""
+streamed), the constraint a forced tool_choice asks for, and the grammar of tool_choice auto
+(compiled by the engine's grammar engine over SmolLM2's tokenizer)."""
 from __future__ import annotations
 
 import json
@@ -103,7 +104,9 @@ def test_forced_tool_choice_asks_for_the_calls_json():
     assert one["maxItems"] == 1
     assert len(tools.parse('[{"name": "get_time", "arguments": {}}]', req.tools)[1]) == 1
     assert job(tool_choice="none").tools is None and job(tool_choice="none").creq.tools is None
-    assert not job().creq.sampling.HasField("constraint")
+    assert job().creq.sampling.constraint.grammar == tools.auto_grammar(job().tools)
+    fmt = {"type": "json_object"}  # auto beside a response_format: the format constrains
+    assert job(response_format=fmt).creq.sampling.constraint.json_object
     assert job().creq.tools == [WEATHER, TIME]
 
 
@@ -114,6 +117,8 @@ def test_forced_tool_choice_asks_for_the_calls_json():
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "hermes",
      "tool_choice"),
     ({"tool_choice": "sometimes"}, "hermes", "tool_choice"),
+    *[({"tool_choice": {"type": "function", "function": f}}, "hermes", "tool_choice")
+      for f in ("f", ["f"], {"name": ["f"]}, {"name": {}})],  # were 500s (fuzzing)
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "hermes",
      "tool_choice"),
 ])
@@ -165,3 +170,59 @@ def test_whole_answer_with_a_tool_call():
     (c,) = a.body()["choices"]
     assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
     assert c["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    from engine.grammar import GrammarCompiler
+    from engine.loader import load_tokenizer
+    tok = load_tokenizer("smollm2-135m")
+    return tok, GrammarCompiler(tok, 49152, tok.eos_token_ids)
+
+
+def _admits(grammars, grammar: str, text: str) -> bool:
+    """The answer ``text`` (then EOS) is one the grammar allows."""
+    from engine import Constraint
+    tok, compiler = grammars
+    m = compiler.matcher(Constraint("grammar", grammar))
+    return m.consume_all(tok.encode(text, add_special_tokens=False)) and m.accepting
+
+
+CALL = '{"name":"get_weather","arguments":{"city":"Lima"}}'
+
+
+@pytest.mark.parametrize("text,ok", [
+    ("It is sunny in Lima, I think.", True),
+    ("", True),
+    ("a <b> c <tool", True),  # a marker's start is still text
+    (f"<tool_call>{CALL}</tool_call>", True),
+    (f"Let me look. <tool_call>\n{CALL}\n</tool_call>", True),
+    (f'<tool_call>{CALL}</tool_call>\n<tool_call>{{"name":"get_time","arguments":{{}}}}'
+     "</tool_call>", True),
+    ('<tool_call>{"name":"get_weather","arguments":{}}</tool_call>', False),  # city required
+    ('<tool_call>{"name":"book","arguments":{}}</tool_call>', False),  # no such tool
+    ("<tool_call>sure, here it is</tool_call>", False),
+    (f"<tool_call>{CALL}</tool_call> and some more text", False),
+    (f"<tool_call>{CALL}", False),  # unterminated
+])
+def test_auto_tool_choice_lets_text_through_and_holds_calls_to_their_schema(grammars, text,
+                                                                            ok):
+    grammar = job().creq.sampling.constraint.grammar
+    assert _admits(grammars, grammar, text) is ok
+    if ok and "<tool_call>" in text:  # what the grammar admits, the parser reads back
+        assert tools.parse(text, job().tools)[1]
+
+
+def test_auto_tool_choice_single_call_and_llama3_json(grammars):
+    one = job(parallel_tool_calls=False).creq.sampling.constraint.grammar
+    assert _admits(grammars, one, f"<tool_call>{CALL}</tool_call>")
+    assert not _admits(grammars, one, f"<tool_call>{CALL}</tool_call><tool_call>{CALL}"
+                                      "</tool_call>")
+    llama = job("llama3_json").creq.sampling.constraint.grammar
+    call = '{"name":"get_weather","parameters":{"city":"Lima"}}'
+    for text, ok in (("Paris is sunny.", True), (call, True), (f"{call};{call}", True),
+                     ('{"name":"get_weather","parameters":{}}', False),
+                     ('{"weather": "sunny"}', False), (f"{call} trailing", False)):
+        assert _admits(grammars, llama, text) is ok, text
+        if ok and text.startswith("{"):
+            assert tools.parse(text, job("llama3_json").tools)[1]

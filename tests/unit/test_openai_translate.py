@@ -106,10 +106,40 @@ def test_response_formats_become_constraints():
     ({"messages": []}, "messages"), ({"messages": [{"content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ({"seed": -1}, "seed"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    # found by fuzzing the HTTP front (each was a 500)
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias"), ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    *[({"messages": [{"role": "user", "content": "x"},
+                     {"role": "assistant", "tool_calls": calls}]}, "messages[1].tool_calls")
+      for calls in ([1], "abc", {"a": 1}, [{"id": "x", "type": "function"}],
+                    [{"function": "x"}], [{"function": None}],
+                    [{"function": {"name": "f", "arguments": 5}}],
+                    [{"function": {"name": "f", "arguments": [1, 2]}}])],
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]},
+     "messages[0].tool_call_id"),
 ])
 def test_bad_chat_bodies_are_400_naming_the_field(body, param):
     e = error(chat, **body)
     assert (e.status, e.type, e.param) == (400, "invalid_request_error", param), e.message
+    assert len(e.message) < 200, e.message
+
+
+def test_assistant_tool_calls_reach_the_template_with_object_arguments():
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {
+                 "name": "f", "arguments": '{"a": 1}'}}, {"id": "c2", "type": "function",
+                 "function": {"name": "g", "arguments": {"b": 2}}},
+                 # what a model wrote that is not JSON, echoed back by the client: kept as text
+                 {"id": "c3", "type": "function", "function": {"name": "h", "arguments": '{"a"'}},
+                 {"id": "c4", "type": "function", "function": {"name": "h",
+                                                               "arguments": "[" * 100000}}]}]
+    calls = translate.messages({"messages": msgs})[1]["tool_calls"]
+    assert [c["function"]["arguments"] for c in calls] == [{"a": 1}, {"b": 2}, '{"a"',
+                                                           "[" * 100000]
+
+
+def test_an_out_of_range_integer_is_named_not_echoed():
+    e = error(chat, max_tokens=10 ** 4000)
+    assert e.param == "max_tokens" and "4001-digit" in e.message and len(e.message) < 120
 
 
 def test_unknown_model_is_404_and_completion_refusals():

@@ -69,10 +69,15 @@ def test_bad_constraints_raise_short_grammar_errors(compiler):
                      (Constraint("json_schema", '{"type": "objectx"}'), "objectx"),
                      (Constraint("json_schema", "[1]"), "must be a JSON object"),
                      (Constraint("regex", "a[("), "unclosed character class"),
-                     (Constraint("grammar", "start: nothing_defined"), "nothing_defined")):
+                     (Constraint("grammar", "start: nothing_defined"), "nothing_defined"),
+                     # past the lexer's limits only once it moves: the compile-time walk
+                     # refuses it (it used to break its request's first token: a 200 with
+                     # finish_reason abort)
+                     (Constraint("regex", "a{1000000}"), "too many expressions"),
+                     (Constraint("json_schema", '{"$ref": "#"}'), "json_schema")):
         with pytest.raises(GrammarError, match=words) as e:
             compiler.matcher(c)
-        assert len(str(e.value)) <= 320
+        assert len(str(e.value)) <= 320 and "<state>" not in str(e.value)
     with pytest.raises(ValueError):
         Constraint("yaml", "x")
     with pytest.raises(ValueError):
@@ -170,3 +175,34 @@ def test_engine_answers_validate_and_stop_with_the_grammar(engine, tok):
     assert ids[:3] + [t for o in routs for t in o.token_ids] == ids
     with pytest.raises(ValueError, match="do not match the constraint"):
         engine.add_request("x", prompt, sp, output_token_ids=tok.encode("[", add_special_tokens=False))
+
+
+def test_constrained_requests_free_their_blocks_on_every_end(engine, tok):
+    """A constrained request aborted mid-decode (n = 2 samples sharing the prompt's blocks),
+    one cut by max_tokens inside the grammar and one the grammar ends: each leaves no KV
+    block and no sequence behind, and a plain request afterwards runs as before."""
+    bm = engine.scheduler.bm
+    free0 = bm.num_free_blocks
+    sp = SamplingParams(max_tokens=60, temperature=0.8, seed=3, n=2,
+                        constraint=Constraint("json_schema", json.dumps(SCHEMA)))
+    prompt = tok.encode("A person as JSON:")
+    engine.add_request("abort-me", prompt, sp)
+    for _ in range(4):
+        engine.step()
+    assert bm.num_free_blocks < free0  # the prompt's and both samples' blocks are taken
+    assert engine.abort("abort-me")
+    cut = SamplingParams(max_tokens=3, temperature=0,
+                         constraint=Constraint("json_schema", json.dumps(SCHEMA)))
+    engine.add_request("cut", prompt, cut)
+    _, outs = _run(engine, "cut")
+    assert outs[-1].finish_reason.value == "length"
+    whole = SamplingParams(max_tokens=60, temperature=0,
+                           constraint=Constraint("regex", "(yes|no)"))
+    engine.add_request("whole", prompt, whole)
+    text, outs = _run(engine, "whole")
+    assert text in ("yes", "no") and outs[-1].finish_reason.value == "stop"
+    assert not engine.has_work and not engine.scheduler.requests
+    assert bm.num_free_blocks == free0
+    engine.add_request("plain", prompt, SamplingParams(max_tokens=4, temperature=0))
+    _, outs = _run(engine, "plain")
+    assert sum(len(o.token_ids) for o in outs) == 4
