@@ -280,8 +280,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="weights quantized at load (engine.quant); kept with --defaults")
     ap.add_argument("--quantization-plan", default=None, help="a mixed-precision plan file")
     ap.add_argument("--kv-dtype", default=None,
-                    help="KV cache dtype (int8 / fp8: engine.quant.kv, torch attention); kept "
+                    help="KV cache dtype (int8 / fp8: engine.quant.kv); kept "
                          "with --defaults")
+    ap.add_argument("--attention-backend", default=None, choices=("auto", "torch", "triton"),
+                    help="the engine's attention_backend (default: its own, auto); kept with "
+                         "--defaults")
     harness.add_output_args(ap, "gpu_engine")
     args = ap.parse_args(argv)
     sections = args.sections or ("a,c,e,b" if args.defaults else "d,a,c,b")
@@ -308,7 +311,9 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     quant = {"quantization": args.quantization,
              **({"quantization_plan": args.quantization_plan} if args.quantization_plan else {}),
-             **({"kv_dtype": args.kv_dtype} if args.kv_dtype else {})}
+             **({"kv_dtype": args.kv_dtype} if args.kv_dtype else {}),
+             **({"attention_backend": args.attention_backend}
+                if args.attention_backend else {})}
     if args.defaults:
         llm = LLM(args.model, **quant, **({"max_num_seqs": args.max_num_seqs}
                                           if args.max_num_seqs else {}))

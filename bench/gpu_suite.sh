@@ -63,8 +63,10 @@ for step in "$@"; do
     engine-tests) run python3 -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py \
         tests/gpu/test_engine_gpu.py -p no:cacheprovider ;;
     kernels) run python3 -m bench.kernels_gpu --out "$OUT/kernels_gpu_h200.json" ;;
-    structured) run python3 -m bench.structured_gpu --out "$OUT/structured_gpu_h200.json"
-      run python3 -m bench.structured_gpu --temperature 0 \
+    structured)  # SmolLM2-135M's vocabulary and shapes, zero weights (scripts/zero_model.py)
+      m=${STRUCTURED_MODEL:-/tmp/smollm2-135m-zero}
+      run python3 -m bench.structured_gpu --model "$m" --out "$OUT/structured_gpu_h200.json"
+      run python3 -m bench.structured_gpu --model "$m" --temperature 0 --batches 64 \
         --out "$OUT/structured_gpu_h200_greedy.json" ;;
     kvcopy) run python3 -m bench.kv_copy_gpu --out "$OUT/kv_copy_gpu_h200.json" ;;
     attn) run python3 -m bench.attention_prefill_gpu --out "$OUT/attention_prefill_gpu_h200.json" ;;

@@ -10,6 +10,8 @@ from engine.kernels._checks import (FLOAT_DTYPES, check_kv_cache, check_shape,
                                     check_tensor, kv_quant_kind, next_pow2)
 
 _QMAX = {1: 127.0, 2: 448.0}  # int8, e4m3: engine.quant.kv._QMAX
+# float32(1 / qmax), engine.quant.kv.INV_QMAX: a scale is max|x| times it
+_INV = {k: float(torch.tensor(1.0 / q, dtype=torch.float32)) for k, q in _QMAX.items()}
 
 
 @triton.jit
@@ -32,11 +34,11 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, layer, n_heads, head_dim
 
 
 @triton.jit
-def _quantize_rows(x, qmax, KVQ: tl.constexpr):
+def _quantize_rows(x, qmax, inv_qmax, KVQ: tl.constexpr):
     """x float32 [H, D] (masked columns 0) -> (codes as uint8 [H, D], scale float32 [H]):
-    scale = max(max|x|, 1e-8) / qmax, codes = clamp(x / scale) rounded half to even (int8)
-    or to the nearest e4m3 (fp8), as engine.quant.kv.quantize_rows."""
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8), qmax)
+    scale = max(max|x|, 1e-8) * float32(1 / qmax), codes = clamp(x / scale) rounded half to
+    even (int8) or to the nearest e4m3 (fp8), as engine.quant.kv.quantize_rows."""
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8) * inv_qmax
     y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -qmax, qmax)
     if KVQ == 1:
         r = tl.floor(y + 0.5)
@@ -50,8 +52,8 @@ def _quantize_rows(x, qmax, KVQ: tl.constexpr):
 
 @triton.jit(do_not_specialize=["layer"])
 def _store_kv_quant_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, layer, n_heads, head_dim,
-                           block_size, qmax, stride_k_tok, stride_k_head, stride_v_tok,
-                           stride_v_head, s_blk, s_layer, s_kv, s_tok, s_head,
+                           block_size, qmax, inv_qmax, stride_k_tok, stride_k_head,
+                           stride_v_tok, stride_v_head, s_blk, s_layer, s_kv, s_tok, s_head,
                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KVQ: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -67,8 +69,8 @@ def _store_kv_quant_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, layer, n_heads, he
                     other=0.0).to(tl.float32)
         v = tl.load(v_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d, mask=mask,
                     other=0.0).to(tl.float32)
-        kc, ks = _quantize_rows(k, qmax, KVQ)
-        vc, vs = _quantize_rows(v, qmax, KVQ)
+        kc, ks = _quantize_rows(k, qmax, inv_qmax, KVQ)
+        vc, vs = _quantize_rows(v, qmax, inv_qmax, KVQ)
         tl.store(row[:, None] + d, kc, mask=mask)
         tl.store(row[:, None] + s_kv + d, vc, mask=mask)
         tl.store((row + head_dim).to(tl.pointer_type(tl.float32)), ks, mask=h_mask)
@@ -96,9 +98,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, lay
     if kvq:
         _store_kv_quant_kernel[(key.shape[0],)](
             key, value, kv_cache.view(torch.uint8), slot_mapping, int(layer), n_heads,
-            head_dim, block_size, _QMAX[kvq], key.stride(0), key.stride(1), value.stride(0),
-            value.stride(1), s[0], s[1], s[2], s[3], s[4], BLOCK_H=next_pow2(n_heads),
-            BLOCK_D=next_pow2(head_dim), KVQ=kvq)
+            head_dim, block_size, _QMAX[kvq], _INV[kvq], key.stride(0), key.stride(1),
+            value.stride(0), value.stride(1), s[0], s[1], s[2], s[3], s[4],
+            BLOCK_H=next_pow2(n_heads), BLOCK_D=next_pow2(head_dim), KVQ=kvq)
         return
     _store_kv_kernel[(key.shape[0],)](
         key, value, kv_cache, slot_mapping, int(layer), n_heads, head_dim, block_size,

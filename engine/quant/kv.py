@@ -3,7 +3,8 @@
 Layout: the cache keeps its block-major shape ``[num_blocks, num_layers, 2, block_size,
 num_kv_heads, head_dim + 4]`` in int8 or float8_e4m3fn. Each (token, KV head) row holds the
 head's ``head_dim`` codes, then the 4 bytes of its float32 scale (dynamic, per token and
-head: ``max|x| / 127`` for int8, ``max|x| / 448`` for fp8). A block therefore carries its own
+head: ``max|x| / 127`` for int8, ``max|x| / 448`` for fp8, as a product with the float32
+reciprocal). A block therefore carries its own
 scales: a KV transfer that moves blocks moves the scales with them, and the layout two
 workers compare at the handshake (dtype and the row of ``head_dim + 4``) tells a quantized
 cache from a float one and int8 from fp8, so a mismatched pair refuses instead of reading
@@ -23,6 +24,10 @@ from engine.layers.attention import AttentionBackend, _sdpa
 SCALE_BYTES = 4
 CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+# a scale is max|x| times the float32 reciprocal of qmax, not max|x| / qmax: torch on CUDA
+# divides by a Python scalar as a multiplication by its reciprocal, so only the product
+# gives the same bits on the CPU, on CUDA and in the Triton store (engine.kernels.cache)
+INV_QMAX = {dt: float(torch.tensor(1.0 / q, dtype=torch.float32)) for dt, q in _QMAX.items()}
 
 __all__ = ["SCALE_BYTES", "CODE_DTYPES", "quantize_rows", "dequantize_rows", "QuantKVAttention"]
 
@@ -31,7 +36,7 @@ def quantize_rows(x: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
     """x [..., D] -> uint8 [..., D + 4]: the codes, then the row's float32 scale."""
     xf = x.float()
     qmax = _QMAX[code_dtype]
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / qmax
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) * INV_QMAX[code_dtype]
     y = (xf / scale).clamp_(-qmax, qmax)
     if code_dtype == torch.int8:
         y = torch.round(y)

@@ -22,7 +22,8 @@ from tests.reference import assert_fp8_codes  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 KINDS = ["int8", "fp8"]
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# float32 on a GPU: tl.dot runs in TF32 (10-bit mantissa), as the float cache's kernels do
+TOL = {torch.float32: 1e-5 if DEV == "cpu" else 5e-3, torch.bfloat16: 2e-2}
 
 
 def _cache(kind, blocks=14, layers=2, bs=16, heads=2, d=64):
