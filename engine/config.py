@@ -200,8 +200,7 @@ class EngineConfig:
                                   "cuda:N")
     seed: int = setting(0, "engine seed (weights of dummy models, sampling without a seed)")
     attention_backend: str = setting(
-        "auto", "auto (triton on a GPU, torch on the CPU; torch for an int8 / fp8 KV cache "
-                "until its Triton kernels are measured on a GPU), torch or triton",
+        "auto", "auto (triton on a GPU, torch on the CPU), torch or triton",
         choices=ATTENTION_BACKENDS)
     enforce_eager: bool = setting(False, "GPU: no CUDA graphs")
     mixed_graph_tokens: int = setting(

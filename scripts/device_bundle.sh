@@ -8,6 +8,7 @@ mkdir -p .whl/bin .whl/lib
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --no-deps -d .whl \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 \
+  --platform manylinux_2_34_x86_64 \
   grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 \
   redis==8.1.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
   opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-otlp-proto-grpc==1.45.2 \
@@ -15,7 +16,7 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 --no-deps -
   llguidance==1.9.1 py-spy \
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 \
   annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 uvicorn==0.55.0 \
-  httptools==0.9.0 typing-extensions==4.16.0
+  httptools==0.9.0 typing-extensions==4.16.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12
 # py-spy's wheel is a binary: unpack it to .whl/bin (device_env.sh installs *.whl as packages)
 python3 - <<'PY'
 import glob, os, zipfile
@@ -40,5 +41,5 @@ SH
 chmod +x .whl/bin/redis-server
 # SmolLM2-135M's config and tokenizer with zero weights, packed (~0.9 MB): the GGUF is too
 # big to carry, bench/structured_gpu.py needs the real vocabulary
-${PYTHON:-.venv/bin/python} scripts/zero_model.py .whl/smollm2-135m-zero.tar.gz
+${PYTHON:-.venv/bin/python} scripts/zero_model.py pack .whl/smollm2-135m-zero.tar.gz
 du -sh .whl
