@@ -1,10 +1,11 @@
-"""TLS on the control connection (and the tcp backend's data, which shares it).
+"""Mutual TLS on the control connection, then large AES-GCM records keyed inside it
+(kvtransfer/aead.py), for the control messages and the tcp backend's data alike.
 
 With ``KVTransferOptions.tls`` set (a :class:`KVTls`, the worker's cluster identity) every
 control connection is mutual TLS: the receiver admits only a sender whose certificate the
 cluster CA signed for a role that sends KV (prefill, colocated), the sender only a receiver
 of a role that receives it (decode, colocated), whatever address it dialled. For tcp the
-blocks travel inside that TLS stream; the GPU backends (nccl, cuda_ipc, nixl) move their
+blocks travel in those records; the GPU backends (nccl, cuda_ipc, nixl) move their
 data outside it (NVLink, NCCL, RDMA), between peers that authenticated each other on it
 (docs/security.md); shm (one host) and fake (one process) have no TCP connection.
 

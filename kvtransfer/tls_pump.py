@@ -1,5 +1,6 @@
 """The pump behind kvtransfer.secure: one thread per TLS connection that does the handshake,
-then moves bytes between the TLS socket and its end of a socketpair (the backend holds the
+switches the connection to large AES-GCM records keyed inside it (kvtransfer/aead.py), then
+moves bytes between that record socket and its end of a socketpair (the backend holds the
 other end), and runs bulk writes / reads (:class:`Bulk`) straight on the backend's memory.
 Why a thread and how end of stream and lingering work: kvtransfer/secure.py."""
 from __future__ import annotations
@@ -16,13 +17,15 @@ import threading
 import time
 import weakref
 
+from kvtransfer.aead import AeadSocket, switch
+
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 10.0
 CHUNK = 1 << 20  # most bytes a pump moves per read
 PAIR_BUFFER = 4 << 20  # each socketpair end's buffers
 LINGER_S = 2.0
-BULK_PIECE = 4 << 20  # most bytes of a bulk write handed to one SSL write
+BULK_PIECE = 4 << 20  # most bytes of a bulk write handed to one record (kvtransfer.aead.MAX_RECORD)
 PROGRESS_BYTES = 4 << 20  # a bulk read reports its progress at least this often
 WAIT_MS = 100  # a bulk loop's longest wait before the select loop looks around
 
@@ -193,7 +196,7 @@ class Pump:
             if self.on_exit is not None:
                 self.on_exit()
 
-    def _handshake(self) -> ssl.SSLSocket:
+    def _handshake(self) -> AeadSocket:
         raw = self._raw
         raw.setblocking(True)
         raw.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -203,11 +206,10 @@ class Pump:
             self._check(tls.getpeercert(binary_form=True))
             if self._stopping.is_set():
                 raise ConnectionAbortedError("stopped during the TLS handshake")
+            return switch(tls, self._server_side)  # the records from here on
         except BaseException:
             tls.close()
             raise
-        tls.setblocking(False)
-        return tls
 
 
 class _Loop:
@@ -216,7 +218,7 @@ class _Loop:
     OpenSSL's); a bulk operation (:class:`Bulk`) reads from / writes into the backend's
     memory instead, once what came before it went through."""
 
-    def __init__(self, tls: ssl.SSLSocket, mine: socket.socket, app: socket.socket,
+    def __init__(self, tls: AeadSocket, mine: socket.socket, app: socket.socket,
                  wake: socket.socket, stopping: threading.Event,
                  requests: deque[Bulk], hold: list[bool]) -> None:
         self.tls, self.mine, self.app, self.wake = tls, mine, app, wake
@@ -348,7 +350,7 @@ class _Loop:
                 self._bulk_in_held(op)
             op.started = True
         view, end, lock, recv_into = op.view, len(op.view), op.lock, self.tls.recv_into
-        pos, mark = op.pos, op.pos + PROGRESS_BYTES  # one TLS record per recv_into
+        pos, mark = op.pos, op.pos + PROGRESS_BYTES  # one record per recv_into
         while pos < end and not self.net_eof:
             with lock:
                 if op.aborted:
@@ -412,7 +414,7 @@ class _Loop:
     # ---------------------------------------------------------------- the socketpair
 
     def _net_in(self) -> None:
-        while self._want_net():  # one TLS record per recv_into: read what is there
+        while self._want_net():  # one record per recv_into: read what is there
             try:
                 n = self.tls.recv_into(self.in_buf[self.in_end:])
             except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
