@@ -30,6 +30,12 @@ FIGURES = [
                    ("runs", {"batch": 64}, "unconstrained_overhead_pct"), format=".2f"),
     harness.Figure("batch 1: mask share of a step, constrained", "%",
                    ("runs", {"batch": 1}, "mask_share_all_pct"), format=".2f"),
+    # what the mask adds to a served step (the grammar engine's host work overlaps the
+    # forward pass; the shares above time it alone)
+    harness.Figure("batch 64: step time added, all rows constrained", "%",
+                   ("runs", {"batch": 64}, "step_added_pct", "all"), format=".2f"),
+    harness.Figure("batch 1: step time added, constrained", "%",
+                   ("runs", {"batch": 1}, "step_added_pct", "all"), format=".2f"),
 ]
 
 
