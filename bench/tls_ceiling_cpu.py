@@ -87,12 +87,17 @@ def one_case(case, certs: str, nbytes: int, rounds: int) -> dict:
         pos = 0
         while pos < nbytes:
             pos += conn.recv_into(mv[pos:])
+    return _finish(conn, ls, pid, rounds * nbytes, r0, t0, cipher)
+
+
+def _finish(conn, ls, pid: int, nbytes: int, r0, t0: float, cipher) -> dict:
+    """The receiver's side after its last byte: release the sender, close, the figures."""
     dt, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
     conn.send(b"x")
     os.waitpid(pid, 0)
     conn.close()
     ls.close()
-    gb = rounds * nbytes / 1e9
+    gb = nbytes / 1e9
     cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
     return {"cipher": cipher, "gbps": round(gb / dt, 3),
             "receiver_cpu_s_per_gb": round(cpu / gb, 3)}
@@ -128,15 +133,7 @@ def _aead_case(nbytes: int, rounds: int) -> dict:
                 pos += conn.recv_into(smv[pos:])
             a.decrypt_into(_nonce(n), sealed, None, mv[i:i + PIECE])  # InvalidTag: tampered
             n += 1
-    dt, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-    conn.send(b"x")
-    os.waitpid(pid, 0)
-    conn.close()
-    ls.close()
-    gb = rounds * nbytes / 1e9
-    cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
-    return {"cipher": "AES-128-GCM, 4 MiB records", "gbps": round(gb / dt, 3),
-            "receiver_cpu_s_per_gb": round(cpu / gb, 3)}
+    return _finish(conn, ls, pid, rounds * nbytes, r0, t0, "AES-128-GCM, 4 MiB records")
 
 
 def cipher_speed() -> dict:
