@@ -26,7 +26,11 @@ the randoms: only the two authenticated peers hold the keys.
 ``ssl.SSLWantReadError`` / ``ssl.SSLWantWriteError`` when they must wait, a write that had
 to wait is retried with the same bytes, ``recv_into`` returns 0 at the end of the stream.
 A record whose plaintext fits the caller's buffer is decrypted straight into it (a bulk
-read of KV blocks: the kernel's copy, then one AES-GCM pass).
+read of KV blocks: the kernel's copy, then one AES-GCM pass). AES-GCM checks the tag after
+decrypting, so a record that fails it may already stand in that buffer: the read then
+fails (RecordError ends the connection) and a failed transfer's blocks are never used, as
+with a tcp block whose checksum fails; a decrypt into a scratch buffer and a copy would
+keep them out at the cost of a second pass over every byte.
 """
 from __future__ import annotations
 

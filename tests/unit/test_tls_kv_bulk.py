@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 
 import pytest
 
@@ -42,6 +43,38 @@ async def _pair(files):
     rx = await acc
     ls.close()
     return tx, rx, (tx_pumps, rx_pumps)
+
+
+def _tampering_proxy(target: tuple, flip_at: int) -> socket.socket:
+    """A listener that forwards one connection to ``target`` and flips one bit of the
+    client-to-target stream at byte ``flip_at`` (an attacker on the wire, after the TLS
+    handshake and inside the records)."""
+    ps = socket.create_server(("127.0.0.1", 0))
+
+    def pipe(src, dst, flip):
+        seen = 0
+        try:
+            while data := src.recv(1 << 16):
+                if flip is not None and seen <= flip < seen + len(data):
+                    data = bytearray(data)
+                    data[flip - seen] ^= 1
+                seen += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s_ in (src, dst):
+            try:
+                s_.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def serve():
+        client, _ = ps.accept()
+        upstream = socket.create_connection(target)
+        threading.Thread(target=pipe, args=(upstream, client, None), daemon=True).start()
+        pipe(client, upstream, flip_at)
+    threading.Thread(target=serve, daemon=True).start()
+    return ps
 
 
 async def _recv_n(loop, sock, n):
@@ -132,6 +165,53 @@ def test_a_cancelled_bulk_read_no_longer_writes_into_its_memory(cluster):
             tx.close()
             rx.close()
             for p in pumps:
+                await p.close()
+    run(main(), "uvloop")
+
+
+def test_a_record_tampered_on_the_wire_fails_that_connection_only(cluster):
+    """A bit flipped inside a record (past the handshake) ends that connection: its bulk read
+    fails within seconds instead of succeeding or hanging, while another connection's
+    transfer at the same time completes intact. (The failed record may have been decrypted
+    into the region before its tag was checked: a failed read's bytes are never used.)"""
+    payload = os.urandom(8 << 20)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ls = socket.socket()
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(2)
+        ls.setblocking(False)
+        ps = _tampering_proxy(ls.getsockname(), flip_at=5 << 20)
+        tx_pumps, rx_pumps = secure.Pumps(), secure.Pumps()
+
+        async def accept():
+            raw, _ = await loop.sock_accept(ls)
+            return await secure.accept(_ident(cluster, "decode"), rx_pumps, raw)
+        acc = asyncio.ensure_future(accept())
+        bad_tx = await secure.connect(_ident(cluster, "prefill"), tx_pumps, "127.0.0.1",
+                                      ps.getsockname()[1], lambda s: s.setblocking(False))
+        bad_rx = await acc
+        good_tx, good_rx, pumps = await _pair(cluster)
+        try:
+            bad_send = asyncio.ensure_future(secure.sendall(loop, bad_tx, payload))
+            good_send = asyncio.ensure_future(secure.sendall(loop, good_tx, payload))
+            bad_region, good_region = bytearray(len(payload)), bytearray(len(payload))
+            async with asyncio.timeout(20):
+                with pytest.raises(OSError):
+                    got = await secure.recv_exactly(loop, bad_rx, bad_region, lambda n: None)
+                    assert got < len(payload)  # a short read would do as well
+                    raise ConnectionResetError("short")
+                assert await secure.recv_exactly(loop, good_rx, good_region,
+                                                 lambda n: None) == len(payload)
+                await good_send
+            assert bytes(good_region) == payload
+            bad_send.cancel()
+            await asyncio.gather(bad_send, return_exceptions=True)
+        finally:
+            for s_ in (bad_tx, bad_rx, good_tx, good_rx, ls, ps):
+                s_.close()
+            for p in (tx_pumps, rx_pumps, *pumps):
                 await p.close()
     run(main(), "uvloop")
 
