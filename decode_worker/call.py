@@ -30,7 +30,7 @@ from services import telemetry, validation
 from services.logging_setup import request_context
 from services.protocol import response_from_output
 from pdcore.tasks import Stopped, unless_stopped
-from services.membership import NotMember
+from services.membership import MembershipUnknown, NotMember
 from services.validation import InvalidRequest
 
 from decode_worker.remote import NoFreeBlocks, PrefillFailed, RemotePrefill, early_first
@@ -145,6 +145,8 @@ class DecodeCall:
                 await self._fail(grpc.StatusCode.INVALID_ARGUMENT, e.message)
             except NotMember as e:
                 await self._fail(grpc.StatusCode.PERMISSION_DENIED, str(e))
+            except MembershipUnknown as e:
+                await self._fail(grpc.StatusCode.UNAVAILABLE, str(e))
             except NoFreeBlocks as e:
                 await self._fail(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except EngineDeadError as e:  # e.g. a tensor-parallel rank died: resume elsewhere

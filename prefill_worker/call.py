@@ -30,7 +30,7 @@ from services.kv_proto import heads_from_proto, layout_from_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2
 from services import telemetry, validation
 from services.logging_setup import request_context
-from services.membership import NotMember
+from services.membership import MembershipUnknown, NotMember
 from services.protocol import top_logprobs_to_proto
 from services.validation import InvalidRequest
 
@@ -163,6 +163,8 @@ class PrefillCall:
             await self.env.runtime.members.admit(self.req.kv.receiver_endpoint, "receiver")
         except NotMember as e:
             raise _Refused(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
+        except MembershipUnknown as e:
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, str(e)) from None
 
     def _check_layout(self, pb) -> None:
         try:

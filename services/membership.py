@@ -12,10 +12,14 @@ when it is a member:
 * without Redis, the ``peer_addrs`` setting, when given;
 * in every case, the peer then has to show a cluster certificate of the right role (TLS).
 
+While Redis cannot be read, members seen before stay members; a target never seen waits up to
+``unknown_wait_s`` for a read and is then refused as UNAVAILABLE (retry), not as a non-member.
+
 ``enforce`` False (``--insecure``) admits every target.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -23,26 +27,40 @@ logger = logging.getLogger(__name__)
 
 KINDS = {"prefill": ("prefill", "colocated"), "receiver": ("decode", "colocated")}
 MIN_REFRESH_S = 0.2  # most often an unknown target makes us re-read the registry
+UNKNOWN_WAIT_S = 2.0  # how long a target not known yet waits for an unreadable registry
+RETRY_S = 0.1  # between reads while the registry cannot be read
 
 
 class NotMember(Exception):
     """The target is not a member of this cluster (PERMISSION_DENIED)."""
 
 
+class MembershipUnknown(Exception):
+    """The registry could not be read, so whether a target not seen before is a member is not
+    known (UNAVAILABLE: retry; a member seen before stays one while Redis is away)."""
+
+
 class Membership:
+    """Reads of the registry are shared: the requests that find a target unknown at one moment
+    wait on one read, not one read each (a burst of them would time out on a busy host and
+    trip the Redis breaker). :meth:`refresh` at start reads before the first request."""
+
     def __init__(self, registry=None, static: tuple[str, ...] = (), *, enforce: bool = True,
-                 model: str | None = None, refresh_s: float = 1.0):
+                 model: str | None = None, refresh_s: float = 1.0,
+                 unknown_wait_s: float = UNKNOWN_WAIT_S):
         self.registry = registry
         self.static = frozenset(static)
         self.enforce = enforce
         self.model = model
         self.refresh_s = refresh_s
+        self.unknown_wait_s = unknown_wait_s
         self._known: dict[str, frozenset[str]] = {k: frozenset() for k in KINDS}
         self._read_at = -1e9
+        self._reading: asyncio.Future | None = None
 
     async def admit(self, target: str, kind: str) -> None:
         """Return when this worker may dial ``target`` (a ``kind`` of peer); NotMember
-        saying why otherwise."""
+        saying why otherwise, MembershipUnknown when the registry stays unreadable."""
         if not self.enforce or target in self.static:
             return
         if self.registry is None:
@@ -51,22 +69,47 @@ class Membership:
             raise NotMember(f"{kind} {target!r} is not in peer_addrs")
         if target in self._known[kind] and time.monotonic() - self._read_at < self.refresh_s:
             return
-        if time.monotonic() - self._read_at >= MIN_REFRESH_S:
-            await self._read()
-        if target not in self._known[kind]:
-            logger.warning("refused to dial %s %s: not a registered cluster member", kind,
-                           target)
-            raise NotMember(f"{kind} {target!r} is not a registered member of this cluster")
+        give_up = time.monotonic() + self.unknown_wait_s
+        while True:
+            read = True
+            if time.monotonic() - self._read_at >= MIN_REFRESH_S:
+                read = await self.refresh()
+            if target in self._known[kind]:
+                return  # a member, or one seen before while Redis is away
+            if read:
+                logger.warning("refused to dial %s %s: not a registered cluster member", kind,
+                               target)
+                raise NotMember(f"{kind} {target!r} is not a registered member of this cluster")
+            if time.monotonic() >= give_up:
+                raise MembershipUnknown(f"cannot tell whether {kind} {target!r} is a member of "
+                                        "this cluster: the registry cannot be read; retry")
+            await asyncio.sleep(RETRY_S)
 
-    async def _read(self) -> None:
+    async def refresh(self) -> bool:
+        """Re-read the registry (joining a read under way); whether the read succeeded."""
+        if self.registry is None or not self.enforce:
+            return True
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read())
+            self._reading.add_done_callback(self._read_done)
+        # shielded: a waiter cancelled (its client gone) must not cancel the others' read
+        return await asyncio.shield(self._reading)
+
+    def _read_done(self, fut: asyncio.Future) -> None:
+        self._reading = None
+        if not fut.cancelled():
+            fut.exception()  # retrieved: _read raises nothing but cancellation
+
+    async def _read(self) -> bool:
         from services.registry import RegistryUnavailable
         try:
             workers = await self.registry.list_workers(model=self.model)
         except RegistryUnavailable:
-            return  # keep what we knew: members stay members while Redis is away
+            return False  # keep what we knew: members stay members while Redis is away
         self._read_at = time.monotonic()
         self._known = {
             "prefill": frozenset(w.address for w in workers if w.role in KINDS["prefill"]),
             "receiver": frozenset(e for w in workers if w.role in KINDS["receiver"]
                                   for e in w.endpoints()),
         }
+        return True

@@ -91,6 +91,7 @@ class WorkerRuntime:
             kv_endpoints = (kv_endpoints,) if kv_endpoints else ()
         self._connect(address, tuple(kv_endpoints))
         await self._refresh_load()
+        await self.members.refresh()  # know the members before the first request needs them
         if self.heartbeat is not None:
             await self.heartbeat.start()
         self._tasks.append(asyncio.create_task(self._load_loop(), name="load"))
