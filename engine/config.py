@@ -228,6 +228,9 @@ class EngineConfig:
     quantization_plan: str | None = setting(
         None, "a mixed-precision plan file (pdserve quantize --plan): the format of each "
               "projection of each layer; its default replaces quantization")
+    quantized_weights: str | None = setting(
+        None, "a file of calibrated quantized projections for this model (pdserve quantize "
+              "--gptq): loaded over the checkpoint's float weights; quantization none")
     cache: CacheConfig = section(CacheConfig, "KV cache")
     scheduler: SchedulerConfig = section(SchedulerConfig, "scheduler")
     kernels: KernelConfig = section(KernelConfig, "kernels")
@@ -244,8 +247,12 @@ class EngineConfig:
                           ("kernels", KernelConfig), ("structured", StructuredConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise SettingError(name, f"{name} must be a {cls.__name__}")
+        if self.quantized_weights and (self.quantization != "none" or self.quantization_plan):
+            raise SettingError("quantized_weights", "quantized_weights holds the projections' "
+                               "formats already: leave quantization none and no plan")
         if self.tensor_parallel_size > 1 and (self.quantization != "none"
                                               or self.quantization_plan
+                                              or self.quantized_weights
                                               or self.cache.kv_dtype in KV_QUANT_DTYPES):
             raise SettingError("quantization", "quantized weights or KV cache with "
                                                "tensor_parallel_size > 1 are not supported yet")

@@ -100,7 +100,8 @@ class LLMEngine:
         try:
             self.runner = ModelRunner(config, loaded.config, loaded.weights,
                                       packed=getattr(loaded, "packed", None), tp=tp,
-                                      prequantized=getattr(loaded, "prequantized", None))
+                                      prequantized=getattr(loaded, "prequantized", None),
+                                      model_id=loaded.model_id)
         except BaseException:
             if tp is not None:
                 tp.close()

@@ -79,7 +79,7 @@ class ModelRunner(CudaGraphsMixin):
 
     def __init__(self, config: EngineConfig, mc: ModelConfig, weights: dict[str, torch.Tensor],
                  packed: dict[str, tuple] | None = None, tp=None,
-                 prequantized: dict[str, dict] | None = None):
+                 prequantized: dict[str, dict] | None = None, model_id: str = ""):
         """``config`` has its device, dtype and scheduler limits resolved
         (engine.config.resolve_engine_config); the KV cache size and ``max_model_len`` are
         resolved here (``num_blocks``, ``kv_cache_bytes``, ``max_model_len``). ``weights`` is
@@ -87,6 +87,7 @@ class ModelRunner(CudaGraphsMixin):
         ``tp`` (engine.parallel.TensorParallel): ``weights`` are rank 0's slices; the model
         is rank 0's shard behind a stand-in that drives the other ranks."""
         self.tp = tp
+        self.model_id = model_id or config.model
         self.config = config
         self.mc = mc
         self.device = torch.device(config.device)
@@ -162,6 +163,13 @@ class ModelRunner(CudaGraphsMixin):
         format, weight bytes), or None."""
         from engine.quant.plan import plan_for
         plan = plan_for(self.config.quantization, self.config.quantization_plan)
+        if self.config.quantized_weights:
+            if prequantized:
+                raise ValueError("the checkpoint is already quantized (quantization_config "
+                                 "in its config.json): leave quantized_weights unset")
+            from engine.quant.calibrated import apply_file
+            weights.clear()
+            return apply_file(self.model, self.config.quantized_weights, self.model_id)
         if self.tp is not None and (plan is not None or prequantized
                                     or self.config.cache.kv_dtype in KV_QUANT_DTYPES):
             raise ValueError("quantized weights or KV cache with tensor parallelism are not "

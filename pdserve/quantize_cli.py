@@ -1,10 +1,13 @@
-"""``pdserve quantize --plan``: measure each projection's sensitivity and write a plan.
+"""``pdserve quantize``: a mixed-precision plan (``--plan``) or calibrated weights (``--gptq``).
 
     pdserve quantize --plan --out plan.json [--model smollm2-135m] [--low int4 --high int8]
         [--budget 0.15] [--windows 2 --window 128] [--corpus FILE]
+    pdserve quantize --gptq int4 --out w.safetensors [--from-plan plan.json]
+        [--windows 32 --window 256]
 
-Runs on the corpus's tune part (pdserve eval reports on the held-out part); the engine
-loads the result with ``--quantization-plan plan.json`` (PDSERVE_QUANTIZATION_PLAN, ...).
+Both run on the corpus's tune part (pdserve eval reports on the held-out part). The engine
+loads a plan with ``--quantization-plan plan.json`` and calibrated weights with
+``--quantized-weights w.safetensors`` (engine/quant/calibrated.py).
 """
 from __future__ import annotations
 
@@ -14,30 +17,47 @@ import sys
 def main(argv=None) -> int:
     from pdserve.argtypes import Parser, integer, number
     p = Parser(prog="pdserve quantize", description=__doc__.split("\n\n")[0])
-    p.add_argument("--plan", action="store_true", required=True,
-                   help="run the sensitivity sweep and write a plan file")
-    p.add_argument("--out", required=True, help="the plan file to write")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--plan", action="store_true",
+                      help="run the sensitivity sweep and write a plan file")
+    mode.add_argument("--gptq", choices=("int4", "int8"), default=None,
+                      help="calibrate GPTQ weights of this format and write them")
+    p.add_argument("--out", required=True, help="the plan (--plan) or weights (--gptq) file")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--base", default="", help="engine settings k=v,... of the float model")
     p.add_argument("--low", default="int4", choices=("int4", "int8", "fp8"))
     p.add_argument("--high", default="int8", choices=("int8", "fp8", "none"))
     p.add_argument("--budget", type=number(0.0), default=0.15,
                    help="extra weight bytes allowed over the all-low model (0.15: 15%%)")
+    p.add_argument("--from-plan", default=None,
+                   help="--gptq: each projection's format from this plan file")
     p.add_argument("--corpus", default=None)
     p.add_argument("--corpus-sha256", default=None)
-    p.add_argument("--window", type=integer(2), default=128)
-    p.add_argument("--windows", type=integer(1), default=2)
+    p.add_argument("--window", type=integer(2), default=None,
+                   help="tokens per window [--plan 128, --gptq 256]")
+    p.add_argument("--windows", type=integer(1), default=None,
+                   help="windows of the tune part [--plan 2, --gptq 32]")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    a.window = a.window or (256 if a.gptq else 128)
+    a.windows = a.windows or (32 if a.gptq else 2)
+    llm, corpus, windows = _setup(p, a)
+    if a.plan:
+        return _plan(llm, corpus, windows, a)
+    return _gptq(p, llm, corpus, windows, a)
+
+
+def _setup(p, a):
     from engine.evaluation.corpus import load_corpus
     from engine.evaluation.run import pick_windows
     from engine.llm import LLM
-    from engine.quant.sweep import sweep
     from pdserve.eval_cli import engine_config_of, parse_pairs
     try:
         pairs = parse_pairs(a.base)
-        if pairs.get("quantization", "none") != "none" or "quantization_plan" in pairs:
-            raise ValueError("the sweep starts from the unquantized model")
-        pairs["enforce_eager"] = "true"  # projections are swapped between scoring passes
+        if (pairs.get("quantization", "none") != "none" or "quantization_plan" in pairs
+                or "quantized_weights" in pairs):
+            raise ValueError("quantize starts from the unquantized model")
+        pairs["enforce_eager"] = "true"  # projections are swapped after loading
+        pairs["cpu_packed"] = "false"  # every projection runs its module
         cfg = engine_config_of(a.model, pairs)
         corpus = load_corpus(a.corpus, a.corpus_sha256)
     except ValueError as e:
@@ -48,6 +68,11 @@ def main(argv=None) -> int:
         windows = [w[:-1] for w in pick_windows(ids, a.window, a.windows)]
     except ValueError as e:
         p.error(str(e))
+    return llm, corpus, windows
+
+
+def _plan(llm, corpus, windows, a) -> int:
+    from engine.quant.sweep import sweep
     plan = sweep(llm.engine, windows, a.low, a.high, a.budget,
                  progress=lambda line: print(line, flush=True))
     plan.meta.update(corpus=corpus.describe(), window=a.window, windows=a.windows)
@@ -56,4 +81,22 @@ def main(argv=None) -> int:
     print(f"wrote {a.out}: {len(plan.layers)} of {len(m['sensitivity_kl'])} projections in "
           f"{a.high}, the rest {a.low}; weights {m['bytes_plan'] / 2**20:.1f} MiB against "
           f"{m['bytes_all_low'] / 2**20:.1f} MiB all-{a.low}")
+    return 0
+
+
+def _gptq(p, llm, corpus, windows, a) -> int:
+    from engine.quant.calibrated import gptq_calibrate, save_file
+    from engine.quant.plan import QuantPlan
+    try:
+        plan = QuantPlan.load(a.from_plan) if a.from_plan else QuantPlan.uniform(a.gptq)
+        if a.from_plan and plan.default != a.gptq:
+            raise ValueError(f"--gptq {a.gptq} but the plan's default is {plan.default}")
+        info = gptq_calibrate(llm.engine, windows, plan)
+    except ValueError as e:
+        p.error(str(e))
+    info.update(corpus=corpus.describe(), window=a.window, plan=a.from_plan)
+    n = save_file(llm.engine.runner.model, a.out, llm.engine.model_id, info)
+    print(f"wrote {a.out}: {n} projections {info['projections']}, weights "
+          f"{info['weight_bytes'] / 2**20:.1f} MiB; calibrated on {info['tokens']} tokens in "
+          f"{info['calibration_s']:.0f}s, quantized in {info['quantize_s']:.0f}s")
     return 0

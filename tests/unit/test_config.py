@@ -294,6 +294,7 @@ def test_llm_runs_with_every_engine_setting_set():
               fuse_rotary=False, split_mixed=False, cpu_packed=False,
               tensor_parallel_size=2, tensor_parallel_timeout_s=20.0,
               quantization="none", quantization_plan=None,  # (TP refuses quantized weights)
+              quantized_weights=None,
               grammar_cache_size=8, grammar_compile_timeout_s=2.0, grammar_max_size=50_000,
               grammar_lexer_fuel=500_000)
     assert set(kw) | {"model", "schedule_policy"} - {"policy"} >= set(tree(EngineConfig)) - {

@@ -1,0 +1,136 @@
+"""GPTQ: weight rounding that compensates its own error (Frantar et al., 2022).
+
+Round-to-nearest quantizes every weight alone. GPTQ quantizes a projection's input features
+one after another and spreads each one's rounding error over the features not yet quantized,
+weighted by the inverse of the layer's input second moment ``H = sum x x^T`` over calibration
+tokens, so the projection's *output* on such inputs moves least. The formats are those of
+engine/quant/reference.py, bit for bit (int4: asymmetric groups, a group's scale and minimum
+taken from its weights as they stand when the group is reached; int8: one scale per output
+channel from the original weights), so every kernel runs the result unchanged.
+
+:class:`HessianCollector` accumulates ``H`` for every projection from forward pre-hooks;
+:func:`gptq_quantize` rounds one weight. engine.quant.calibrate wires them to an engine.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.quant.reference import GROUP
+
+BLOCK = 128  # input features updated together (the lazy batch of the paper)
+DAMP = 0.01  # added to H's diagonal, as a fraction of its mean (numerical safety)
+
+
+class HessianCollector:
+    """``H`` (float64 [K, K]) and the token count of every module it hooks."""
+
+    def __init__(self):
+        self.h: dict[str, torch.Tensor] = {}
+        self.tokens: dict[str, int] = {}
+        self._handles = []
+
+    def hook(self, name: str, module: torch.nn.Module) -> None:
+        def pre(_mod, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            h = self.h.get(name)
+            self.h[name] = x.t() @ x if h is None else h.addmm_(x.t(), x)
+            self.tokens[name] = self.tokens.get(name, 0) + x.shape[0]
+        self._handles.append(module.register_forward_pre_hook(pre))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """The upper Cholesky factor of H^-1 (H damped; features never seen get a unit row)."""
+    h = h.double().clone()
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1.0
+    h.diagonal().add_(damp * torch.diagonal(h).mean())
+    hinv = torch.cholesky_inverse(torch.linalg.cholesky(h))
+    return torch.linalg.cholesky(hinv, upper=True)
+
+
+def _int4_params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) of one group [N, g] as quantize_int4 takes them (in float32, the
+    precision they are stored in)."""
+    w = w.float()
+    lo, hi = w.amin(dim=1), w.amax(dim=1)
+    return ((hi - lo) / 15.0).clamp_min(1e-12).double(), lo.double()
+
+
+def gptq_quantize(w: torch.Tensor, h: torch.Tensor, fmt: str, group: int = GROUP,
+                  damp: float = DAMP, act_order: bool = True) -> dict:
+    """``w`` [N, K] rounded to ``fmt`` (int4 | int8) by GPTQ with input second moment
+    ``h`` [K, K]; returns the quantized dict of engine/quant/reference.py.
+
+    ``act_order``: features are taken largest ``H`` diagonal first (the inputs that move the
+    output most are rounded while the most features are left to absorb their error); int4
+    groups then keep their contiguous features and take their range from the weights before
+    any update (static groups), so the format stays the kernels'. Without it, features go
+    in order and a group's range is taken from its weights as they stand when it is reached."""
+    if fmt not in ("int4", "int8"):
+        raise ValueError(f"GPTQ rounds int4 and int8 weights, not {fmt!r}")
+    n, k = w.shape
+    if h.shape != (k, k):
+        raise ValueError(f"H is {tuple(h.shape)}, the weight has {k} input features")
+    w = w.double().clone()
+    w[:, torch.diagonal(h) == 0] = 0.0  # features never seen: any value, 0 is cheapest
+    order = (torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order
+             else torch.arange(k))
+    scale, zero, codes = _grid(w, fmt, group, static=act_order)
+    wp = w[:, order]
+    u = _inverse_factor(h[order][:, order], damp)
+    q = torch.empty(n, k, dtype=torch.int16)
+    for b0 in range(0, k, BLOCK):
+        b1 = min(b0 + BLOCK, k)
+        wb, err = wp[:, b0:b1].clone(), torch.zeros(n, b1 - b0, dtype=torch.float64)
+        ub = u[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            f = int(order[b0 + i])
+            if not act_order and fmt == "int4" and f % group == 0:
+                # the group's range as its weights stand now (earlier errors folded in)
+                g1 = min(f + group, k)
+                cur = torch.cat([wb[:, i:], wp[:, b1:g1]], dim=1)[:, :g1 - f]
+                scale[:, f // group], zero[:, f // group] = _int4_params(cur)
+            s, z = (scale, zero) if fmt == "int8" else (scale[:, f // group],
+                                                        zero[:, f // group])
+            code = torch.round((wb[:, i] - z) / s).clamp_(*codes)
+            q[:, f] = code.to(torch.int16)
+            e = (wb[:, i] - (code * s + z)) / ub[i, i]
+            wb[:, i:] -= e[:, None] * ub[i, i:][None, :]
+            err[:, i] = e
+        wp[:, b1:] -= err @ u[b0:b1, b1:]
+    return _pack(q, scale, zero, fmt, k, group)
+
+
+def _grid(w: torch.Tensor, fmt: str, group: int, static: bool):
+    """(scale, zero, (lowest code, highest code)): int8 one scale per row from the original
+    weights; int4 per group, from the original weights when ``static`` (else filled in as
+    the groups are reached)."""
+    n, k = w.shape
+    if fmt == "int8":
+        scale = (w.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0).double()
+        return scale, torch.zeros(n, dtype=torch.float64), (-127, 127)
+    ng = -(-k // group)
+    scale = torch.empty(n, ng, dtype=torch.float64)
+    zero = torch.empty(n, ng, dtype=torch.float64)
+    if static:
+        for g in range(ng):
+            scale[:, g], zero[:, g] = _int4_params(w[:, g * group:(g + 1) * group])
+    return scale, zero, (0, 15)
+
+
+def _pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: str, k: int,
+          group: int) -> dict:
+    if fmt == "int8":
+        return {"format": "int8", "q": q.to(torch.int8).contiguous(),
+                "scale": scale.float().contiguous(), "k": k}
+    kp = -(-k // group) * group
+    codes = F.pad(q, (0, kp - k)).to(torch.uint8)  # padding codes 0: weight = the group's min
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    return {"format": "int4", "q": packed, "scale": scale.float().contiguous(),
+            "zero": zero.float().contiguous(), "k": k, "group": group}
