@@ -43,7 +43,9 @@ class MembershipUnknown(Exception):
 class Membership:
     """Reads of the registry are shared: the requests that find a target unknown at one moment
     wait on one read, not one read each (a burst of them would time out on a busy host and
-    trip the Redis breaker). :meth:`refresh` at start reads before the first request."""
+    trip the Redis breaker). A known member is admitted at once; when what we know is older
+    than ``refresh_s`` a read starts in the background (a member removed from the registry
+    is refused once it completes). :meth:`refresh` at start reads before the first request."""
 
     def __init__(self, registry=None, static: tuple[str, ...] = (), *, enforce: bool = True,
                  model: str | None = None, refresh_s: float = 1.0,
@@ -67,7 +69,9 @@ class Membership:
             if not self.static:
                 return  # static cluster: the peer's certificate is the check
             raise NotMember(f"{kind} {target!r} is not in peer_addrs")
-        if target in self._known[kind] and time.monotonic() - self._read_at < self.refresh_s:
+        if target in self._known[kind]:
+            if time.monotonic() - self._read_at >= self.refresh_s and self._reading is None:
+                self._start_read()  # re-read in the background: no request waits on Redis
             return
         give_up = time.monotonic() + self.unknown_wait_s
         while True:
@@ -90,15 +94,27 @@ class Membership:
         if self.registry is None or not self.enforce:
             return True
         if self._reading is None:
-            self._reading = asyncio.ensure_future(self._read())
-            self._reading.add_done_callback(self._read_done)
+            self._start_read()
         # shielded: a waiter cancelled (its client gone) must not cancel the others' read
         return await asyncio.shield(self._reading)
 
+    def _start_read(self) -> None:
+        self._reading = asyncio.ensure_future(self._read())
+        self._reading.add_done_callback(self._read_done)
+
     def _read_done(self, fut: asyncio.Future) -> None:
         self._reading = None
-        if not fut.cancelled():
-            fut.exception()  # retrieved: _read raises nothing but cancellation
+        if not fut.cancelled() and fut.exception() is not None:
+            logger.error("reading the cluster's members failed: %r", fut.exception())
+
+    async def close(self) -> None:
+        """Stop a read under way (the worker is stopping)."""
+        if self._reading is not None:
+            self._reading.cancel()
+            try:
+                await self._reading
+            except BaseException:  # noqa: BLE001 - cancelled, or failed: logged already
+                pass
 
     async def _read(self) -> bool:
         from services.registry import RegistryUnavailable

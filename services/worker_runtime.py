@@ -101,6 +101,7 @@ class WorkerRuntime:
     async def stop(self) -> None:
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
+        await self.members.close()
         if self.heartbeat is not None:
             await self.heartbeat.stop(deregister=True)
         if self.index is not None:

@@ -280,6 +280,82 @@ def _registered(c, timeout_s: float) -> None:
     raise TimeoutError("workers did not register again")
 
 
+def stop_redis(model: str = "smollm2-135m", stop_s: float = 6.0) -> Result:
+    """SIGSTOP of Redis (hung: its port accepts, nothing answers) for longer than a registry
+    entry lives, while requests stream and new ones arrive: every request completes with the
+    same tokens (the gateway routes on what it read last, workers dial the members they
+    know); resumed, Redis lists every worker again and requests keep succeeding."""
+    import os
+    import signal
+    res = Result("stop-redis")
+    with LocalCluster(model, prefill=1, decode=1) as c:
+        reqs = greedy_requests(6, 48, tag="stop-redis: ")
+        ref = asyncio.run(run_streams(c.address, reqs))
+        pid = c.redis.proc.pid
+        stopped = {}
+
+        async def fault(streams):
+            await until(lambda: all(len(s.tokens) >= 4 for s in streams), 60)
+            os.kill(pid, signal.SIGSTOP)
+            stopped["t"] = time.monotonic()
+
+        fresh, took = [], []
+        try:
+            streams = asyncio.run(run_streams(c.address, reqs, during=fault, timeout=60))
+            while time.monotonic() - stopped["t"] < stop_s:  # new requests, one at a time
+                t0 = time.monotonic()
+                fresh += asyncio.run(run_streams(c.address, [reqs[len(fresh) % 6]],
+                                                 timeout=30))
+                took.append(round(time.monotonic() - t0, 2))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        res.figures["request_s_while_stopped"] = took
+        res.checks["requests sent while Redis is stopped complete within 10 s"] = bool(
+            fresh) and all(s.code == "OK" for s in fresh) and max(took) <= 10
+        res.checks["same tokens while stopped"] = all(
+            s.tokens == ref[i % 6].tokens for i, s in enumerate(fresh))
+        after, t0 = [], time.monotonic()
+        while time.monotonic() - t0 < 5:  # right after the resume: entries expire, return
+            after += asyncio.run(run_streams(c.address, [reqs[len(after) % 6]], timeout=30))
+        res.figures["requests_after_resume"] = _outcomes(after)
+        res.checks["requests right after the resume succeed"] = all(
+            s.code == "OK" and s.tokens == ref[i % 6].tokens for i, s in enumerate(after))
+        t0 = time.monotonic()
+        _registered(c, 15.0)
+        res.figures["registered_again_s"] = round(time.monotonic() - t0, 2)
+        return _finish(res, streams, ref, asyncio.run(settle(c.workers)))
+
+
+def kill_gateway(model: str = "smollm2-135m") -> Result:
+    """kill -9 of the gateway during 8 long streams: the clients see UNAVAILABLE; the
+    workers notice their callers are gone and free every block within 20 s; a restarted
+    gateway serves the same greedy tokens."""
+    res = Result("kill-gateway")
+    with LocalCluster(model, prefill=1, decode=1) as c:
+        reqs = greedy_requests(8, 224, tag="kill-gateway: ")
+        ref = asyncio.run(run_streams(c.address, reqs))
+
+        async def fault(streams):
+            ok = await until(lambda: all(len(s.tokens) >= 8 for s in streams), 120)
+            res.checks["fault hit streams mid-way"] = ok and all(
+                len(s.tokens) < 224 for s in streams)
+            c.kill(c.gateway)
+
+        cut = asyncio.run(run_streams(c.address, reqs, during=fault, timeout=60))
+        res.figures["client_outcomes_at_the_kill"] = _outcomes(cut)
+        res.checks["clients see UNAVAILABLE, not a hang"] = all(
+            s.code == "UNAVAILABLE" for s in cut)
+        t0 = time.monotonic()
+        freed = asyncio.run(settle(c.workers))
+        res.figures["workers_idle_after_s"] = round(time.monotonic() - t0, 2)
+        res.checks["workers idle, no block in use within 20 s"] = all(
+            v.get("used") == 0 and v.get("stranded") == 0 and v.get("running", 0) == 0
+            for v in freed.values())
+        c.restart(c.gateway)
+        streams = asyncio.run(run_streams(c.address, reqs))
+        return _finish(res, streams, ref, asyncio.run(settle(c.workers)))
+
+
 def delay_decode(model: str = "smollm2-135m") -> Result:
     """100 ms added each way in front of a decode worker: streams slow down, stay correct."""
     res = Result("delay-decode")
@@ -349,6 +425,8 @@ SCENARIOS = {
     "stop-prefill": stop_prefill,
     "stop-prefill-unnoticed": stop_prefill_unnoticed,
     "redis-restart": redis_restart,
+    "stop-redis": stop_redis,
+    "kill-gateway": kill_gateway,
     "delay-decode": delay_decode,
     "kv-corruption": kv_corruption,
 }

@@ -76,8 +76,11 @@ def test_registry_unreadable_known_members_stay_unknown_targets_wait_then_unavai
         os.kill(redis_proc.proc.pid, signal.SIGSTOP)  # reads now time out
         try:
             await asyncio.sleep(0.3)  # past MIN_REFRESH_S: admits read again
-            await m.admit(PREFILL.address, "prefill")  # seen before: still a member
-            assert counting.reads == 2
+            t = time.monotonic()
+            await m.admit(PREFILL.address, "prefill")  # seen before: at once, still a member
+            assert time.monotonic() - t < 0.1
+            await asyncio.sleep(0)
+            assert counting.reads == 2  # the re-read runs in the background
             t = time.monotonic()
             with pytest.raises(MembershipUnknown, match="registry cannot be read"):
                 await m.admit("127.0.0.1:7999", "prefill")
@@ -93,6 +96,7 @@ def test_registry_unreadable_known_members_stay_unknown_targets_wait_then_unavai
             except Exception:  # noqa: BLE001 - RegistryUnavailable while cooling down
                 await asyncio.sleep(0.1)
         await m.admit(late.address, "prefill")
+        await m.close()
         await reg.close()
     asyncio.run(go())
 
@@ -104,4 +108,21 @@ def test_without_enforcement_or_registry():
         await Membership(None, ("a:1",)).admit("a:1", "prefill")
         with pytest.raises(NotMember, match="peer_addrs"):
             await Membership(None, ("a:1",)).admit("b:1", "prefill")
+    asyncio.run(go())
+
+
+def test_a_member_removed_from_the_registry_is_refused_after_the_background_read(redis_server):
+    async def go():
+        reg, counting = await _setup(redis_server)
+        m = Membership(counting, model="m", refresh_s=0.05)
+        await m.admit(PREFILL.address, "prefill")
+        await reg.deregister(PREFILL.worker_id)
+        await asyncio.sleep(0.3)
+        await m.admit(PREFILL.address, "prefill")  # stale: admitted, a re-read starts
+        while m._reading is not None:
+            await asyncio.sleep(0.01)
+        with pytest.raises(NotMember):
+            await m.admit(PREFILL.address, "prefill")
+        await m.close()
+        await reg.close()
     asyncio.run(go())
