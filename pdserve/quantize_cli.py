@@ -2,7 +2,7 @@
 
     pdserve quantize --plan --out plan.json [--model smollm2-135m] [--low int4 --high int8]
         [--budget 0.15] [--windows 2 --window 128] [--corpus FILE]
-    pdserve quantize --gptq int4 --out w.safetensors [--from-plan plan.json]
+    pdserve quantize --gptq int4|int8|fp8 --out w.safetensors [--from-plan plan.json]
         [--windows 32 --window 256]
 
 Both run on the corpus's tune part (pdserve eval reports on the held-out part). The engine
@@ -20,7 +20,7 @@ def main(argv=None) -> int:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--plan", action="store_true",
                       help="run the sensitivity sweep and write a plan file")
-    mode.add_argument("--gptq", choices=("int4", "int8"), default=None,
+    mode.add_argument("--gptq", choices=("int4", "int8", "fp8"), default=None,
                       help="calibrate GPTQ weights of this format and write them")
     p.add_argument("--out", required=True, help="the plan (--plan) or weights (--gptq) file")
     p.add_argument("--model", default="smollm2-135m")

@@ -2,8 +2,8 @@
 
 :func:`gptq_calibrate` scores calibration windows through a loaded float engine
 (LLMEngine.score) with a :class:`engine.quant.gptq.HessianCollector` on every projection, then
-swaps each projection for the format its plan names: int4 and int8 rounded by GPTQ, fp8 by
-round-to-nearest (GPTQ is not defined here for a float grid), none left alone.
+swaps each projection for the format its plan names, rounded by GPTQ (int4, int8, fp8);
+none is left alone.
 
 The result is saved as one safetensors file of the quantized projections, keyed by plan
 names (``layers.<i>.<qkv|o|gate_up|down>.<q|scale|zero|bias>``), its header holding
@@ -29,7 +29,7 @@ from engine.quant.reference import QUANTIZERS
 logger = logging.getLogger(__name__)
 
 FILE_FORMAT = "pdserve-quantized/1"
-GPTQ_FORMATS = ("int4", "int8")
+GPTQ_FORMATS = ("int4", "int8", "fp8")
 
 
 def gptq_calibrate(engine, windows: list[list[int]], plan: QuantPlan, progress=None) -> dict:

@@ -5,8 +5,9 @@ one after another and spreads each one's rounding error over the features not ye
 weighted by the inverse of the layer's input second moment ``H = sum x x^T`` over calibration
 tokens, so the projection's *output* on such inputs moves least. The formats are those of
 engine/quant/reference.py, bit for bit (int4: asymmetric groups, a group's scale and minimum
-taken from its weights as they stand when the group is reached; int8: one scale per output
-channel from the original weights), so every kernel runs the result unchanged.
+taken from its weights as they stand when the group is reached; int8 and fp8: one scale per
+output channel from the original weights; fp8 rounds to the nearest e4m3 value), so every
+kernel runs the result unchanged.
 
 :class:`HessianCollector` accumulates ``H`` for every projection from forward pre-hooks;
 :func:`gptq_quantize` rounds one weight. engine.quant.calibrate wires them to an engine.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.quant.reference import GROUP
+from engine.quant.reference import FP8_MAX, GROUP
 
 BLOCK = 128  # input features updated together (the lazy batch of the paper)
 DAMP = 0.01  # added to H's diagonal, as a fraction of its mean (numerical safety)
@@ -64,7 +65,7 @@ def _int4_params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, fmt: str, group: int = GROUP,
                   damp: float = DAMP, act_order: bool = True) -> dict:
-    """``w`` [N, K] rounded to ``fmt`` (int4 | int8) by GPTQ with input second moment
+    """``w`` [N, K] rounded to ``fmt`` (int4 | int8 | fp8) by GPTQ with input second moment
     ``h`` [K, K]; returns the quantized dict of engine/quant/reference.py.
 
     ``act_order``: features are taken largest ``H`` diagonal first (the inputs that move the
@@ -72,8 +73,8 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, fmt: str, group: int = GROUP
     groups then keep their contiguous features and take their range from the weights before
     any update (static groups), so the format stays the kernels'. Without it, features go
     in order and a group's range is taken from its weights as they stand when it is reached."""
-    if fmt not in ("int4", "int8"):
-        raise ValueError(f"GPTQ rounds int4 and int8 weights, not {fmt!r}")
+    if fmt not in ("int4", "int8", "fp8"):
+        raise ValueError(f"GPTQ rounds int4, int8 and fp8 weights, not {fmt!r}")
     n, k = w.shape
     if h.shape != (k, k):
         raise ValueError(f"H is {tuple(h.shape)}, the weight has {k} input features")
@@ -84,7 +85,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, fmt: str, group: int = GROUP
     scale, zero, codes = _grid(w, fmt, group, static=act_order)
     wp = w[:, order]
     u = _inverse_factor(h[order][:, order], damp)
-    q = torch.empty(n, k, dtype=torch.int16)
+    q = torch.empty(n, k, dtype=torch.float64)  # the codes' values
     for b0 in range(0, k, BLOCK):
         b1 = min(b0 + BLOCK, k)
         wb, err = wp[:, b0:b1].clone(), torch.zeros(n, b1 - b0, dtype=torch.float64)
@@ -96,10 +97,12 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, fmt: str, group: int = GROUP
                 g1 = min(f + group, k)
                 cur = torch.cat([wb[:, i:], wp[:, b1:g1]], dim=1)[:, :g1 - f]
                 scale[:, f // group], zero[:, f // group] = _int4_params(cur)
-            s, z = (scale, zero) if fmt == "int8" else (scale[:, f // group],
+            s, z = (scale, zero) if fmt != "int4" else (scale[:, f // group],
                                                         zero[:, f // group])
-            code = torch.round((wb[:, i] - z) / s).clamp_(*codes)
-            q[:, f] = code.to(torch.int16)
+            code = (wb[:, i] - z) / s
+            code = (code.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).double()
+                    if fmt == "fp8" else torch.round(code).clamp_(*codes))
+            q[:, f] = code
             e = (wb[:, i] - (code * s + z)) / ub[i, i]
             wb[:, i:] -= e[:, None] * ub[i, i:][None, :]
             err[:, i] = e
@@ -108,13 +111,14 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, fmt: str, group: int = GROUP
 
 
 def _grid(w: torch.Tensor, fmt: str, group: int, static: bool):
-    """(scale, zero, (lowest code, highest code)): int8 one scale per row from the original
-    weights; int4 per group, from the original weights when ``static`` (else filled in as
+    """(scale, zero, (lowest code, highest code)): int8 and fp8 one scale per row from the
+    original weights (as quantize_int8 / quantize_fp8 take it); int4 per group, from the original weights when ``static`` (else filled in as
     the groups are reached)."""
     n, k = w.shape
-    if fmt == "int8":
-        scale = (w.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0).double()
-        return scale, torch.zeros(n, dtype=torch.float64), (-127, 127)
+    if fmt in ("int8", "fp8"):
+        top = 127.0 if fmt == "int8" else FP8_MAX
+        scale = (w.float().abs().amax(dim=1).clamp_min(1e-12) / top).double()
+        return scale, torch.zeros(n, dtype=torch.float64), (-top, top)
     ng = -(-k // group)
     scale = torch.empty(n, ng, dtype=torch.float64)
     zero = torch.empty(n, ng, dtype=torch.float64)
@@ -126,8 +130,9 @@ def _grid(w: torch.Tensor, fmt: str, group: int, static: bool):
 
 def _pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: str, k: int,
           group: int) -> dict:
-    if fmt == "int8":
-        return {"format": "int8", "q": q.to(torch.int8).contiguous(),
+    if fmt in ("int8", "fp8"):
+        dtype = torch.int8 if fmt == "int8" else torch.float8_e4m3fn
+        return {"format": fmt, "q": q.to(dtype).contiguous(),
                 "scale": scale.float().contiguous(), "k": k}
     kp = -(-k // group) * group
     codes = F.pad(q, (0, kp - k)).to(torch.uint8)  # padding codes 0: weight = the group's min

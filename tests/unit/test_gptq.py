@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from engine.quant.gptq import HessianCollector, gptq_quantize
-from engine.quant.reference import dequantize, quant_matmul_ref, quantize_int4, quantize_int8
+from engine.quant.reference import (dequantize, quant_matmul_ref, quantize_fp8, quantize_int4,
+                                    quantize_int8)
+
+RTN = {"int4": quantize_int4, "int8": quantize_int8, "fp8": quantize_fp8}
 
 
 def _inputs(k: int, tokens: int, seed: int = 0) -> torch.Tensor:
@@ -20,10 +23,10 @@ def _inputs(k: int, tokens: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("fmt,k", [("int4", 256), ("int4", 200), ("int8", 192)])
+@pytest.mark.parametrize("fmt,k", [("int4", 256), ("int4", 200), ("int8", 192), ("fp8", 192)])
 def test_identity_hessian_gives_round_to_nearest(fmt, k):
     w = torch.randn(24, k, generator=torch.Generator().manual_seed(1))
-    rtn = quantize_int4(w) if fmt == "int4" else quantize_int8(w)
+    rtn = RTN[fmt](w)
     got = gptq_quantize(w, torch.eye(k, dtype=torch.float64), fmt)
     assert got.keys() == rtn.keys()
     for key, v in rtn.items():
@@ -35,7 +38,7 @@ def test_identity_hessian_gives_round_to_nearest(fmt, k):
 
 
 @pytest.mark.parametrize("act_order", [True, False])
-@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
 def test_output_error_on_calibration_inputs_is_lower_than_round_to_nearest(fmt, act_order):
     k, n = 256, 64
     x = _inputs(k, 2048)
@@ -50,7 +53,7 @@ def test_output_error_on_calibration_inputs_is_lower_than_round_to_nearest(fmt, 
     assert col.tokens["p"] == 2048
     torch.testing.assert_close(col.h["p"], x.double().t() @ x.double())
     qg = gptq_quantize(w, col.h["p"], fmt, act_order=act_order)
-    qr = quantize_int4(w) if fmt == "int4" else quantize_int8(w)
+    qr = RTN[fmt](w)
     held = _inputs(k, 1024, seed=3)  # held-out inputs of the same distribution
     ref = held @ w.t()
     err_g = (quant_matmul_ref(held, qg) - ref).pow(2).mean().item()
@@ -64,8 +67,8 @@ def test_features_never_seen_and_bad_arguments():
     h[5, 5] = 0.0  # an input feature that was always zero
     q = gptq_quantize(torch.randn(8, k), h, "int8")
     assert (q["q"][:, 5] == 0).all()
-    with pytest.raises(ValueError, match="int4 and int8"):
-        gptq_quantize(torch.randn(8, k), h, "fp8")
+    with pytest.raises(ValueError, match="int4, int8 and fp8"):
+        gptq_quantize(torch.randn(8, k), h, "nf4")
     with pytest.raises(ValueError, match="input features"):
         gptq_quantize(torch.randn(8, k), torch.eye(64, dtype=torch.float64), "int4")
 
