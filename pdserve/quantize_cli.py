@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=integer(1), default=None,
                    help="windows of the tune part [--plan 2, --gptq 32]")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if a.plan and a.from_plan:
+        p.error("--from-plan goes with --gptq (a plan sweep writes a plan)")
     a.window = a.window or (256 if a.gptq else 128)
     a.windows = a.windows or (32 if a.gptq else 2)
     llm, corpus, windows = _setup(p, a)

@@ -21,6 +21,10 @@ from services.worker_runtime import WorkerRuntime, engine_config
 logger = logging.getLogger(__name__)
 
 
+class StartError(Exception):
+    """The worker cannot start for a reason its settings name (one line, exit status 2)."""
+
+
 async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
     """``kv_options``: :func:`kvtransfer.registry.options_from_env`'s pair (default: read
     from this process's environment)."""
@@ -39,7 +43,11 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
     tls = cluster_tls(settings)  # before the engine loads: bad certificates fail fast
     if tls is not None:
         shared = replace(shared, tls=tls)
-    engine = LLMEngine(engine_config(settings))
+    try:
+        engine = LLMEngine(engine_config(settings))
+    except (ValueError, OSError) as e:  # a model, plan or weights file it cannot use
+        logger.debug("the engine did not start", exc_info=True)
+        raise StartError(f"the engine cannot start: {e}") from None
     # the engine resolves what depends on the model and the device (dtype, KV cache size,
     # max_model_len): the configuration logged and exported is the one that runs
     settings = replace(settings, engine=engine.config)
@@ -174,6 +182,10 @@ def main(argv=None, role: str = "colocated") -> int:
     setup_tracing(settings.role)
     try:
         run(serve_worker(settings, kv_options))
+    except StartError as e:
+        logger.error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     finally:
         shutdown_tracing()
     return 0

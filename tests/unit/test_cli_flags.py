@@ -22,6 +22,21 @@ def test_generate_with_a_negative_max_tokens_is_one_line_and_exit_2():
     assert "argument --max-tokens: must be in 1..4294967295, got -1" in r.stderr
 
 
+@pytest.mark.parametrize("flag, message", [
+    (["--quantized-weights", "/nonexistent/w.safetensors"], "quantized_weights"),
+    (["--quantization-plan", "/nonexistent/plan.json"], "quantization plan"),
+    (["--model", "/nonexistent/model"], "unknown model spec")])
+def test_a_worker_that_cannot_load_its_files_exits_2_with_one_error_line(flag, message):
+    """Files are read when the engine loads: a worker names the bad one, no traceback."""
+    argv = ["--model", "dummy:tiny", *flag] if flag[0] != "--model" else flag
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "colocated", "--port", "0",
+                        "--log-format", "text", *argv], capture_output=True, text=True,
+                       cwd=REPO, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert f"error: the engine cannot start: {message}" in r.stderr
+
+
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--max-tokens", "ten", "x"], "--max-tokens: expected an integer, got 'ten'"),
     (["generate", "--temperature", "-0.5", "x"], "--temperature: must be >= 0, got -0.5"),
