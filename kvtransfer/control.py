@@ -78,6 +78,12 @@ POOL_PER_ENDPOINT = 8  # idle connections a sender keeps per receiver
 RECEIVER_IDLE_S = 120.0
 LINGER_S = 1.0  # most a rejecting receiver waits for the sender to hang up
 LEASE_DRAIN_TIMEOUT_S = 10.0  # most a failed one-sided send waits for the receiver to stop
+# a new connection to a receiver (TCP connect and TLS handshake) that takes longer fails, so
+# a partitioned or hung receiver costs this, not the transfer's whole deadline; after a
+# failed connection, sends to that receiver fail at once for UNREACHABLE_COOLDOWN_S (the
+# decode worker then prefills locally) and the first one after it tries again
+CONNECT_TIMEOUT_S = 5.0
+UNREACHABLE_COOLDOWN_S = 5.0
 # the same after an eager payload that the receiver never even answered HELLO to: it has not
 # looked at the transfer for its whole lifetime, and whatever it reads later finds our ERROR
 # right behind the payload (checked before it counts a transfer DONE)
@@ -423,11 +429,39 @@ class ControlClient:
         self.tls = tls
         self.pumps = secure.Pumps()
         self.pool = ConnectionPool()
+        self.unreachable: dict[str, tuple[float, str]] = {}  # endpoint -> (until, why)
 
     async def close(self) -> None:
         self.payload.close()
         self.pool.close()
         await self.pumps.close()
+
+    async def _dial(self, loop: asyncio.AbstractEventLoop, endpoint: str, host: str,
+                    port: int) -> socket.socket:
+        """A new connection, bounded by CONNECT_TIMEOUT_S; a receiver whose last connection
+        failed is not dialled again for UNREACHABLE_COOLDOWN_S (ConnectionError at once)."""
+        down = self.unreachable.get(endpoint)
+        if down is not None and time.monotonic() < down[0]:
+            raise ConnectionError(f"KV receiver {endpoint} unreachable ({down[1]}); next "
+                                  f"attempt in {down[0] - time.monotonic():.1f}s")
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                sock = await self._connect(loop, host, port)
+        except TimeoutError:
+            why = f"no connection within {CONNECT_TIMEOUT_S:g}s"
+            self._down(endpoint, why)
+            raise ConnectionError(f"KV receiver {endpoint}: {why}") from None
+        except OSError as e:  # refused, no route, a handshake or certificate refused
+            self._down(endpoint, f"{type(e).__name__}: {e}"[:200])
+            raise
+        self.unreachable.pop(endpoint, None)
+        return sock
+
+    def _down(self, endpoint: str, why: str) -> None:
+        if endpoint not in self.unreachable:
+            logger.warning("KV receiver %s unreachable (%s): transfers to it fail at once "
+                           "for %gs", endpoint, why, UNREACHABLE_COOLDOWN_S)
+        self.unreachable[endpoint] = (time.monotonic() + UNREACHABLE_COOLDOWN_S, why)
 
     async def _connect(self, loop: asyncio.AbstractEventLoop, host: str,
                        port: int) -> socket.socket:
@@ -450,7 +484,7 @@ class ControlClient:
         if reused:
             sm.mark("reused")
         else:
-            sock = await self._connect(loop, host, port)
+            sock = await self._dial(loop, endpoint, host, port)
             sm.mark("connected")
         done = False
         try:

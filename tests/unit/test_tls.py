@@ -142,6 +142,54 @@ async def _transfer(rx_tls, tx_tls, tid):
         await rx.close()
 
 
+def test_a_hung_kv_receiver_costs_the_connect_bound_then_fails_at_once(two_cas, tmp_path,
+                                                                      monkeypatch):
+    """A receiver whose port accepts but never answers (a partition behind a proxy, a hung
+    process): the sender gives up on the connection after CONNECT_TIMEOUT_S, not at the
+    transfer's deadline, and for UNREACHABLE_COOLDOWN_S sends to it fail at once; other
+    receivers are unaffected, and after the cooldown it is tried again."""
+    import socket
+    from kvtransfer import control
+    monkeypatch.setattr(control, "CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(control, "UNREACHABLE_COOLDOWN_S", 1.0)
+    a, _ = two_cas
+    tx_tls, _ = identity(a, "prefill", tmp_path, "tx")
+    rx_tls, _ = identity(a, "decode", tmp_path, "rx")
+
+    async def timed(tx, tid, endpoint):
+        t0 = time.monotonic()
+        res = await tx.send(tid, endpoint, [1], timeout_s=30)
+        return res, time.monotonic() - t0
+
+    async def main():
+        hung = socket.create_server(("127.0.0.1", 0))  # never accepted: no TLS handshake
+        endpoint = f"tcp://127.0.0.1:{hung.getsockname()[1]}"
+        good = make_receiver("tcp", cache(LAYOUT, 16), LAYOUT, listen=ListenAddress(),
+                             shared=KVTransferOptions(tls=rx_tls))
+        await good.start()
+        tx = make_sender("tcp", cache(LAYOUT, 16, seed=3), LAYOUT,
+                         shared=KVTransferOptions(tls=tx_tls))
+        try:
+            out = [await timed(tx, "first", endpoint), await timed(tx, "second", endpoint)]
+            handle = good.expect("other", [2], timeout_s=5)
+            out.append(await timed(tx, "other", good.endpoint))
+            assert (await handle.wait()).state is TransferState.DONE
+            await asyncio.sleep(1.1)
+            out.append(await timed(tx, "again", endpoint))
+            return out
+        finally:
+            await tx.close()
+            await good.close()
+            hung.close()
+
+    (first, t1), (second, t2), (other, t3), (again, t4) = run(main())
+    assert first.state is TransferState.FAILED and 0.4 < t1 < 3, (first, t1)
+    assert "no connection within 0.5s" in first.error
+    assert second.state is TransferState.FAILED and t2 < 0.2 and "unreachable" in second.error
+    assert other.state is TransferState.DONE, other
+    assert again.state is TransferState.FAILED and t4 > 0.4, (again, t4)
+
+
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_kv_transfer_over_mutual_tls_admits_only_kv_roles(two_cas, tmp_path, loop):
     a, b = two_cas
