@@ -327,10 +327,12 @@ class ListenAddress:
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
     advertise_host: str | None = None  # default: ``host``
+    advertise_port: int = 0  # default: the bound port (a proxy's port, say)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("port", "advertise_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in 0..65535, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

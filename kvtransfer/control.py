@@ -253,7 +253,7 @@ class ControlServer:
             raise RuntimeError("receiver not started")
         advertise = self._listen.advertise_host or self._listen.host
         host = f"[{advertise}]" if ":" in advertise else advertise
-        return f"{self.scheme}://{host}:{self._port}"
+        return f"{self.scheme}://{host}:{self._listen.advertise_port or self._port}"
 
     async def close(self) -> None:
         if self.listener is not None:

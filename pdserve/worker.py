@@ -156,7 +156,9 @@ def _listen_address(settings: WorkerSettings, backend: str, index: int):
     # what prefill workers dial: never a wildcard bind address (compose, Kubernetes)
     return ListenAddress(settings.kv_host or settings.host,
                          settings.kv_port + index if settings.kv_port else 0,
-                         settings.advertise_address(1).rpartition(":")[0])
+                         settings.advertise_address(1).rpartition(":")[0],
+                         settings.kv_advertise_port + index if settings.kv_advertise_port
+                         else 0)
 
 
 def main(argv=None, role: str = "colocated") -> int:

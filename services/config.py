@@ -322,6 +322,8 @@ class WorkerSettings(ServiceSettings):
             "host:port, decode workers' KV endpoints such as tcp://host:port); with Redis the "
             "registry says")
     kv_port: int = _port(0, "KV receiver port (0: any free port; several backends count up)")
+    kv_advertise_port: int = _port(0, "KV receiver port others dial (0: the bound port; e.g. a "
+                                      "proxy's; several backends count up)")
     transfer_timeout_s: float = setting(30.0, "KV transfer timeout (never past the request's "
                                               "deadline)", gt=0.0)
     prefill_timeout_s: float = setting(30.0, "decode role: a Prefill call's deadline, plus "

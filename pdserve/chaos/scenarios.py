@@ -356,6 +356,50 @@ def kill_gateway(model: str = "smollm2-135m") -> Result:
         return _finish(res, streams, ref, asyncio.run(settle(c.workers)))
 
 
+def partition_kv(model: str = "smollm2-135m") -> Result:
+    """The decode worker's KV receiver behind a proxy that resets the connections open to it
+    and then swallows every new one (gRPC between the workers still works): the prefill
+    worker's new KV connection gives up after its 5 s connect bound, the decode worker
+    prefills locally, and while that receiver counts as unreachable the requests do not
+    wait for it; every request completes within 10 s with the same tokens; healed, the
+    prefill worker is used again. (A connection kept open but silent, pooled before the
+    fault, is bounded by the transfer's deadline only: not this scenario.)"""
+    res = Result("partition-kv")
+    with LocalCluster(model, prefill=1, decode=0, metrics=True) as c:
+        port = free_port()
+        proxy = ChaosProxy(port)
+        c.start_worker("decode", extra=("--kv-port", str(port), "--kv-advertise-port",
+                                        str(proxy.start())))
+        c.wait_workers_registered()
+        pre = next(w for w in c.workers if w.kind == "prefill")
+        reqs = greedy_requests(4, 24, tag="partition-kv: ")
+        ref = asyncio.run(run_streams(c.address, reqs))
+        proxy.set_mode("refuse")  # the pooled KV connections go
+        time.sleep(0.3)
+        proxy.set_mode("blackhole")
+        streams, took = [], []
+        try:
+            for r in reqs:  # one at a time, as in stop-prefill
+                t0 = time.monotonic()
+                streams += asyncio.run(run_streams(c.address, [r], timeout=30))
+                took.append(round(time.monotonic() - t0, 2))
+        finally:
+            proxy.set_mode("pass")
+        res.figures["request_s"] = took
+        res.checks["each request during the partition completes within 10 s"] = all(
+            s.code == "OK" for s in streams) and max(took) <= 10
+        res.checks["a receiver known unreachable costs the next request nothing"] = (
+            min(took[1:]) < 4)
+        res = _finish(res, streams, ref, asyncio.run(settle(c.workers)))
+        time.sleep(5.5)  # the unreachable mark lapses
+        t0 = time.monotonic()
+        res.checks["healed, the prefill worker is used again within 15 s"] = _prefills_again(
+            c, pre, 15)
+        res.figures["prefilling_again_after_s"] = round(time.monotonic() - t0, 2)
+        proxy.stop()
+        return res
+
+
 def delay_decode(model: str = "smollm2-135m") -> Result:
     """100 ms added each way in front of a decode worker: streams slow down, stay correct."""
     res = Result("delay-decode")
@@ -427,6 +471,7 @@ SCENARIOS = {
     "redis-restart": redis_restart,
     "stop-redis": stop_redis,
     "kill-gateway": kill_gateway,
+    "partition-kv": partition_kv,
     "delay-decode": delay_decode,
     "kv-corruption": kv_corruption,
 }
