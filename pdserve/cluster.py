@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import atexit
 import functools
+import logging
 import os
 import shutil
 import socket
@@ -23,6 +24,8 @@ import threading
 import time
 
 from pdcore.config_tree import child_environ
+
+logger = logging.getLogger(__name__)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,6 +53,10 @@ def orphan_guard() -> list[str]:
 # the machines we run on (NCCL, torch symmetric memory and NVSHMEM would each try to use it).
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+# what a service prints when a port it was given is taken (uvicorn / asyncio, gRPC)
+_PORT_TAKEN = ("address already in use", "errno 98", "failed to bind", "no address added")
 
 
 def free_port() -> int:
@@ -449,11 +456,28 @@ class LocalCluster:
                 self.workers.append(svc)
                 new.append(svc)
         self._wait_ready(new)
-        self.gateway = self._spawn("gateway", self.gateway_cmd_args())
-        self._wait_ready([self.gateway])
+        self._start_gateway()
         if self.redis:
             self.wait_workers_registered()
         return self
+
+    def _start_gateway(self) -> None:
+        """Spawn the gateway; when it could not bind a port picked free a moment before
+        (another process took it meanwhile: its HTTP or metrics port), again with fresh
+        ones. A port given explicitly is not retried."""
+        attempts = 3 if self.http_port == 0 or self.metrics else 1
+        for attempt in range(attempts):
+            self.gateway = self._spawn("gateway", self.gateway_cmd_args())
+            try:
+                self._wait_ready([self.gateway], stop_on_failure=False)
+                return
+            except RuntimeError as e:
+                text = str(e).lower()
+                if attempt + 1 < attempts and any(m in text for m in _PORT_TAKEN):
+                    logger.warning("gateway could not bind its port; starting it again")
+                    continue
+                self.stop()
+                raise
 
     def wait_workers_registered(self, timeout_s: float = 15.0) -> None:
         """Block until the registry lists every live worker (the gateway refreshes each 1 s)."""

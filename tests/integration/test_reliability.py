@@ -237,3 +237,24 @@ def test_a_dead_service_is_restarted_and_the_rest_keeps_serving():
         assert any("gateway" in e for e in c.supervise_once())
         streams = run(run_streams(c.address, greedy_requests(2, 8)))
         assert all(s.code == "OK" for s in streams), [s.message for s in streams]
+
+
+def test_a_gateway_port_taken_between_pick_and_bind_is_picked_again(monkeypatch):
+    """LocalCluster picks the gateway's HTTP port free, then the gateway binds it; another
+    process can take it in between (a slow-suite run once failed so: 'gateway did not
+    start ... address already in use'). The cluster starts the gateway again on a new port."""
+    import socket
+
+    from pdserve import cluster as cluster_mod
+    taken = socket.create_server(("127.0.0.1", 0))
+    ports = [taken.getsockname()[1]]
+    real = cluster_mod.free_port
+    monkeypatch.setattr(cluster_mod, "free_port", lambda: ports.pop() if ports else real())
+    try:
+        with LocalCluster("dummy:tiny", prefill=0, decode=0, colocated=1, http_port=0,
+                          redis=False) as c:  # the gateway's HTTP port: the first one picked
+            assert c.gateway.http_port != taken.getsockname()[1]
+            streams = run(run_streams(c.address, greedy_requests(1, 4)))
+            assert streams[0].code == "OK"
+    finally:
+        taken.close()

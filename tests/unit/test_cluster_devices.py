@@ -32,7 +32,7 @@ class _Recorder:
 def _start_without_processes(c: LocalCluster, monkeypatch) -> _Recorder:
     rec = _Recorder()
     monkeypatch.setattr(c, "_spawn", rec)
-    monkeypatch.setattr(c, "_wait_ready", lambda svcs: None)
+    monkeypatch.setattr(c, "_wait_ready", lambda svcs, stop_on_failure=True: None)
     c.start()
     return rec
 
