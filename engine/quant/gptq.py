@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.quant.reference import FP8_MAX, GROUP
+from engine.quant.reference import FP8_MAX, GROUP, pack_int4
 
 BLOCK = 128  # input features updated together (the lazy batch of the paper)
 DAMP = 0.01  # added to H's diagonal, as a fraction of its mean (numerical safety)
@@ -136,6 +136,5 @@ def _pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: str, k:
                 "scale": scale.float().contiguous(), "k": k}
     kp = -(-k // group) * group
     codes = F.pad(q, (0, kp - k)).to(torch.uint8)  # padding codes 0: weight = the group's min
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
-    return {"format": "int4", "q": packed, "scale": scale.float().contiguous(),
+    return {"format": "int4", "q": pack_int4(codes), "scale": scale.float().contiguous(),
             "zero": zero.float().contiguous(), "k": k, "group": group}

@@ -53,8 +53,7 @@ def quantize_int4(w: torch.Tensor, group: int = GROUP) -> dict:
     hi = torch.where(real, g, -torch.inf).amax(dim=2)
     scale = ((hi - lo) / 15.0).clamp_min(1e-12)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
-    q = q.view(n, kp)
-    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+    packed = pack_int4(q.view(n, kp))
     return {"format": "int4", "q": packed, "scale": scale.contiguous(), "zero": lo.contiguous(),
             "k": k, "group": group}
 
@@ -67,6 +66,11 @@ def quantize_fp8(w: torch.Tensor) -> dict:
 
 
 QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4, "fp8": quantize_fp8}
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, Kp] (0..15) -> uint8 [N, Kp/2] (feature 2j low nibble, 2j+1 high)."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
