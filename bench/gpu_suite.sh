@@ -19,6 +19,8 @@
 #   capacity     bench/prefill_capacity_gpu.py: prompt tokens/s of one prefill engine on the
 #                disagg mix (1 GPU)                                                         ~2
 #   sweep        bench/gemv_sweep.py: GEMV configs incl. split-K vs cuBLAS                ~3
+#   sparsity     bench/sparsity_gpu.py: 2:4 sparse GEMMs (CUTLASS, cuSPARSELt) vs dense bf16
+#                at Llama-3-8B prefill shapes, M 512/2048/8192 (1 GPU)                      ~1
 #   engine-a     bench/gpu_engine.py section a, 7 variants of split-K / PDL / async decode ~4
 #   engine-best  bench/gpu_engine.py sections d,a,c,b with engine-a's fastest variant       ~3
 #   engine-full  bench/gpu_engine.py sections d,a,c,b with FLAGS=... (and env)             ~3
@@ -75,6 +77,7 @@ for step in "$@"; do
     capacity) run python3 -m bench.prefill_capacity_gpu ${CAPACITY_ARGS:-} \
         --out "$OUT/prefill_capacity_gpu_h200.json" ;;
     sweep) run python3 -m bench.gemv_sweep --out "$OUT/gemv_sweep_h200.json" ;;
+    sparsity) run python3 -m bench.sparsity_gpu --out "$OUT/sparsity_gpu_h200.json" ;;
     engine-a)  # section a only, few graph buckets; one process per variant
       for v in base splitk pdl async splitk_pdl pdl_async splitk_pdl_async; do
         env $(variant_env $v) python3 -m bench.gpu_engine --sections a --max-num-seqs 8 \
