@@ -1,6 +1,7 @@
 """Kernel correctness and speed at Llama-3-8B shapes (bf16, block 16) on one GPU.
 
     python3 -m bench.kernels_gpu --set h200-mycommit                (one GPU, ~1 min)
+    python3 -m bench.kernels_gpu --decode-sweep --out x.json        (+ ~2 min)
 
 For each case: max abs error vs the torch reference, median time (triton.testing.do_bench),
 and achieved GB/s (memory-bound kernels) or TFLOP/s (prefill). A failing case records its
@@ -50,7 +51,7 @@ def case_decode_kvq(K, R, kind, batch, ctx):
     dequantized cache, and the bytes read (codes and scales)."""
     if kind == "bf16":
         return case_decode(K, R, batch, ctx)
-    from engine.quant.kv import CODE_DTYPES, dequantize_rows
+    from engine.quant.kv import CODE_DTYPES, read_cache
     blocks = -(-ctx // BLOCK)
     n = batch * blocks + 1
     cache = torch.zeros(n, 2, 2, BLOCK, KV_HEADS, HEAD_DIM + 4, dtype=CODE_DTYPES[kind],
@@ -61,7 +62,7 @@ def case_decode_kvq(K, R, kind, batch, ctx):
     q = torch.randn(batch, HEADS, HEAD_DIM, dtype=BF16, device="cuda")
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     fn = lambda: K.paged_decode_attention(q, cache, 1, bt, lens, SCALE)
-    deq = dequantize_rows(cache.view(torch.uint8)[:, 1:2], CODE_DTYPES[kind], BF16)
+    deq = read_cache(cache, 1, BF16).unsqueeze(1)  # [n, 1 layer, 2, BLOCK, KV_HEADS, D]
     e = err(fn(), R.paged_decode_attention_ref(q, deq, 0, bt, lens, SCALE))
     return fn, e, {"bytes": batch * ctx * 2 * KV_HEADS * (HEAD_DIM + 4)}
 
@@ -181,6 +182,38 @@ CASES = [
 ]
 
 
+SWEEP_CASES = [("bf16", 1, 32768), ("fp8", 1, 32768), ("bf16", 16, 32768),
+               ("fp8", 16, 32768), ("fp8", 64, 4096), ("bf16", 64, 4096)]
+SWEEP_CONFIGS = [(n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+
+
+def decode_sweep(K, R, do_bench) -> list[dict]:
+    """decode_attention.DECODE_CONFIG (BLOCK_N, num_warps, num_stages) per cache kind: each
+    config's graph-replay time for the SWEEP_CASES (the entry in use restored after)."""
+    from engine.kernels import decode_attention as da
+    kvq = {"bf16": 0, "int8": 1, "fp8": 2}
+    rows = []
+    for kind, batch, ctx in SWEEP_CASES:
+        saved = da.DECODE_CONFIG[kvq[kind]]
+        try:
+            for cfg in SWEEP_CONFIGS:
+                da.DECODE_CONFIG[kvq[kind]] = cfg
+                row = {"kind": kind, "batch": batch, "ctx": ctx, "config": list(cfg)}
+                try:
+                    fn, e, work = case_decode_kvq(K, R, kind, batch, ctx)
+                    ms = graph_time(fn, do_bench) or do_bench(fn, warmup=10, rep=50,
+                                                              return_mode="median")
+                    row.update(max_abs_err=e, median_ms=ms, **{"GB/s": work["bytes"] / ms / 1e6})
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {exc}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                torch.cuda.empty_cache()
+        finally:
+            da.DECODE_CONFIG[kvq[kind]] = saved
+    return rows
+
+
 def graph_time(fn, do_bench):
     try:
         fn()
@@ -210,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python3 -m bench.kernels_gpu",
                                  description=__doc__.splitlines()[0])
     harness.add_output_args(ap, "kernels_gpu")
+    ap.add_argument("--decode-sweep", action="store_true",
+                    help="also time decode attention's (BLOCK_N, warps, stages) configs")
     args = ap.parse_args(argv)
     rec = harness.Recorder.start("kernels_gpu", args, argv=argv, about=__doc__, figures=FIGURES)
     report = rec.doc
@@ -242,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
             report["results"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
             torch.cuda.empty_cache()
+        if args.decode_sweep:
+            report["decode_sweep"] = decode_sweep(K, R, do_bench)
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
     finally:

@@ -28,8 +28,12 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
         raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
 
 
-# A quantized KV cache (engine.quant.kv): int8 or float8_e4m3fn, each (token, head) row the
-# head's codes then the 4 bytes of its float32 scale. KV_CODES: the kernels' KVQ constexpr.
+# A quantized KV cache (engine.quant.kv): int8 or float8_e4m3fn. Its shape is the float
+# cache's with a last dim of head_dim + 4 bytes, but each (block, layer, K/V) slab of
+# block_size * num_kv_heads * (head_dim + 4) bytes holds the codes [block_size, num_kv_heads,
+# head_dim] first, then the float32 scales [num_kv_heads, block_size]: code rows start at
+# multiples of head_dim (16-byte loads) and one head's scales for a block are contiguous.
+# KV_CODES: the kernels' KVQ constexpr.
 KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}
 SCALE_BYTES = 4
 
@@ -42,7 +46,8 @@ def kv_quant_kind(kv_cache: torch.Tensor) -> int:
 def check_kv_cache(kv_cache, layer: int, device=None, quantized: bool = False
                    ) -> tuple[int, int, int, int]:
     """kv_cache is [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (a float
-    cache) or, with ``quantized``, also [..., head_dim + 4] of int8 / fp8 codes and scales.
+    cache) or, with ``quantized``, also [..., head_dim + 4] of int8 / fp8 codes and scales
+    (the slab layout above).
 
     Returns (num_layers, block_size, num_kv_heads, head_dim)."""
     dtypes = FLOAT_DTYPES + tuple(KV_CODES) if quantized else FLOAT_DTYPES
@@ -50,14 +55,16 @@ def check_kv_cache(kv_cache, layer: int, device=None, quantized: bool = False
     _, num_layers, two, block_size, num_kv_heads, head_dim = kv_cache.shape
     if kv_quant_kind(kv_cache):
         head_dim -= SCALE_BYTES
-        # the kernels read each row's scale as a float32 and tell the compiler its rows
-        # are 4-byte aligned (tl.multiple_of): every row start must be
+        st = kv_cache.stride()
+        # the kernels read the scales as float32 and address a slab as one contiguous region
         if (head_dim < 1 or head_dim % SCALE_BYTES or kv_cache.data_ptr() % SCALE_BYTES
-                or any(st % SCALE_BYTES for st in kv_cache.stride()[:5])):
-            raise ValueError(f"a quantized kv_cache's rows must hold head_dim codes + "
-                             f"{SCALE_BYTES} scale bytes, 4-byte aligned (head_dim a "
-                             f"multiple of 4); got shape {tuple(kv_cache.shape)}, strides "
-                             f"{kv_cache.stride()}")
+                or any(x % SCALE_BYTES for x in st[:3])
+                or st[3:] != (num_kv_heads * (head_dim + SCALE_BYTES), head_dim + SCALE_BYTES,
+                              1)):
+            raise ValueError(f"a quantized kv_cache must hold head_dim codes + "
+                             f"{SCALE_BYTES} scale bytes per (token, head) in contiguous "
+                             f"slabs, 4-byte aligned (head_dim a multiple of 4); got shape "
+                             f"{tuple(kv_cache.shape)}, strides {st}")
     if two != 2:
         raise ValueError(f"kv_cache dim 2 must be 2 (K, V), got {two}")
     if not (0 <= int(layer) < num_layers):
@@ -65,6 +72,23 @@ def check_kv_cache(kv_cache, layer: int, device=None, quantized: bool = False
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     return num_layers, block_size, num_kv_heads, head_dim
+
+
+def kv_geometry(kv_cache: torch.Tensor) -> tuple[int, ...]:
+    """The kernels' cache addressing, in elements (bytes for a quantized cache):
+    (s_blk, s_layer, s_kv, s_tok, s_head, sc_off, sc_head, align). A float cache: its
+    strides, sc_* 0, align 1. A quantized cache (slab layout above): a code at slab +
+    tok * s_tok + head * s_head + d, a scale at slab + sc_off + head * sc_head + tok * 4;
+    align 16 when every code row starts 16-byte aligned (head_dim a multiple of 16), else
+    4."""
+    s = kv_cache.stride()
+    if not kv_quant_kind(kv_cache):
+        return (s[0], s[1], s[2], s[3], s[4], 0, 0, 1)
+    block_size, heads, row = kv_cache.shape[3:]
+    d = row - SCALE_BYTES
+    aligned = all(x % 16 == 0 for x in (d, kv_cache.data_ptr(), s[0], s[1], s[2]))
+    return (s[0], s[1], s[2], heads * d, d, block_size * heads * d, block_size * SCALE_BYTES,
+            16 if aligned else 4)
 
 
 def next_pow2(n: int) -> int:

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import (FLOAT_DTYPES, check_kv_cache, check_shape,
-                                    check_tensor, kv_quant_kind, next_pow2)
+                                    check_tensor, kv_geometry, kv_quant_kind, next_pow2)
 
 _QMAX = {1: 127.0, 2: 448.0}  # int8, e4m3: engine.quant.kv._QMAX
 # float32(1 / qmax), engine.quant.kv.INV_QMAX: a scale is max|x| times it
@@ -54,7 +54,8 @@ def _quantize_rows(x, qmax, inv_qmax, KVQ: tl.constexpr):
 def _store_kv_quant_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, layer, n_heads, head_dim,
                            block_size, qmax, inv_qmax, stride_k_tok, stride_k_head,
                            stride_v_tok, stride_v_head, s_blk, s_layer, s_kv, s_tok, s_head,
-                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KVQ: tl.constexpr):
+                           sc_off, sc_head, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                           KVQ: tl.constexpr, ALIGN: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:
@@ -62,9 +63,10 @@ def _store_kv_quant_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, layer, n_heads, he
         d = tl.arange(0, BLOCK_D)[None, :]
         h_mask = h < n_heads
         mask = h_mask[:, None] & (d < head_dim)
-        row = (cache_ptr + (slot // block_size) * s_blk + layer * s_layer
-               + (slot % block_size) * s_tok + h * s_head)  # uint8 pointers, one per head
-        row = tl.multiple_of(row, 4)  # 4-byte aligned rows (check_kv_cache): wider stores
+        slab = cache_ptr + (slot // block_size) * s_blk + layer * s_layer
+        row = slab + (slot % block_size) * s_tok + h * s_head  # uint8 pointers, one per head
+        row = tl.multiple_of(row, ALIGN)  # code rows (engine.kernels._checks.kv_geometry)
+        sc = slab + sc_off + h * sc_head + (slot % block_size) * 4
         k = tl.load(k_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d, mask=mask,
                     other=0.0).to(tl.float32)
         v = tl.load(v_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d, mask=mask,
@@ -73,8 +75,8 @@ def _store_kv_quant_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, layer, n_heads, he
         vc, vs = _quantize_rows(v, qmax, inv_qmax, KVQ)
         tl.store(row[:, None] + d, kc, mask=mask)
         tl.store(row[:, None] + s_kv + d, vc, mask=mask)
-        tl.store((row + head_dim).to(tl.pointer_type(tl.float32)), ks, mask=h_mask)
-        tl.store((row + s_kv + head_dim).to(tl.pointer_type(tl.float32)), vs, mask=h_mask)
+        tl.store(sc.to(tl.pointer_type(tl.float32)), ks, mask=h_mask)
+        tl.store((sc + s_kv).to(tl.pointer_type(tl.float32)), vs, mask=h_mask)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int,
@@ -82,7 +84,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, lay
     """key/value [num_tokens, num_kv_heads, head_dim] -> kv_cache[slot // bs, layer, 0/1,
     slot % bs]. slot_mapping int64 [num_tokens]; slot -1 skips the token (padding).
     Slots are not bounds-checked on device (that would need a host sync). A quantized
-    cache (int8 / float8_e4m3fn, rows of head_dim + 4) gets each row's codes and scale."""
+    cache (int8 / float8_e4m3fn, engine.kernels._checks' slab layout) gets each row's codes
+    and scale."""
     _, block_size, n_heads, head_dim = check_kv_cache(kv_cache, layer, quantized=True)
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES, device=kv_cache.device)
     check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=kv_cache.device)
@@ -96,11 +99,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, lay
     s = kv_cache.stride()
     kvq = kv_quant_kind(kv_cache)
     if kvq:
+        *geom, align = kv_geometry(kv_cache)
         _store_kv_quant_kernel[(key.shape[0],)](
             key, value, kv_cache.view(torch.uint8), slot_mapping, int(layer), n_heads,
             head_dim, block_size, _QMAX[kvq], _INV[kvq], key.stride(0), key.stride(1),
-            value.stride(0), value.stride(1), s[0], s[1], s[2], s[3], s[4],
-            BLOCK_H=next_pow2(n_heads), BLOCK_D=next_pow2(head_dim), KVQ=kvq)
+            value.stride(0), value.stride(1), *geom, BLOCK_H=next_pow2(n_heads),
+            BLOCK_D=next_pow2(head_dim), KVQ=kvq, ALIGN=align)
         return
     _store_kv_kernel[(key.shape[0],)](
         key, value, kv_cache, slot_mapping, int(layer), n_heads, head_dim, block_size,

@@ -6,9 +6,9 @@ the context. With one split it writes the output; with several it writes fp32 pa
 (acc, running max, sum-exp) and a reduce kernel combines them. num_splits is chosen from
 shapes only (never from device values), so the launch is CUDA-graph safe.
 
-A quantized cache (int8 / fp8 codes, then a float32 scale per token and head:
-engine.quant.kv) is read as bytes: each K/V tile's codes are converted in registers and its
-rows' scales fold into the scores (K: s[:, n] * k_scale[n]) and the probabilities (V:
+A quantized cache (int8 / fp8 codes and a float32 scale per token and head, in the slab
+layout of engine.kernels._checks) is read as bytes: each K/V tile's codes (16-byte loads of
+head_dim-aligned rows) are converted in registers and its rows' scales fold into the scores (K: s[:, n] * k_scale[n]) and the probabilities (V:
 p[:, n] * v_scale[n]), so no dequantized tile is ever written. ``kv_tile`` is shared with
 the prefill kernel.
 """
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import (FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor,
-                                    kv_quant_kind, next_pow2)
+                                    kv_geometry, kv_quant_kind, next_pow2)
 
 _LOG2E = 1.4426950408889634
 _INT = (torch.int32, torch.int64)
@@ -34,6 +34,9 @@ _INT = (torch.int32, torch.int64)
 # (docs/performance.md, "Triton compiles during serving"). Unspecialized, each kernel
 # compiles once per constexpr set, which warm-up and graph capture reach.
 _VARYING = ["layer", "num_splits", "stride_bt"]
+# (BLOCK_N, num_warps, num_stages) on CUDA per KVQ (0 float, 1 int8, 2 fp8): the float
+# entry as picked on the H200 before; bench/kernels_gpu.py --decode-sweep times the others
+DECODE_CONFIG = {0: (32, 4, 2), 1: (32, 4, 2), 2: (32, 4, 2)}
 
 
 @triton.jit
@@ -42,7 +45,7 @@ def kv_tile(ptrs, scale_ptrs, mask, n_mask, KVQ: tl.constexpr):
     tile as stored, scales unused. KVQ 1 / 2: ``ptrs`` point at int8 / e4m3 code bytes, the
     tile is the codes as int8 / float8e4nv (the caller converts them straight to q's dtype:
     exact in bf16 / fp16, |int8| <= 127 and every e4m3 value), ``scale_ptrs`` at each row's
-    4 scale bytes."""
+    float32 scale (byte pointers)."""
     if KVQ == 0:
         tile = tl.load(ptrs, mask=mask, other=0.0)
         scales = tl.zeros(n_mask.shape, tl.float32)
@@ -75,9 +78,10 @@ def softmax_accumulate(s, v, v_scale, acc, m_i, l_i, KVQ: tl.constexpr):
 def _decode_kernel(q_ptr, cache_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, layer, qk_scale,
                    group, head_dim, block_size, num_splits,
                    stride_q_seq, stride_q_head, stride_o_seq, stride_o_head, stride_bt,
-                   s_blk, s_layer, s_kv, s_tok, s_head,
+                   s_blk, s_layer, s_kv, s_tok, s_head, sc_off, sc_head,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, UPCAST: tl.constexpr, KVQ: tl.constexpr):
+                   SPLIT: tl.constexpr, UPCAST: tl.constexpr, KVQ: tl.constexpr,
+                   ALIGN: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -96,20 +100,23 @@ def _decode_kernel(q_ptr, cache_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, 
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     base = cache_ptr + layer * s_layer + kvh * s_head
-    if KVQ:  # rows of head_dim + 4 bytes, 4-byte aligned (check_kv_cache): 4-byte loads
-        base = tl.multiple_of(base, 4)
+    sc_base = cache_ptr + layer * s_layer + sc_off + kvh * sc_head  # quantized: scales
+    if KVQ:  # code rows start ALIGN-byte aligned (engine.kernels._checks.kv_geometry)
+        base = tl.multiple_of(base, ALIGN)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < end
         blk = tl.load(bt_ptr + seq * stride_bt + pos // block_size, mask=n_mask, other=0)
-        tok_off = blk.to(tl.int64) * s_blk + (pos % block_size) * s_tok
+        slab = blk.to(tl.int64) * s_blk
+        tok_off = slab + (pos % block_size) * s_tok
+        sc_ptrs = sc_base + slab + (pos % block_size) * 4
         if KVQ:
-            tok_off = tl.multiple_of(tok_off, 4)
+            tok_off = tl.multiple_of(tok_off, ALIGN)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k, k_scale = kv_tile(base + tok_off[:, None] + d[None, :], base + tok_off + head_dim,
+        k, k_scale = kv_tile(base + tok_off[:, None] + d[None, :], sc_ptrs,
                              kv_mask, n_mask, KVQ)  # [N, D], [N]
-        v, v_scale = kv_tile(base + s_kv + tok_off[:, None] + d[None, :],
-                             base + s_kv + tok_off + head_dim, kv_mask, n_mask, KVQ)
+        v, v_scale = kv_tile(base + s_kv + tok_off[:, None] + d[None, :], sc_ptrs + s_kv,
+                             kv_mask, n_mask, KVQ)
         if UPCAST:  # the CPU interpreter's tl.dot mishandles bf16
             q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
         else:
@@ -202,14 +209,15 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                           device=q.device)
         ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32,
                          device=q.device)
-    s = kv_cache.stride()
+    *geom, align = kv_geometry(kv_cache)
     block_d = next_pow2(head_dim)
+    block_n, warps, stages = DECODE_CONFIG[kvq] if q.is_cuda else (32, 4, 1)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, kv_cache.view(torch.uint8) if kvq else kv_cache, block_tables, context_lens, out, acc, ml, int(layer), scale * _LOG2E,
-        group, head_dim, block_size, num_splits, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), block_tables.stride(0), s[0], s[1], s[2], s[3], s[4],
-        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=32, SPLIT=split,
-        UPCAST=not q.is_cuda, KVQ=kvq, num_warps=4, num_stages=2)
+        q, kv_cache.view(torch.uint8) if kvq else kv_cache, block_tables, context_lens, out,
+        acc, ml, int(layer), scale * _LOG2E, group, head_dim, block_size, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *geom,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split,
+        UPCAST=not q.is_cuda, KVQ=kvq, ALIGN=align, num_warps=warps, num_stages=stages)
     if split:
         _reduce_kernel[(num_seqs, num_heads)](acc, ml, out, num_heads, head_dim, num_splits,
                                               out.stride(0), out.stride(1),

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import (FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor,
-                                    kv_quant_kind, next_pow2)
+                                    kv_geometry, kv_quant_kind, next_pow2)
 from engine.kernels.decode_attention import kv_tile, softmax_accumulate
 
 _LOG2E = 1.4426950408889634
@@ -23,21 +23,23 @@ CUDA_CONFIG = (128, 64, 8, 2)  # picked on the H200 for bf16, head_dim 128 (docs
 
 
 @triton.jit
-def _tile(q, acc, m_i, l_i, kv_base, bt_row, s_blk, s_tok, s_kv, lo, hi, q_pos, qk_scale,
-          block_size, head_dim, d, d_mask, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-          UPCAST: tl.constexpr, KVQ: tl.constexpr):
+def _tile(q, acc, m_i, l_i, kv_base, sc_base, bt_row, s_blk, s_tok, s_kv, lo, hi, q_pos,
+          qk_scale, block_size, d, d_mask, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+          UPCAST: tl.constexpr, KVQ: tl.constexpr, ALIGN: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < hi
         blk = tl.load(bt_row + pos // block_size, mask=n_mask, other=0)
-        off = blk.to(tl.int64) * s_blk + (pos % block_size) * s_tok
-        if KVQ:  # quantized rows are 4-byte aligned (check_kv_cache): 4-byte loads
-            off = tl.multiple_of(off, 4)
+        slab = blk.to(tl.int64) * s_blk
+        off = slab + (pos % block_size) * s_tok
+        sc_ptrs = sc_base + slab + (pos % block_size) * 4
+        if KVQ:  # code rows start ALIGN-byte aligned (engine.kernels._checks.kv_geometry)
+            off = tl.multiple_of(off, ALIGN)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k, k_scale = kv_tile(kv_base + off[:, None] + d[None, :], kv_base + off + head_dim,
+        k, k_scale = kv_tile(kv_base + off[:, None] + d[None, :], sc_ptrs, kv_mask, n_mask,
+                             KVQ)
+        v, v_scale = kv_tile(kv_base + s_kv + off[:, None] + d[None, :], sc_ptrs + s_kv,
                              kv_mask, n_mask, KVQ)
-        v, v_scale = kv_tile(kv_base + s_kv + off[:, None] + d[None, :],
-                             kv_base + s_kv + off + head_dim, kv_mask, n_mask, KVQ)
         if UPCAST:  # the CPU interpreter's tl.dot mishandles bf16
             q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
         else:
@@ -54,9 +56,10 @@ def _tile(q, acc, m_i, l_i, kv_base, bt_row, s_blk, s_tok, s_kv, lo, hi, q_pos, 
 @triton.jit(do_not_specialize=["layer", "stride_bt"])  # see decode_attention._VARYING
 def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr, layer, qk_scale,
                     group, head_dim, block_size, stride_q_tok, stride_q_head, stride_o_tok,
-                    stride_o_head, stride_bt, s_blk, s_layer, s_kv, s_tok, s_head,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    UPCAST: tl.constexpr, KVQ: tl.constexpr):
+                    stride_o_head, stride_bt, s_blk, s_layer, s_kv, s_tok, s_head, sc_off,
+                    sc_head, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, KVQ: tl.constexpr,
+                    ALIGN: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     seq = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
@@ -79,15 +82,16 @@ def _prefill_kernel(q_ptr, cache_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr, la
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_base = cache_ptr + layer * s_layer + (head // group) * s_head
+    sc_base = cache_ptr + layer * s_layer + sc_off + (head // group) * sc_head
     if KVQ:
-        kv_base = tl.multiple_of(kv_base, 4)
+        kv_base = tl.multiple_of(kv_base, ALIGN)
     bt_row = bt_ptr + seq * stride_bt
-    acc, m_i, l_i = _tile(q, acc, m_i, l_i, kv_base, bt_row, s_blk, s_tok, s_kv, 0, full_hi,
-                          q_pos, qk_scale, block_size, head_dim, d, d_mask, BLOCK_N, False,
-                          UPCAST, KVQ)
-    acc, m_i, l_i = _tile(q, acc, m_i, l_i, kv_base, bt_row, s_blk, s_tok, s_kv, full_hi, hi,
-                          q_pos, qk_scale, block_size, head_dim, d, d_mask, BLOCK_N, True,
-                          UPCAST, KVQ)
+    acc, m_i, l_i = _tile(q, acc, m_i, l_i, kv_base, sc_base, bt_row, s_blk, s_tok, s_kv, 0,
+                          full_hi, q_pos, qk_scale, block_size, d, d_mask, BLOCK_N, False,
+                          UPCAST, KVQ, ALIGN)
+    acc, m_i, l_i = _tile(q, acc, m_i, l_i, kv_base, sc_base, bt_row, s_blk, s_tok, s_kv,
+                          full_hi, hi, q_pos, qk_scale, block_size, d, d_mask, BLOCK_N, True,
+                          UPCAST, KVQ, ALIGN)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_o_tok + head * stride_o_head + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -125,12 +129,13 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     # (BLOCK_M, BLOCK_N, num_warps, num_stages); the interpreter gets small tiles
     block_m, block_n, warps, stages = CUDA_CONFIG if q.is_cuda else (16, 16, 4, 1)
-    s = kv_cache.stride()
+    *geom, align = kv_geometry(kv_cache)
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, kv_cache.view(torch.uint8) if kvq else kv_cache, block_tables, query_start_loc, seq_lens, out, int(layer), scale * _LOG2E,
-        num_heads // num_kv_heads, head_dim, block_size, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), block_tables.stride(0), s[0], s[1], s[2], s[3], s[4],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim), UPCAST=not q.is_cuda,
-        KVQ=kvq, num_warps=warps, num_stages=stages)
+        q, kv_cache.view(torch.uint8) if kvq else kv_cache, block_tables, query_start_loc,
+        seq_lens, out, int(layer), scale * _LOG2E, num_heads // num_kv_heads, head_dim,
+        block_size, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), *geom, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=next_pow2(head_dim), UPCAST=not q.is_cuda, KVQ=kvq, ALIGN=align,
+        num_warps=warps, num_stages=stages)
     return out

@@ -1,14 +1,17 @@
 """The quantized KV cache (``kv_dtype = int8 | fp8``) and the attention that reads it.
 
 Layout: the cache keeps its block-major shape ``[num_blocks, num_layers, 2, block_size,
-num_kv_heads, head_dim + 4]`` in int8 or float8_e4m3fn. Each (token, KV head) row holds the
-head's ``head_dim`` codes, then the 4 bytes of its float32 scale (dynamic, per token and
-head: ``max|x| / 127`` for int8, ``max|x| / 448`` for fp8, as a product with the float32
-reciprocal). A block therefore carries its own
-scales: a KV transfer that moves blocks moves the scales with them, and the layout two
-workers compare at the handshake (dtype and the row of ``head_dim + 4``) tells a quantized
-cache from a float one and int8 from fp8, so a mismatched pair refuses instead of reading
-garbage.
+num_kv_heads, head_dim + 4]`` in int8 or float8_e4m3fn, so it holds 4 bytes more per (token,
+KV head) than its codes. Each (block, layer, K/V) slab of those bytes holds the codes
+``[block_size, num_kv_heads, head_dim]`` first, then the float32 scales ``[num_kv_heads,
+block_size]`` (dynamic, per token and head: ``max|x| / 127`` for int8, ``max|x| / 448`` for
+fp8, as a product with the float32 reciprocal). Code rows start at multiples of head_dim,
+so the kernels load them 16 bytes at a time (rows of head_dim + 4 bytes, as an earlier
+layout had them, allowed only 4-byte loads), and one head's scales for a block are
+contiguous. A block therefore carries its own scales: a KV transfer that moves blocks moves
+the scales with them, and the layout two workers compare at the handshake (dtype and the
+last dim of ``head_dim + 4``) tells a quantized cache from a float one and int8 from fp8,
+so a mismatched pair refuses instead of reading garbage.
 
 :class:`QuantKVAttention` stores the step's K/V quantized, then attends every query to its
 sequence's context read back (dequantized) from the cache, the step's own tokens included:
@@ -29,28 +32,52 @@ _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 # gives the same bits on the CPU, on CUDA and in the Triton store (engine.kernels.cache)
 INV_QMAX = {dt: float(torch.tensor(1.0 / q, dtype=torch.float32)) for dt, q in _QMAX.items()}
 
-__all__ = ["SCALE_BYTES", "CODE_DTYPES", "quantize_rows", "dequantize_rows", "QuantKVAttention"]
+__all__ = ["SCALE_BYTES", "CODE_DTYPES", "quantize", "dequantize", "slabs", "read_cache",
+           "QuantKVAttention"]
 
 
-def quantize_rows(x: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
-    """x [..., D] -> uint8 [..., D + 4]: the codes, then the row's float32 scale."""
+def quantize(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes uint8 [..., D], scales float32 [...])."""
     xf = x.float()
     qmax = _QMAX[code_dtype]
     scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) * INV_QMAX[code_dtype]
     y = (xf / scale).clamp_(-qmax, qmax)
     if code_dtype == torch.int8:
         y = torch.round(y)
-    codes = y.to(code_dtype).view(torch.uint8)
-    return torch.cat([codes, scale.contiguous().view(torch.uint8)], dim=-1)
+    return y.to(code_dtype).view(torch.uint8), scale.squeeze(-1)
 
 
-def dequantize_rows(rows: torch.Tensor, code_dtype: torch.dtype, out_dtype: torch.dtype
-                    ) -> torch.Tensor:
-    """uint8 [..., D + 4] (see :func:`quantize_rows`) -> out_dtype [..., D]."""
-    d = rows.shape[-1] - SCALE_BYTES
-    codes = rows[..., :d].view(code_dtype).float()
-    scale = rows[..., d:].contiguous().view(torch.float32)
-    return (codes * scale).to(out_dtype)
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, code_dtype: torch.dtype,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """codes uint8 [..., D], scales float32 [...] (see :func:`quantize`) -> out_dtype."""
+    return (codes.view(code_dtype).float() * scales.unsqueeze(-1)).to(out_dtype)
+
+
+def slabs(kv_cache: torch.Tensor, layer: int, which: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of one layer's K (``which`` 0) or V (1) in every block of a quantized cache:
+    codes uint8 [num_blocks, block_size, num_kv_heads, head_dim] and scales float32
+    [num_blocks, num_kv_heads, block_size]. Writing through them writes the cache."""
+    nb, _, _, bs, hk, row = kv_cache.shape
+    d = row - SCALE_BYTES
+    flat = kv_cache.view(torch.uint8)[:, layer, which].view(nb, bs * hk * row)
+    codes = flat[:, :bs * hk * d].view(nb, bs, hk, d)
+    scales = flat[:, bs * hk * d:].view(torch.float32).view(nb, hk, bs)
+    return codes, scales
+
+
+def read_cache(kv_cache: torch.Tensor, layer: int, out_dtype: torch.dtype,
+               blocks: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer of a quantized cache dequantized: [num_blocks (or len(blocks)), 2,
+    block_size, num_kv_heads, head_dim] of out_dtype (a float cache's layer, for references
+    and benchmarks)."""
+    code_dtype = kv_cache.dtype
+    out = []
+    for which in (0, 1):
+        codes, scales = slabs(kv_cache, layer, which)
+        if blocks is not None:
+            codes, scales = codes.index_select(0, blocks), scales.index_select(0, blocks)
+        out.append(dequantize(codes, scales.transpose(1, 2), code_dtype, out_dtype))
+    return torch.stack(out, dim=1)
 
 
 class QuantKVAttention(AttentionBackend):
@@ -63,15 +90,19 @@ class QuantKVAttention(AttentionBackend):
         self.code_dtype = code_dtype
 
     def _store(self, k, v, kv_cache, layer, meta) -> None:
-        raw = kv_cache.view(torch.uint8)
         bs = kv_cache.shape[3]
         blk, off = meta.slot_mapping // bs, meta.slot_mapping % bs
-        raw[:, layer, 0][blk, off] = quantize_rows(k, self.code_dtype)
-        raw[:, layer, 1][blk, off] = quantize_rows(v, self.code_dtype)
+        for which, x in ((0, k), (1, v)):
+            codes, scales = slabs(kv_cache, layer, which)
+            c, sc = quantize(x, self.code_dtype)
+            codes[blk, off] = c
+            scales[blk, :, off] = sc
 
     def _gather(self, kv_cache, layer, which: int, blocks: torch.Tensor, dtype) -> torch.Tensor:
-        rows = kv_cache.view(torch.uint8)[:, layer, which].index_select(0, blocks)
-        return dequantize_rows(rows, self.code_dtype, dtype)  # [nb, bs, Hk, D]
+        codes, scales = slabs(kv_cache, layer, which)
+        return dequantize(codes.index_select(0, blocks),
+                          scales.index_select(0, blocks).transpose(1, 2), self.code_dtype,
+                          dtype)  # [nb, bs, Hk, D]
 
     def forward(self, layer, q, k, v, kv_cache, meta):
         self._store(k, v, kv_cache, layer, meta)

@@ -1,21 +1,42 @@
-"""The int8 / fp8 KV cache (engine.quant.kv): rows, attention, the engine, the layout."""
+"""The int8 / fp8 KV cache (engine.quant.kv): codes, slabs, attention, the engine, the layout."""
 import pytest
 import torch
 
 from engine.layers.attention import AttentionMetadata, TorchAttention
-from engine.quant.kv import CODE_DTYPES, QuantKVAttention, dequantize_rows, quantize_rows
+from engine.quant.kv import CODE_DTYPES, QuantKVAttention, dequantize, quantize, slabs
 
 
 @pytest.mark.parametrize("kind,rel", [("int8", 0.5 / 127), ("fp8", 1 / 16)])
-def test_rows_round_trip_with_the_scale_in_the_last_four_bytes(kind, rel):
+def test_codes_and_scales_round_trip(kind, rel):
     x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(0)) * 3
-    rows = quantize_rows(x, CODE_DTYPES[kind])
-    assert rows.dtype == torch.uint8 and rows.shape == (5, 3, 68)
-    scale = rows[..., 64:].contiguous().view(torch.float32)
-    amax = x.abs().amax(-1, keepdim=True)
+    codes, scale = quantize(x, CODE_DTYPES[kind])
+    assert codes.dtype == torch.uint8 and codes.shape == (5, 3, 64)
+    assert scale.dtype == torch.float32 and scale.shape == (5, 3)
+    amax = x.abs().amax(-1)
     assert torch.allclose(scale, amax / (127 if kind == "int8" else 448))
-    back = dequantize_rows(rows, CODE_DTYPES[kind], torch.float32)
-    assert ((back - x).abs() <= amax * rel + 1e-6).all()
+    back = dequantize(codes, scale, CODE_DTYPES[kind], torch.float32)
+    assert ((back - x).abs() <= amax[..., None] * rel + 1e-6).all()
+
+
+def test_slabs_hold_codes_then_scales_per_block_layer_and_kv():
+    """Each (block, layer, K/V) slab of bs * Hk * (D + 4) bytes: the codes [bs, Hk, D], then
+    the float32 scales [Hk, bs]; the views write the cache itself."""
+    bs, hk, d = 4, 2, 8
+    cache = torch.zeros(3, 2, 2, bs, hk, d + 4, dtype=torch.int8)
+    codes, scales = slabs(cache, 1, 0)
+    codes[2, 3, 1] = torch.arange(d, dtype=torch.uint8)
+    scales[2, 1, 3] = 0.5
+    slab = cache.view(torch.uint8)[2, 1, 0].flatten()
+    at = (3 * hk + 1) * d
+    assert slab[at:at + d].tolist() == list(range(d))
+    sc = slab[bs * hk * d:].view(torch.float32)
+    assert sc[1 * bs + 3] == 0.5 and int((sc != 0).sum()) == 1
+    # nothing else written: codes 1..d-1, and 0.5's one nonzero byte (0x3f000000)
+    assert int((cache.view(torch.uint8) != 0).sum()) == (d - 1) + 1
+
+
+def _qdq(x, code):
+    return dequantize(*quantize(x, code), code, torch.float32)
 
 
 def _meta(qlens, slens, bs, tables):
@@ -44,8 +65,8 @@ def test_attention_equals_float_attention_over_the_dequantized_kv(kind):
     fcache = torch.zeros(8, L, 2, bs, hk, d)
     tables = [[3, 1, 6], [2, 5]]
     q1, k1, v1 = (torch.randn(17, h, d, generator=g) for h in (hq, hk, hk))
-    kq = dequantize_rows(quantize_rows(k1, code), code, torch.float32)
-    vq = dequantize_rows(quantize_rows(v1, code), code, torch.float32)
+    kq = _qdq(k1, code)
+    vq = _qdq(v1, code)
     qa, fa = QuantKVAttention(d ** -0.5, code), TorchAttention(d ** -0.5)
     m = _meta([10, 7], [10, 7], bs, tables)
     got = qa.forward(1, q1, k1, v1, qcache, m)
@@ -53,8 +74,8 @@ def test_attention_equals_float_attention_over_the_dequantized_kv(kind):
     assert torch.allclose(got, want, atol=1e-5)
     q2, k2, v2 = (torch.randn(2, h, d, generator=g) for h in (hq, hk, hk))
     got = qa.forward(1, q2, k2, v2, qcache, _meta([1, 1], [11, 8], bs, tables))
-    want = fa.forward(1, q2, dequantize_rows(quantize_rows(k2, code), code, torch.float32),
-                      dequantize_rows(quantize_rows(v2, code), code, torch.float32), fcache,
+    want = fa.forward(1, q2, _qdq(k2, code),
+                      _qdq(v2, code), fcache,
                       _meta([1, 1], [11, 8], bs, tables))
     assert torch.allclose(got, want, atol=1e-5)
 

@@ -17,7 +17,7 @@ if not K.triton_available():
     pytest.skip("triton cannot run here", allow_module_level=True)
 
 from engine.kernels import reference as R  # noqa: E402
-from engine.quant.kv import CODE_DTYPES, dequantize_rows, quantize_rows  # noqa: E402
+from engine.quant.kv import CODE_DTYPES, quantize, read_cache, slabs  # noqa: E402
 from tests.reference import assert_fp8_codes  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -38,7 +38,9 @@ def _filled(kind, dtype, bs=16, heads=2, d=64, blocks=14):
     k = (torch.randn(blocks * bs, heads, d, generator=g) * 2).to(DEV, dtype)
     v = torch.randn(blocks * bs, heads, d, generator=g).to(DEV, dtype)
     K.store_kv(k, v, cache, 1, torch.arange(blocks * bs, device=DEV))
-    return cache, dequantize_rows(cache.view(torch.uint8), CODE_DTYPES[kind], dtype)
+    deq = torch.zeros(cache.shape[:-1] + (d,), dtype=dtype, device=DEV)
+    deq[:, 1] = read_cache(cache, 1, dtype)
+    return cache, deq
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -47,7 +49,7 @@ def test_store_kv_quantizes_rows_as_the_torch_path(kind, dtype):
     """Codes and scales equal engine.quant.kv.quantize_rows (ties to even for int8; the
     interpreter's own e4m3 rounding quirks aside for fp8); slot -1 writes nothing."""
     cache = _cache(kind, 6, 3, 4, 2, 64)
-    want = cache.clone().view(torch.uint8)
+    want = cache.clone()
     g = torch.Generator().manual_seed(0)
     key = torch.randn(7, 2, 64, generator=g).to(DEV, dtype)
     value = torch.randn(7, 2, 64, generator=g).to(DEV, dtype)
@@ -58,15 +60,18 @@ def test_store_kv_quantizes_rows_as_the_torch_path(kind, dtype):
     K.store_kv(key, value, cache, 1, slots)
     ok = slots >= 0
     blk, off = slots[ok] // 4, slots[ok] % 4
-    want[blk, 1, 0, off] = quantize_rows(key[ok], CODE_DTYPES[kind])
-    want[blk, 1, 1, off] = quantize_rows(value[ok], CODE_DTYPES[kind])
-    got = cache.view(torch.uint8)
-    assert torch.equal(got[..., 64:], want[..., 64:])  # the scales, bit for bit
-    if kind == "int8":
-        assert torch.equal(got, want)
-    else:
-        assert_fp8_codes(got[..., :64], want[..., :64], exact=DEV == "cuda",
-                         ties=dtype == torch.bfloat16)
+    for which, x in ((0, key), (1, value)):
+        codes, scales = slabs(want, 1, which)
+        codes[blk, off], scales[blk, :, off] = quantize(x[ok], CODE_DTYPES[kind])
+    for which in (0, 1):
+        (got_c, got_s), (want_c, want_s) = slabs(cache, 1, which), slabs(want, 1, which)
+        assert torch.equal(got_s, want_s)  # the scales, bit for bit
+        if kind == "int8":
+            assert torch.equal(got_c, want_c)
+        else:
+            assert_fp8_codes(got_c, want_c, exact=DEV == "cuda", ties=dtype == torch.bfloat16)
+    for layer in (0, 2):  # other layers untouched
+        assert not cache.view(torch.uint8)[:, layer].any()
 
 
 @pytest.mark.parametrize("kind", KINDS)
