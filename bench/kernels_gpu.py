@@ -183,8 +183,13 @@ CASES = [
 
 
 SWEEP_CASES = [("bf16", 1, 32768), ("fp8", 1, 32768), ("bf16", 16, 32768),
-               ("fp8", 16, 32768), ("fp8", 64, 4096), ("bf16", 64, 4096)]
-SWEEP_CONFIGS = [(n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+               ("fp8", 16, 32768), ("fp8", 64, 4096), ("bf16", 64, 4096), ("int8", 16, 32768),
+               ("bf16", 64, 512), ("bf16", 256, 512), ("bf16", 1, 512)]
+SWEEP_CONFIGS = {  # per kind: (BLOCK_N, num_warps, num_stages, TYPED, F16)
+    "bf16": [(n, 4, st, False, False) for n in (32, 64, 128) for st in (2, 3)],
+    "fp8": [(n, w, st, ty, f) for n in (64, 128) for w, st in ((4, 2), (4, 3), (8, 2))
+            for ty in (False, True) for f in (False, True)]}
+SWEEP_CONFIGS["int8"] = SWEEP_CONFIGS["fp8"]
 
 
 def decode_sweep(K, R, do_bench) -> list[dict]:
@@ -196,7 +201,7 @@ def decode_sweep(K, R, do_bench) -> list[dict]:
     for kind, batch, ctx in SWEEP_CASES:
         saved = da.DECODE_CONFIG[kvq[kind]]
         try:
-            for cfg in SWEEP_CONFIGS:
+            for cfg in SWEEP_CONFIGS[kind]:
                 da.DECODE_CONFIG[kvq[kind]] = cfg
                 row = {"kind": kind, "batch": batch, "ctx": ctx, "config": list(cfg)}
                 try:

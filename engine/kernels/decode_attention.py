@@ -34,27 +34,33 @@ _INT = (torch.int32, torch.int64)
 # (docs/performance.md, "Triton compiles during serving"). Unspecialized, each kernel
 # compiles once per constexpr set, which warm-up and graph capture reach.
 _VARYING = ["layer", "num_splits", "stride_bt"]
-# (BLOCK_N, num_warps, num_stages) on CUDA per KVQ (0 float, 1 int8, 2 fp8): the float
-# entry as picked on the H200 before; bench/kernels_gpu.py --decode-sweep times the others
-DECODE_CONFIG = {0: (32, 4, 2), 1: (32, 4, 2), 2: (32, 4, 2)}
+# (BLOCK_N, num_warps, num_stages, TYPED, F16) on CUDA per KVQ (0 float, 1 int8, 2 fp8);
+# TYPED / F16 only matter for a quantized cache (kv_tile, _decode_kernel).
+# bench/kernels_gpu.py --decode-sweep times the candidates on the GPU at hand.
+DECODE_CONFIG = {0: (64, 4, 3, False, False), 1: (128, 4, 2, True, True),
+                 2: (128, 4, 2, True, True)}
 
 
 @triton.jit
-def kv_tile(ptrs, scale_ptrs, mask, n_mask, KVQ: tl.constexpr):
+def kv_tile(ptrs, scale_ptrs, mask, n_mask, KVQ: tl.constexpr, TYPED: tl.constexpr):
     """A [N, D] K or V tile and its rows' scales (float32 [N]). KVQ 0, a float cache: the
     tile as stored, scales unused. KVQ 1 / 2: ``ptrs`` point at int8 / e4m3 code bytes, the
-    tile is the codes as int8 / float8e4nv (the caller converts them straight to q's dtype:
-    exact in bf16 / fp16, |int8| <= 127 and every e4m3 value), ``scale_ptrs`` at each row's
-    float32 scale (byte pointers)."""
+    tile is the codes as int8 / float8e4nv (the caller converts them to its compute dtype:
+    exact in bf16 / fp16, |int8| <= 127 and every e4m3 value), loaded through pointers of
+    that type (TYPED) or as bytes then bitcast; ``scale_ptrs`` at each row's float32 scale
+    (byte pointers)."""
     if KVQ == 0:
         tile = tl.load(ptrs, mask=mask, other=0.0)
         scales = tl.zeros(n_mask.shape, tl.float32)
     else:
-        raw = tl.load(ptrs, mask=mask, other=0)
-        if KVQ == 1:
-            tile = raw.to(tl.int8, bitcast=True)
+        if TYPED and KVQ == 1:
+            tile = tl.load(ptrs.to(tl.pointer_type(tl.int8)), mask=mask, other=0)
+        elif TYPED:
+            tile = tl.load(ptrs.to(tl.pointer_type(tl.float8e4nv)), mask=mask, other=0.0)
+        elif KVQ == 1:
+            tile = tl.load(ptrs, mask=mask, other=0).to(tl.int8, bitcast=True)
         else:
-            tile = raw.to(tl.float8e4nv, bitcast=True)
+            tile = tl.load(ptrs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True)
         scales = tl.load(scale_ptrs.to(tl.pointer_type(tl.float32)), mask=n_mask, other=0.0)
     return tile, scales
 
@@ -81,7 +87,7 @@ def _decode_kernel(q_ptr, cache_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, 
                    s_blk, s_layer, s_kv, s_tok, s_head, sc_off, sc_head,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, UPCAST: tl.constexpr, KVQ: tl.constexpr,
-                   ALIGN: tl.constexpr):
+                   ALIGN: tl.constexpr, TYPED: tl.constexpr, F16: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -92,6 +98,8 @@ def _decode_kernel(q_ptr, cache_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, 
     d_mask = d < head_dim
     q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if F16:  # a quantized cache's dots in fp16 (codes convert to it directly)
+        q = q.to(tl.float16)
     ctx = tl.load(ctx_ptr + seq)
     chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -114,9 +122,9 @@ def _decode_kernel(q_ptr, cache_ptr, bt_ptr, ctx_ptr, out_ptr, acc_ptr, ml_ptr, 
             tok_off = tl.multiple_of(tok_off, ALIGN)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k, k_scale = kv_tile(base + tok_off[:, None] + d[None, :], sc_ptrs,
-                             kv_mask, n_mask, KVQ)  # [N, D], [N]
+                             kv_mask, n_mask, KVQ, TYPED)  # [N, D], [N]
         v, v_scale = kv_tile(base + s_kv + tok_off[:, None] + d[None, :], sc_ptrs + s_kv,
-                             kv_mask, n_mask, KVQ)
+                             kv_mask, n_mask, KVQ, TYPED)
         if UPCAST:  # the CPU interpreter's tl.dot mishandles bf16
             q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
         else:
@@ -211,13 +219,16 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                          device=q.device)
     *geom, align = kv_geometry(kv_cache)
     block_d = next_pow2(head_dim)
-    block_n, warps, stages = DECODE_CONFIG[kvq] if q.is_cuda else (32, 4, 1)
+    block_n, warps, stages, typed, f16 = (DECODE_CONFIG[kvq] if q.is_cuda
+                                          else (32, 4, 1, True, False))
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, kv_cache.view(torch.uint8) if kvq else kv_cache, block_tables, context_lens, out,
         acc, ml, int(layer), scale * _LOG2E, group, head_dim, block_size, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *geom,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n, SPLIT=split,
-        UPCAST=not q.is_cuda, KVQ=kvq, ALIGN=align, num_warps=warps, num_stages=stages)
+        UPCAST=not q.is_cuda, KVQ=kvq, ALIGN=align, TYPED=typed,
+        F16=f16 and bool(kvq) and q.dtype != torch.float32,
+        num_warps=warps, num_stages=stages)
     if split:
         _reduce_kernel[(num_seqs, num_heads)](acc, ml, out, num_heads, head_dim, num_splits,
                                               out.stride(0), out.stride(1),

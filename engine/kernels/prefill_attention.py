@@ -37,9 +37,9 @@ def _tile(q, acc, m_i, l_i, kv_base, sc_base, bt_row, s_blk, s_tok, s_kv, lo, hi
             off = tl.multiple_of(off, ALIGN)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k, k_scale = kv_tile(kv_base + off[:, None] + d[None, :], sc_ptrs, kv_mask, n_mask,
-                             KVQ)
+                             KVQ, False)
         v, v_scale = kv_tile(kv_base + s_kv + off[:, None] + d[None, :], sc_ptrs + s_kv,
-                             kv_mask, n_mask, KVQ)
+                             kv_mask, n_mask, KVQ, False)
         if UPCAST:  # the CPU interpreter's tl.dot mishandles bf16
             q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
         else:
