@@ -21,6 +21,9 @@
 #   sweep        bench/gemv_sweep.py: GEMV configs incl. split-K vs cuBLAS                ~3
 #   sparsity     bench/sparsity_gpu.py: 2:4 sparse GEMMs (CUTLASS, cuSPARSELt) vs dense bf16
 #                at Llama-3-8B prefill shapes, M 512/2048/8192 (1 GPU)                      ~1
+#   gptq         bench/gptq_gpu.py: GPTQ rounding per Llama-3-8B projection and format, error
+#                vs round-to-nearest, agreement with the CPU; then tests/gpu/test_gptq_gpu.py
+#                (1 GPU)                                                                    ~2
 #   engine-a     bench/gpu_engine.py section a, 7 variants of split-K / PDL / async decode ~4
 #   engine-best  bench/gpu_engine.py sections d,a,c,b with engine-a's fastest variant       ~3
 #   engine-full  bench/gpu_engine.py sections d,a,c,b with FLAGS=... (and env)             ~3
@@ -78,6 +81,8 @@ for step in "$@"; do
         --out "$OUT/prefill_capacity_gpu_h200.json" ;;
     sweep) run python3 -m bench.gemv_sweep --out "$OUT/gemv_sweep_h200.json" ;;
     sparsity) run python3 -m bench.sparsity_gpu --out "$OUT/sparsity_gpu_h200.json" ;;
+    gptq) run python3 -m bench.gptq_gpu --out "$OUT/gptq_gpu_h200.json"
+      run python3 -m pytest -q -m gpu tests/gpu/test_gptq_gpu.py -p no:cacheprovider ;;
     engine-a)  # section a only, few graph buckets; one process per variant
       for v in base splitk pdl async splitk_pdl pdl_async splitk_pdl_async; do
         env $(variant_env $v) python3 -m bench.gpu_engine --sections a --max-num-seqs 8 \

@@ -3,11 +3,15 @@
     pdserve quantize --plan --out plan.json [--model smollm2-135m] [--low int4 --high int8]
         [--budget 0.15] [--windows 2 --window 128] [--corpus FILE]
     pdserve quantize --gptq int4|int8|fp8 --out w.safetensors [--from-plan plan.json]
-        [--windows 32 --window 256]
+        [--windows 32 --window 256] [--device cuda]
 
-Both run on the corpus's tune part (pdserve eval reports on the held-out part). The engine
-loads a plan with ``--quantization-plan plan.json`` and calibrated weights with
-``--quantized-weights w.safetensors`` (engine/quant/calibrated.py).
+Both run on the corpus's tune part (pdserve eval reports on the held-out part), on the float
+engine's device (``--device``, else the engine setting: PDSERVE_DEVICE, ``--base
+device=...``, or auto: cuda when a GPU is visible); GPTQ's Hessians and rounding run there
+too. The engine scores one window at a time, so its KV cache is sized for one (on a GPU the
+memory is left to the Hessians). The engine loads a plan with ``--quantization-plan
+plan.json`` and calibrated weights with ``--quantized-weights w.safetensors``
+(engine/quant/calibrated.py).
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="the plan (--plan) or weights (--gptq) file")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--base", default="", help="engine settings k=v,... of the float model")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (over --base) [the engine setting, auto]")
     p.add_argument("--low", default="int4", choices=("int4", "int8", "fp8"))
     p.add_argument("--high", default="int8", choices=("int8", "fp8", "none"))
     p.add_argument("--budget", type=number(0.0), default=0.15,
@@ -60,11 +66,16 @@ def _setup(p, a):
             raise ValueError("quantize starts from the unquantized model")
         pairs["enforce_eager"] = "true"  # projections are swapped after loading
         pairs["cpu_packed"] = "false"  # every projection runs its module
+        if a.device:
+            pairs["device"] = a.device
+        # one window scored at a time: a KV cache for one (not 90% of a GPU)
+        pairs.setdefault("max_num_seqs", "1")
+        pairs.setdefault("max_model_len", str(a.window))
         cfg = engine_config_of(a.model, pairs)
         corpus = load_corpus(a.corpus, a.corpus_sha256)
+        llm = LLM.from_config(cfg)  # e.g. device cuda without a GPU: one error line
     except ValueError as e:
         p.error(str(e))
-    llm = LLM.from_config(cfg)
     ids = llm.tokenizer.encode(corpus.part("tune"))
     try:
         windows = [w[:-1] for w in pick_windows(ids, a.window, a.windows)]

@@ -3,7 +3,8 @@
 :func:`gptq_calibrate` scores calibration windows through a loaded float engine
 (LLMEngine.score) with a :class:`engine.quant.gptq.HessianCollector` on every projection, then
 swaps each projection for the format its plan names, rounded by GPTQ (int4, int8, fp8);
-none is left alone.
+none is left alone. Both run on the engine's device (``device``: ``pdserve quantize --device
+cuda``): the Hessians and the rounding there, the quantized modules stay there.
 
 The result is saved as one safetensors file of the quantized projections, keyed by plan
 names (``layers.<i>.<qkv|o|gate_up|down>.<q|scale|zero|bias>``), its header holding
@@ -36,6 +37,7 @@ def gptq_calibrate(engine, windows: list[list[int]], plan: QuantPlan, progress=N
     """Quantize ``engine``'s float model in place per ``plan``; returns the calibration's
     description (tokens, time, formats)."""
     model = engine.runner.model
+    device = next(model.parameters()).device
     projs = list(projections(model))
     if any(isinstance(getattr(p, a), QuantLinear) for _, p, a in projs):
         raise ValueError("calibration starts from an unquantized model (quantization none)")
@@ -59,13 +61,15 @@ def gptq_calibrate(engine, windows: list[list[int]], plan: QuantPlan, progress=N
         if fmt == "none":
             continue
         w = lin.weight.detach()
-        qw = (gptq_quantize(w.float().cpu(), col.h[name], fmt) if fmt in GPTQ_FORMATS
+        # rounded on the engine's device (the weight's); each H is dropped once used
+        qw = (gptq_quantize(w.float(), col.h.pop(name), fmt) if fmt in GPTQ_FORMATS
               else QUANTIZERS[fmt](w))
-        qw = {k: v.to(w.device) if isinstance(v, torch.Tensor) else v for k, v in qw.items()}
         bias = None if lin.bias is None else lin.bias.detach().clone()
         setattr(parent, attr, QuantLinear(qw, bias, lin.out_features))
         if progress:
             progress(f"{name}: {fmt}")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # quantize_s counts the GPU's work, not its launches
     return {"method": "gptq", "tokens": sum(len(w) for w in windows), "windows": len(windows),
             "calibration_s": round(calib_s, 2),
             "quantize_s": round(time.perf_counter() - t0 - calib_s, 2),
