@@ -23,6 +23,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import random
 import statistics
@@ -47,7 +49,12 @@ FIGURES = [
     harness.Figure("step time added for unconstrained rows (half constrained)", "%",
                    ("steps", "unconstrained_overhead_pct"), format=".2f"),
 ]
-FOREVER = r'(\{"k":"[a-z ]{1,12}","n":[0-9]{1,3}\},)+'  # a constrained row that never ends
+# a constrained row that never ends (here): the grammar accepts only after 100 records, over
+# 1,000 tokens. With ``(...)+`` it accepted after each record, and EOS may follow then: on the
+# zero-weight models of the GPU runs (all logits equal) a greedy row takes the lowest allowed
+# id, EOS (2), after its first record (13 tokens), and uniform draws end ~90% of the rows
+# within 68 tokens, so those mixes measured shrinking batches
+FOREVER = r'(\{"k":"[a-z ]{1,12}","n":[0-9]{1,3}\},){100,}'
 
 
 def schemas() -> list[dict]:
@@ -198,20 +205,45 @@ def _p10(xs):
     return xs[len(xs) // 10] if xs else None
 
 
-def _mix(eng, a, k: int, tag: str) -> float:
-    """Median step time (s) of --batch rows, ``k`` of them constrained."""
+@contextlib.contextmanager
+def lockstep(eng, on: bool = True):
+    """With ``on``: async decode off meanwhile (no step launched before the previous one's
+    tokens are read), the engine's behaviour for constrained rows before issue 25's fix."""
+    old = eng.config
+    if on:
+        eng.config = eng.runner.config = dataclasses.replace(old, async_decode=False)
+    try:
+        yield
+    finally:
+        eng.config = eng.runner.config = old
+
+
+def add_mix(eng, a, k: int, tag: str) -> list[str]:
+    """Add --batch requests, ``k`` of them constrained; their ids."""
     from engine import Constraint, SamplingParams
     prompt = eng.encode("Write a list of records:")
-    for i in range(a.batch):
+    ids = [f"{tag}-{i}" for i in range(a.batch)]
+    for i, rid in enumerate(ids):
         c = Constraint("regex", FOREVER) if i < k else None
-        eng.add_request(f"{tag}-{i}", prompt, SamplingParams(
+        eng.add_request(rid, prompt, SamplingParams(
             max_tokens=a.steps + 4, temperature=a.temperature, seed=i, ignore_eos=True,
             constraint=c))
+    return ids
+
+
+def _mix(eng, a, k: int, tag: str, info: dict) -> float:
+    """Median step time (s) of --batch rows, ``k`` of them constrained; ``info``: the steps
+    timed, steps launched ahead (async decode) and rows that ended before max_tokens."""
+    add_mix(eng, a, k, tag)
     times, clock = [], _clock(a)
+    chained, early = eng.chained_steps, 0
     while eng.has_work:
         t0 = clock()
-        eng.step()  # returns once the step's tokens are on the host (CUDA synchronised)
+        outs = eng.step()  # returns once the step's tokens are on the host (CUDA synchronised)
         times.append(clock() - t0)
+        early += sum(1 for o in outs if o.finished and o.finish_reason.value != "length")
+    info.update(steps=len(times), timed=len(times[3:-2]), ended_early=early,
+                chained=eng.chained_steps - chained)
     return _med(times[3:-2])
 
 
@@ -255,19 +287,36 @@ def _batch_copy(eng, a) -> float:
     return _p10(ts)
 
 
-def steps_section(a) -> dict:
-    eng = _engine(a)
-    mixes = {"none": 0, "one": 1, "half": a.batch // 2, "all": a.batch}
+def mixes_of(eng, batch: int) -> dict[str, tuple[int, bool]]:
+    """Mix name -> (constrained rows, lockstep). With async decode (a GPU), the none and all
+    mixes again in lockstep: what launching steps ahead saves, and the engine before issue
+    25's fix (a constrained row kept its whole batch in lockstep)."""
+    mixes = {"none": (0, False), "one": (1, False), "half": (batch // 2, False),
+             "all": (batch, False)}
+    if eng.config.async_decode:
+        mixes.update(none_lockstep=(0, True), all_lockstep=(batch, True))
+    return mixes
+
+
+def steps_section(a, eng=None) -> dict:
+    eng = eng or _engine(a)
+    mixes = mixes_of(eng, a.batch)
     runs: dict[str, list[float]] = {m: [] for m in mixes}
-    _mix(eng, a, 0, "warm")
+    info: dict[str, dict] = {m: {} for m in mixes}  # of the last repeat
+    _mix(eng, a, 0, "warm", {})
     for r in range(a.repeats):
-        for name, k in (mixes.items() if r % 2 == 0 else reversed(mixes.items())):
-            runs[name].append(_mix(eng, a, k, f"{name}{r}"))
+        for name, (k, ls) in (mixes.items() if r % 2 == 0 else reversed(mixes.items())):
+            with lockstep(eng, ls):
+                runs[name].append(_mix(eng, a, k, f"{name}{r}", info[name]))
     step = {m: min(v) for m, v in runs.items()}
-    mask = {m: _mask_only(eng, a, k) if k else 0.0 for m, k in mixes.items()}
+    by_k = {k: _mask_only(eng, a, k) if k else 0.0 for k, _ in set(mixes.values())}
+    mask = {m: by_k[k] for m, (k, _) in mixes.items()}
     base = step["none"]
     copy = _batch_copy(eng, a)
-    out = {"batch_copy_ms": 1e3 * copy, "batch_copy_share_pct": 100 * copy / base,"batch": a.batch, "step_ms": {m: 1e3 * v for m, v in step.items()},
+    out = {"batch_copy_ms": 1e3 * copy, "batch_copy_share_pct": 100 * copy / base,
+           "batch": a.batch, "temperature": a.temperature, "grammar": FOREVER,
+           "async_decode": bool(eng.config.async_decode), "mix_steps": info,
+           "step_ms": {m: 1e3 * v for m, v in step.items()},
            "step_ms_runs": {m: [round(1e3 * x, 2) for x in v] for m, v in runs.items()},
            "mask_ms": {m: 1e3 * v for m, v in mask.items()},
            "mask_share_pct": {m: 100 * mask[m] / base for m in mixes},
@@ -289,8 +338,8 @@ def add_step_args(ap: argparse.ArgumentParser, batch: int) -> None:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--mask-repeats", type=int, default=50)
     ap.add_argument("--temperature", type=float, default=0.8,
-                    help="every row's; 0: greedy (unconstrained greedy batches may chain "
-                         "steps ahead on a GPU, which a constrained row turns off)")
+                    help="every row's; 0: greedy (greedy batches chain steps ahead on a "
+                         "GPU, async decode; constrained ones too since issue 25's fix)")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -322,9 +322,12 @@ class LLMEngine:
         With ``async_decode``, when the next step cannot differ from this one (same running
         sequences, one token each, greedy, nothing waiting) it is launched before this one's
         tokens are read, so the device never waits for the host; the following call then
-        returns the launched step's outputs without scheduling (see :meth:`_launch_ahead`)."""
+        returns the launched step's outputs without scheduling (see :meth:`_launch_ahead`).
+        A launched step with logits processors (structured output's masks) is sampled at
+        the start of that call, once the tokens its masks depend on were read."""
         if self._ahead is not None:
             handle, self._ahead = self._ahead, None
+            self.runner.sample_pending(handle)  # its masks follow the tokens read last call
             self._ahead = self._launch_ahead(handle)
             return self._finish(handle)
         sched = self.scheduler.schedule()

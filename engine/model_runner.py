@@ -18,6 +18,7 @@ from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAt
 from engine.layers.sampler import Sampler, SamplingBatch, sample_seed
 from engine.models.registry import model_class
 from engine.scheduler import SchedulerOutput
+from engine.sequence import SeqStatus
 from engine.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
@@ -339,8 +340,37 @@ class ModelRunner(CudaGraphsMixin):
         if batch.plain or self.device.type != "cuda":
             tokens, lps, tops = res.to_host()
             return StepHandle(out, sampled, tokens=tokens, logprobs=lps, top_logprobs=tops)
+        return self._queue_copy(StepHandle(out, sampled), res)
+
+    @staticmethod
+    def _queue_copy(h: StepHandle, res) -> StepHandle:
+        """``h`` reads ``res`` (GPU) through pinned host copies; with every row of its step
+        sampled, the tokens also stay on the device (``h.greedy``) for a step launched after
+        it (launch_next) to take as input, without waiting for them."""
+        if len(h.sampled_ids) == len(h.sched.scheduled):
+            h.greedy = res.tokens
         res.start_copy()
-        return StepHandle(out, sampled, sample=res)
+        h.sample = res
+        return h
+
+    def sample_pending(self, h: StepHandle) -> None:
+        """Sample a chained step launched with its sampling left for later (``h.pending``),
+        once the engine has read the step before it: each row's processors then see its
+        state after that step's token (its grammar matcher has consumed it, penalties and
+        min_tokens count it), as in lockstep. Rows whose request ended meanwhile are thrown
+        away by the engine; they are not masked (their matcher may be done or broken)."""
+        logits, h.pending = h.pending, None
+        if logits is None:
+            return
+        batch = self._sampling_batch(h.sched, every_row=True)
+        items = h.sched.scheduled
+        batch.masks = [(i, m) for i, m in batch.masks
+                       if items[i].seq.status is SeqStatus.RUNNING]
+        res = self.sampler(logits, batch)
+        if self.device.type != "cuda":
+            h.tokens = res.to_host()[0]
+        else:
+            self._queue_copy(h, res)
 
     def _seeded_generator(self, seed: int, drawn: int) -> torch.Generator:
         """A request's generator, as it is after its first ``drawn`` samples: a request whose
@@ -413,29 +443,38 @@ class ModelRunner(CudaGraphsMixin):
         Row i's input is the token prev sampled for its row keep[i]. Later rows are
         sequences that joined since (one token to compute, their input the last token they
         hold). Only greedy, logprob-free steps where every row of prev sampled chain;
-        returns None (nothing launched) otherwise."""
+        returns None (nothing launched) otherwise. A step whose logits are processed (a
+        grammar's mask, penalties, logit_bias, min_tokens) is left unsampled (``pending``):
+        the engine samples it with :meth:`sample_pending` once prev is read, while its
+        forward pass runs."""
         if keep is None:
             keep = list(range(len(prev.sampled_ids)))
         if not self.config.async_decode or prev.rows is not None or not keep \
+                or prev.pending is not None \
                 or len(keep) > len(out.scheduled) \
                 or any(prev.sampled_ids[j] != item.seq.request_id
                        for j, item in zip(keep, out.scheduled)):
             return None
         batch = self._sampling_batch(out, every_row=True)
-        if not batch.plain:
+        if not batch.argmax_only:
             return None
         ids = [item.seq.request_id for item in out.scheduled]
         if prev.greedy is not None:
             if not self._can_graph(out):
                 return None
-            _, greedy, host, landed = self._graph_step(out, prev, keep)
+            logits, greedy, host, landed = self._graph_step(out, prev, keep)
+            if not batch.plain:
+                return StepHandle(out, ids, chained=True, pending=logits)
             return StepHandle(out, ids, greedy=greedy, host=host, event=landed, chained=True)
         if prev.tokens is None:
             return None
         x, pos, meta, rows = self.prepare(out, next_ids=[prev.tokens[j] for j in keep])
         self.eager_steps += 1
         hidden = self.model(x, pos, self.kv_cache, meta, self.backend)
-        tokens, _, _ = self.sampler(self.model.compute_logits(hidden[rows]), batch).to_host()
+        logits = self.model.compute_logits(hidden[rows])
+        if not batch.plain:
+            return StepHandle(out, ids, chained=True, pending=logits)
+        tokens, _, _ = self.sampler(logits, batch).to_host()
         return StepHandle(out, ids, tokens=tokens, chained=True)
 
     @torch.inference_mode()
@@ -450,6 +489,7 @@ class ModelRunner(CudaGraphsMixin):
     def collect(self, h: StepHandle) -> tuple[dict[str, int], dict[str, float], dict]:
         """``{request_id: token}``, ``{request_id: logprob}`` and ``{request_id: top
         logprobs}`` of a launched step (waits for a device-side step to finish)."""
+        self.sample_pending(h)  # (the engine samples a chained step before it reads it)
         if h.sample is not None:
             h.tokens, h.logprobs, h.top_logprobs = h.sample.to_host()
             h.sample = None

@@ -17,7 +17,11 @@ from engine.scheduler import SchedulerOutput
 class StepHandle:
     """A launched step. Its tokens are known at launch (eager paths, sampling on the host) or
     still on the device (greedy CUDA-graph steps: ``greedy`` is the device argmax, copied to
-    the pinned ``host`` buffer; ``event`` completes when that copy has landed)."""
+    the pinned ``host`` buffer; ``event`` completes when that copy has landed; a GPU step
+    whose sampler ran: ``sample``, and ``greedy`` its tokens on the device when every row
+    sampled, which a step launched after it takes as its input). A chained greedy step
+    whose logits are processed (a grammar's mask, penalties) is launched with its sampling
+    left for later: ``pending`` holds its logits until ModelRunner.sample_pending."""
     sched: SchedulerOutput
     sampled_ids: list[str]
     rows: list[int] | None = None  # graph paths: the rows of ``greedy`` that sampled (None: all)
@@ -29,3 +33,4 @@ class StepHandle:
     top_logprobs: list | None = None  # per row: [(token, logprob), ...] or None
     sample: SampleOutput | None = None  # samples still on the device (read by collect)
     chained: bool = False  # launched by launch_next, before the previous step's tokens were read
+    pending: torch.Tensor | None = None  # logits not sampled yet (see above)

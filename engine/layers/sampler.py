@@ -66,10 +66,14 @@ class SamplingBatch:
         return bool(self.bias or self.banned or self.penalties or self.masks)
 
     @property
+    def argmax_only(self) -> bool:
+        """The tokens are the argmax of the (processed) logits and nothing else is asked for."""
+        return self.all_greedy and not self.want_logprobs and not any(self.top_logprobs)
+
+    @property
     def plain(self) -> bool:
         """The tokens are the argmax of the raw logits and nothing else is asked for."""
-        return (self.all_greedy and not self.want_logprobs and not self.processed
-                and not any(self.top_logprobs))
+        return self.argmax_only and not self.processed
 
     @classmethod
     def from_seqs(cls, seqs, generators: list, eos_token_ids) -> "SamplingBatch":

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, Constraint, SamplingParams
 from engine.request import FinishReason
 
 
@@ -59,6 +59,31 @@ def test_sampling_and_logprobs_do_not_chain(pair):
     ahead.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, logprobs=True,
                                                ignore_eos=True))
     assert ahead.engine.chained_steps == before
+
+
+def test_greedy_rows_with_processed_logits_chain_with_lockstep_tokens(pair):
+    """Greedy rows whose logits are processed (a grammar's mask, penalties, logit_bias,
+    min_tokens) chain too (issue 25: a constrained row used to stop the chain for its whole
+    batch): the launched step is sampled once the step before it is read, so a mask follows
+    the token its matcher just consumed, and a row its grammar ends mid-chain is dropped."""
+    sync, ahead = pair
+    words = Constraint("regex", "[a-z]{2,5}( [a-z]{2,5}){1,2}\\.")
+    digits = Constraint("regex", "[0-9]{40,60}")
+    sps = [SamplingParams(max_tokens=30, temperature=0, constraint=words),
+           SamplingParams(max_tokens=22, temperature=0, ignore_eos=True, constraint=digits),
+           SamplingParams(max_tokens=14, temperature=0, ignore_eos=True,
+                          repetition_penalty=1.5, presence_penalty=0.7),
+           SamplingParams(max_tokens=12, temperature=0, min_tokens=9, logit_bias=((65, 3.0),)),
+           SamplingParams(max_tokens=18, temperature=0, ignore_eos=True)]
+    prompts = [[3, 4, 5], [9, 8, 7, 6], [11, 12], [40, 41, 42], [60, 61]]
+    before = ahead.engine.chained_steps
+    got = _run(ahead, prompts, sps)
+    assert got == _run(sync, prompts, sps)
+    assert got[0][1] is FinishReason.STOP and got[0][2].endswith(".")  # the grammar ended it
+    assert got[1][2].isdigit() and len(got[1][0]) == 22
+    assert ahead.engine.chained_steps - before >= 15
+    bm = ahead.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not ahead.engine.has_work
 
 
 def test_abort_while_a_step_is_in_flight_holds_its_blocks_until_read():
