@@ -35,9 +35,12 @@ _INT = (torch.int32, torch.int64)
 # compiles once per constexpr set, which warm-up and graph capture reach.
 _VARYING = ["layer", "num_splits", "stride_bt"]
 # (BLOCK_N, num_warps, num_stages, TYPED, F16) on CUDA per KVQ (0 float, 1 int8, 2 fp8);
-# TYPED / F16 only matter for a quantized cache (kv_tile, _decode_kernel).
-# bench/kernels_gpu.py --decode-sweep times the candidates on the GPU at hand.
-DECODE_CONFIG = {0: (64, 4, 3, False, False), 1: (128, 4, 2, True, True),
+# TYPED / F16 only matter for a quantized cache (kv_tile, _decode_kernel). Picked on the
+# H200 by bench/kernels_gpu.py --decode-sweep (set kernels_gpu/h200-kvslab, 2026-12-03):
+# bf16 64 / 3 stages within 5% of the best at every batch and context timed (32 / 2 was up
+# to 31% slower at 32k context); fp8 128 / 2 with fp16 dots (codes convert to fp16 in one
+# instruction; 10-15% faster than bf16 dots); int8 64 / 2 in q's dtype (fp16 dots slower).
+DECODE_CONFIG = {0: (64, 4, 3, False, False), 1: (64, 4, 2, False, False),
                  2: (128, 4, 2, True, True)}
 
 

@@ -62,8 +62,9 @@ def test_gpu_rounding_agrees_with_the_cpu_and_beats_round_to_nearest(fmt, act_or
     same = (_codes(gpu).cpu() == _codes(cpu)).float().mean().item()
     assert same > 0.98, same
     sg, sc = gpu["scale"].cpu(), cpu["scale"]
-    if act_order or fmt != "int4":  # ranges from the original weights: the same floats
-        assert torch.equal(sg, sc)
+    if act_order or fmt != "int4":  # ranges from the original weights: the same up to the
+        # last bit (the GPU's amax / reciprocal rounding, H200 2026-12-03)
+        torch.testing.assert_close(sg, sc, rtol=1e-6, atol=0)
     else:
         assert ((sg - sc).abs() <= 1e-3 * sc.abs()).float().mean().item() > 0.95
     held = _inputs(k, 1024, seed=3)
