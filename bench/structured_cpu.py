@@ -17,8 +17,9 @@
    rows, the mask work of one step (fill the bitmasks + apply them: Sampler.process with only
    the masks). A shared 2-core machine's other jobs stretch single timings by 10x and more:
    the figures are the fastest run's median step time per mix and the 10th percentile of
-   the mask timings (all timings are in the JSON). Targets: mask <= 5% of the step for constrained rows; unconstrained rows in the
-   same batch <= 1% (they are never read for it: what they pay is the batch-wide step).
+   the mask timings (all timings are in the JSON). Targets: mask <= 5% of the step for
+   constrained rows; unconstrained rows in the same batch <= 1% (they are never read for
+   it: what they pay is the batch-wide step).
 """
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ shapes only (never from device values), so the launch is CUDA-graph safe.
 
 A quantized cache (int8 / fp8 codes and a float32 scale per token and head, in the slab
 layout of engine.kernels._checks) is read as bytes: each K/V tile's codes (16-byte loads of
-head_dim-aligned rows) are converted in registers and its rows' scales fold into the scores (K: s[:, n] * k_scale[n]) and the probabilities (V:
-p[:, n] * v_scale[n]), so no dequantized tile is ever written. ``kv_tile`` is shared with
-the prefill kernel.
+head_dim-aligned rows) are converted in registers and its rows' scales fold into the
+scores (K: s[:, n] * k_scale[n]) and the probabilities (V: p[:, n] * v_scale[n]), so no
+dequantized tile is ever written. ``kv_tile`` is shared with the prefill kernel.
 """
 from __future__ import annotations
 

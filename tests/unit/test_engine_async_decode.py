@@ -27,7 +27,8 @@ def _run(llm, prompts, params):
 
 def test_same_tokens_as_stepping_in_lockstep(pair):
     sync, ahead = pair
-    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (1, 2, 3, 9, 17)]
+    greedy = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+              for n in (1, 2, 3, 9, 17)]
     prompts = [[3, 4, 5], list(range(10, 31)), [7] * 9, [40, 41], list(range(50, 63))]
     before = ahead.engine.chained_steps
     assert _run(ahead, prompts, greedy) == _run(sync, prompts, greedy)
