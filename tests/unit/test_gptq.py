@@ -133,3 +133,21 @@ def test_quantize_cli_writes_gptq_weights(tmp_path, capsys):
     assert all(t.dtype in (torch.int8, torch.float32) for t in tensors.values())
     with pytest.raises(SystemExit):  # one mode at a time
         main(["--gptq", "int4", "--plan", "--out", out])
+
+
+def test_default_calibration_covers_the_widest_projection():
+    """pdserve quantize --gptq without --windows: 32 windows, or enough windows that the
+    tokens are 1.25x the widest projection's inputs (Llama-3-8B's down: 14336 inputs ->
+    71 windows of 256, 17,960 tokens; fewer tokens than inputs leave H rank-deficient)."""
+    from types import SimpleNamespace as NS
+
+    from pdserve.quantize_cli import gptq_windows
+
+    def model(k_down):
+        lin = lambda k: torch.nn.Linear(k, 4, bias=False)  # noqa: E731
+        layer = NS(self_attn=NS(qkv_proj=lin(64), o_proj=lin(64)),
+                   mlp=NS(gate_up_proj=lin(64), down_proj=lin(k_down)))
+        return NS(layers=[layer])
+    assert gptq_windows(model(1536), 256) == 32  # SmolLM2's widest: the old default
+    n = gptq_windows(model(14336), 256)
+    assert n * 255 >= 1.25 * 14336 and (n - 1) * 255 < 1.25 * 14336
