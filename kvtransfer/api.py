@@ -47,6 +47,12 @@ _DTYPES = {
     "int8": torch.int8,
     "uint8": torch.uint8,
 }
+# Packed caches: the tensor's bytes follow a format its dtype alone does not describe (the
+# engine's quantized KV cache: per block, layer and K/V, the codes then the float32 scales;
+# engine.quant.kv). The layout names the format, so two workers whose formats differ (also
+# builds from before this format) refuse each other's blocks instead of misreading them.
+PACKED_DTYPES = {"int8/slab": torch.int8, "fp8/slab": torch.float8_e4m3fn}
+_DTYPES.update(PACKED_DTYPES)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -89,8 +95,13 @@ class KVLayout:
         return numel * self.torch_dtype.itemsize
 
     @classmethod
-    def from_cache(cls, cache: torch.Tensor, block_size: int | None = None) -> KVLayout:
-        """Layout of a block-major cache tensor (``block_size`` is checked when given)."""
+    def from_cache(cls, cache: torch.Tensor, block_size: int | None = None,
+                   packed: str | None = None) -> KVLayout:
+        """Layout of a block-major cache tensor (``block_size`` is checked when given);
+        ``packed`` names the format of a packed cache (PACKED_DTYPES) of that dtype."""
+        if packed is not None and PACKED_DTYPES.get(packed) != cache.dtype:
+            raise ValueError(f"packed format {packed!r} is not one of a {cache.dtype} cache "
+                             f"({sorted(k for k, v in PACKED_DTYPES.items() if v == cache.dtype)})")
         if cache.dim() != 6 or cache.shape[2] != 2:
             raise ValueError(
                 "KV cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, "
@@ -99,11 +110,12 @@ class KVLayout:
         _, layers, _, bs, heads, head_dim = cache.shape
         if block_size is not None and bs != block_size:
             raise ValueError(f"cache block_size is {bs}, expected {block_size}")
-        return cls(layers, heads, head_dim, bs, dtype_name(cache.dtype))
+        return cls(layers, heads, head_dim, bs, packed or dtype_name(cache.dtype))
 
     def validate(self, cache: torch.Tensor, *, need_contiguous_cpu: bool = False) -> None:
         """Raise ValueError unless ``cache`` is a block-major cache with this layout."""
-        actual = KVLayout.from_cache(cache)
+        actual = KVLayout.from_cache(cache,
+                                     packed=self.dtype if self.dtype in PACKED_DTYPES else None)
         if actual != self:
             raise ValueError(f"cache layout {actual} does not match {self}")
         if need_contiguous_cpu and (cache.device.type != "cpu" or not cache.is_contiguous()):

@@ -31,6 +31,7 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
     from decode_worker.servicer import DecodeServicer
     from engine.async_engine import AsyncEngine
     from engine.engine import LLMEngine
+    from engine.quant.kv import PACKED_KV
     from kvtransfer import KVLayout, make_receiver, make_sender
     from kvtransfer.registry import options_from_env
     from prefill_worker.servicer import PrefillServicer
@@ -57,7 +58,7 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
     aengine = AsyncEngine(engine)
     await aengine.start()
     cache = engine.runner.kv_cache
-    layout = KVLayout.from_cache(cache, settings.block_size)
+    layout = KVLayout.from_cache(cache, settings.block_size, packed=PACKED_KV.get(cache.dtype))
     metrics = WorkerMetrics(role)
     metrics.export_config(shown)
     runtime = WorkerRuntime(settings, aengine, engine.model_id, metrics=metrics, tls=tls)

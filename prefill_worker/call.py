@@ -175,8 +175,8 @@ class PrefillCall:
             raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
                            f"KV layout of the decode worker does not match this worker's: "
                            f"{_layout_text(layout)} there, {_layout_text(self.env.layout)} "
-                           "here (kv_dtype int8 / fp8: head_dim + 4 bytes per token and head, "
-                           "codes and scale)")
+                           "here (kv_dtype int8 / fp8: int8/slab, fp8/slab, head_dim + 4 bytes "
+                           "per token and head)")
         # blocks carry every KV head whatever either side's TP size (engine.parallel.driver)
         tp, start, end = heads_from_proto(pb)
         mine = self.env.engine.kv_heads

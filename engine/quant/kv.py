@@ -26,14 +26,16 @@ from engine.layers.attention import AttentionBackend, _sdpa
 
 SCALE_BYTES = 4
 CODE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+# the name of this layout in a KV transfer's layout (kvtransfer.api.PACKED_DTYPES), per dtype
+PACKED_KV = {torch.int8: "int8/slab", torch.float8_e4m3fn: "fp8/slab"}
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 # a scale is max|x| times the float32 reciprocal of qmax, not max|x| / qmax: torch on CUDA
 # divides by a Python scalar as a multiplication by its reciprocal, so only the product
 # gives the same bits on the CPU, on CUDA and in the Triton store (engine.kernels.cache)
 INV_QMAX = {dt: float(torch.tensor(1.0 / q, dtype=torch.float32)) for dt, q in _QMAX.items()}
 
-__all__ = ["SCALE_BYTES", "CODE_DTYPES", "quantize", "dequantize", "slabs", "read_cache",
-           "QuantKVAttention"]
+__all__ = ["SCALE_BYTES", "CODE_DTYPES", "PACKED_KV", "quantize", "dequantize", "slabs",
+           "read_cache", "QuantKVAttention"]
 
 
 def quantize(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from engine.layers.attention import AttentionMetadata, TorchAttention
-from engine.quant.kv import CODE_DTYPES, QuantKVAttention, dequantize, quantize, slabs
+from engine.quant.kv import (CODE_DTYPES, PACKED_KV, QuantKVAttention, dequantize, quantize,
+                              slabs)
 
 
 @pytest.mark.parametrize("kind,rel", [("int8", 0.5 / 127), ("fp8", 1 / 16)])
@@ -93,11 +94,16 @@ def test_engine_with_a_quantized_kv_cache(kind):
     want = [o.token_ids for o in base.generate(prompts, sp)]
     got = [o.token_ids for o in llm.generate(prompts, sp)]
     assert [g[:3] for g in got] == [w[:3] for w in want]
-    # the layout two workers compare at the handshake tells the formats apart
-    lq = KVLayout.from_cache(r.kv_cache)
+    # the layout two workers compare at the handshake tells the formats apart, and names
+    # the slab format (a build whose cache said "float8_e4m3fn" / "int8" is refused)
+    lq = KVLayout.from_cache(r.kv_cache, packed=PACKED_KV[r.kv_cache.dtype])
     lf = KVLayout.from_cache(base.engine.runner.kv_cache)
     assert lq != lf and lq.head_dim == mc.head_dim + 4
-    assert lq.dtype == {"int8": "int8", "fp8": "float8_e4m3fn"}[kind]
+    assert lq.dtype == {"int8": "int8/slab", "fp8": "fp8/slab"}[kind]
+    assert lq != KVLayout.from_cache(r.kv_cache)
+    lq.validate(r.kv_cache)
+    with pytest.raises(ValueError, match="packed format"):
+        KVLayout.from_cache(base.engine.runner.kv_cache, packed="fp8/slab")
     # block bytes: 8-bit codes + a 4-byte scale per row, against float32's 4 bytes a value
     assert lq.block_bytes * 4 * mc.head_dim == lf.block_bytes * (mc.head_dim + 4)
 
