@@ -10,12 +10,12 @@ after a warm-up; every kernel's output is checked against the torch reference fi
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 
 from pdserve.benchlib import harness
+from pdserve.benchlib.cuda_timing import event_median_s as _time
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
@@ -24,19 +24,6 @@ FIGURES = [harness.Figure(f"{f} GEMV gate_up, batch 1", "GB/s",
            for f in ("bf16", "int8", "int4", "fp8")]
 
 
-def _time(fn, reps=50, warm=10) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
 
 
 def main(argv=None) -> dict:

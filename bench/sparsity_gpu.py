@@ -36,7 +36,6 @@ model's quality needs a model trained or fine-tuned for 2:4 sparsity, not measur
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -44,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.benchlib import harness
+from pdserve.benchlib.cuda_timing import event_median_s as _time
 
 # Llama-3-8B: hidden 4096, intermediate 14336, 32 heads and 8 KV heads of 128
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -72,20 +72,6 @@ def prune_2_4(w: torch.Tensor) -> torch.Tensor:
     return (groups * mask).reshape(w.shape)
 
 
-def _time(fn, reps: int, warm: int) -> float:
-    """Median seconds of ``fn`` over ``reps`` CUDA-event timed calls after ``warm`` calls."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
 
 
 def _error_text(e: BaseException) -> str:
