@@ -15,7 +15,6 @@ max |difference| to the expanded-SDPA result, or the error it raised.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 
 from engine.kernels.prefill_attention import paged_prefill_attention
 from pdserve.benchlib import harness
+from pdserve.benchlib.cuda_timing import event_median_s
 
 HQ, HK, D, BS = 32, 8, 128, 16
 FIGURES = [
@@ -33,18 +33,9 @@ FIGURES = [
 
 
 def timed(fn, reps):
-    for _ in range(3):
-        out = fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return out, statistics.median(times)
+    """fn's output and its median ms over ``reps`` CUDA-event timed calls (3 warm-ups)."""
+    out = fn()
+    return out, event_median_s(fn, reps, warm=2) * 1e3
 
 
 def paged_cache(k, v):
