@@ -46,6 +46,7 @@ class EngineStats:
     graph_steps: int = 0
     mixed_graph_steps: int = 0
     eager_steps: int = 0
+    chained_steps: int = 0  # steps launched before the one before was read (async_decode)
     # blocks with references that no request of the engine holds (a bookkeeping bug if > 0)
     kv_blocks_orphaned: int = 0
     # request id -> blocks it holds, for every request the engine knows (owners check it:
@@ -358,35 +359,38 @@ class LLMEngine:
             self.progress.extend(items)
 
     def _launch_ahead(self, prev: StepHandle) -> StepHandle | None:
-        """Launch the step after ``prev`` now, before ``prev``'s tokens are read, if nothing
-        waits. Its rows: ``prev``'s sequences still running and below their length limit
-        after ``prev``, each computing one token (its input is ``prev``'s token for it, still
-        on the device; a row whose sequence ends in ``prev`` otherwise -- EOS, stop string,
-        abort -- is computed and thrown away, and is left out of the step after), then the
-        running sequences that joined since ``prev`` was scheduled with one token to compute
-        (a decode worker's transferred prompts: their input token is on the host). So
-        neither a request ending nor one joining costs the device a step's host time.
-        Blocks freed meanwhile stay out of the free pool until the launched step is read,
-        so no new owner's KV lands under its writes."""
+        """Launch the step after ``prev`` now, before ``prev``'s tokens are read. Its rows:
+        ``prev``'s sequences still running and below their length limit after ``prev``, each
+        computing one token (its input is ``prev``'s token for it, still on the device; a
+        row whose sequence ends in ``prev`` otherwise -- EOS, stop string, abort -- is
+        computed and thrown away, and is left out of the step after); then the running
+        sequences that joined since ``prev`` was scheduled with one token to compute (a
+        decode worker's transferred prompts: their input token is on the host); then
+        waiting requests whose whole prompt fits the step's token budget
+        (Scheduler.admit_ahead). So neither a request ending nor one arriving costs the
+        device a step's host time. ``prev``'s rows may be whole prompts (they sampled their
+        first token): such a row continues past its prompt. Returns None (the next step is
+        scheduled once ``prev`` is read) when a row of ``prev`` was a prompt chunk with more
+        to come, a waiting request needs chunking, or blocks are short. Blocks freed
+        meanwhile stay out of the free pool until the launched step is read, so no new
+        owner's KV lands under its writes."""
         if not self.config.async_decode:
             return None
         items = prev.sched.scheduled
         sc = self.scheduler
-        if not items or sc.waiting:
+        if not items or len(prev.sampled_ids) != len(items):
             return None
         keep: list[int] = []  # prev's rows that go on, by index in prev
         for j, item in enumerate(items):
             s = item.seq
             if s.status is not SeqStatus.RUNNING:
                 continue  # ended when the step before prev was read
-            if (item.num_new_tokens != 1 or s.prefill_only or s.report_progress
+            if (not item.samples or s.prefill_only or s.report_progress
                     or s.num_tokens + 2 > self.max_model_len):
-                return None  # a prefill chunk in prev (more may follow), or near the context
+                return None  # a prompt chunk with more to come, or near the context
             if s.num_output_tokens + 1 >= s.sampling.max_tokens:
                 continue  # prev computes its last token
             keep.append(j)
-        if not keep:
-            return None
         on = [items[j] for j in keep]
         joined: list = []  # running but not in prev (the rows kept are all running)
         if len(sc.running) != len(on):
@@ -396,17 +400,27 @@ class LLMEngine:
             if (s.num_tokens - s.num_computed_tokens != 1 or s.prefill_only
                     or s.report_progress or s.num_tokens + 1 > self.max_model_len):
                 return None
+        if not self.runner.can_chain(prev, [item.seq for item in on] + joined):
+            return None
         for item in on:  # the next position of each row (harmless if we stop here)
-            if not self.block_manager.allocate_slots(item.seq, 2):
+            if not self.block_manager.allocate_slots(item.seq, item.num_new_tokens + 1):
                 return None
         for s in joined:
             if not self.block_manager.allocate_slots(s, 1):
                 return None
-        nxt = SchedulerOutput([ScheduledSeq(item.seq, 1) for item in on]
-                              + [ScheduledSeq(s, 1) for s in joined])
+        admitted: list[ScheduledSeq] = []
+        if sc.waiting:
+            budget = self.config.scheduler.max_num_batched_tokens - len(on) - len(joined)
+            admitted, blocked = sc.admit_ahead(budget)
+            if blocked and not admitted:
+                return None
+        if not on and not joined and not admitted:
+            return None
+        nxt = SchedulerOutput([ScheduledSeq(item.seq, 1, ahead=item.num_new_tokens)
+                               for item in on]
+                              + [ScheduledSeq(s, 1) for s in joined] + admitted)
         handle = self.runner.launch_next(nxt, prev, keep)
-        if handle is not None:
-            self.block_manager.hold_frees()
+        self.block_manager.hold_frees()
         return handle
 
     def _finish(self, handle: StepHandle) -> list[RequestOutput]:
@@ -547,5 +561,6 @@ class LLMEngine:
             prefix_query_tokens=bm.prefix_queries_tokens, prefix_hit_tokens=bm.prefix_hit_tokens,
             num_preemptions=self.num_preemptions, steps=self.steps,
             graph_steps=self.runner.graph_steps, mixed_graph_steps=self.runner.mixed_graph_steps,
-            eager_steps=self.runner.eager_steps, kv_blocks_orphaned=orphaned,
+            eager_steps=self.runner.eager_steps, chained_steps=self.chained_steps,
+            kv_blocks_orphaned=orphaned,
             request_blocks=per_request)

@@ -69,9 +69,10 @@ def fill_decode_inputs(out: SchedulerOutput, b: int, block_size: int, i64: np.nd
     """Host side of a CUDA-graph decode step: write the first ``b`` rows of the static inputs
     for ``out`` (one token per sequence). ``i64`` is [3, >=b] (ids, positions, slots),
     ``seq_lens`` [>=b], ``tables`` [>=b, width]. Rows past ``len(out.scheduled)`` are padding:
-    slot -1 (no KV write) and length 0 (no attention). The first ``chained`` rows compute
-    position num_computed_tokens + 1 and their ids are left for the device to fill (the
-    previous step's tokens, not read yet); the other rows take their last token."""
+    slot -1 (no KV write) and length 0 (no attention). Each row computes position
+    num_computed_tokens + ahead (ScheduledSeq.ahead: what the step before, not read yet,
+    computes); the first ``chained`` rows' ids are left for the device to fill (that step's
+    tokens); the other rows take their last token."""
     n = len(out.scheduled)
     tables[:b] = 0
     i64[:, :b] = 0
@@ -80,7 +81,7 @@ def fill_decode_inputs(out: SchedulerOutput, b: int, block_size: int, i64: np.nd
     pos, slots = [], []  # built as lists, then one numpy assignment each
     for i, item in enumerate(out.scheduled):
         s = item.seq
-        p = s.num_computed_tokens + (1 if i < chained else 0)
+        p = s.num_computed_tokens + item.ahead
         bt = s.block_table
         pos.append(p)
         slots.append(bt[p // block_size] * block_size + p % block_size)
@@ -129,18 +130,20 @@ def plan_mixed(out: SchedulerOutput, decode_buckets: list[int], tokens: list[int
 def fill_mixed_inputs(out: SchedulerOutput, dec: list[int], pre: list[int], b: int, p: int,
                       block_size: int, i64: np.ndarray, dec_lens: np.ndarray,
                       dec_tables: np.ndarray, qsl: np.ndarray, pre_lens: np.ndarray,
-                      pre_tables: np.ndarray, table_rows: BlockTableRows) -> list[int]:
+                      pre_tables: np.ndarray, table_rows: BlockTableRows,
+                      chained: int = 0) -> list[int]:
     """Host side of a mixed graph step. ``i64`` is [4, >= b + p] (ids, positions, slots, then
     in its first b + MAX_PREFILL_SEQS entries the rows whose logits are computed);
     ``dec_lens`` [>= b], ``dec_tables`` [>= b, width]; ``qsl`` [MAX_PREFILL_SEQS + 1],
     ``pre_lens`` [MAX_PREFILL_SEQS], ``pre_tables`` [MAX_PREFILL_SEQS, width]. Returns, in
-    the order of ``out.scheduled``, the logit row of each item that samples."""
+    the order of ``out.scheduled``, the logit row of each item that samples. ``chained``: as
+    in :func:`fill_decode_inputs`, for the first decode rows (the first items of ``out``)."""
     items = out.scheduled
     k = MAX_PREFILL_SEQS
     t = b + p
     # decode rows [0, b): as in a decode-only graph step
     fill_decode_inputs(SchedulerOutput([items[i] for i in dec]), b, block_size, i64[:3],
-                       dec_lens, dec_tables, table_rows)
+                       dec_lens, dec_tables, table_rows, chained=chained)
     i64[:3, b:t] = 0
     i64[2, b:t] = -1
     i64[3, :b + k] = 0

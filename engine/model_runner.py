@@ -244,9 +244,10 @@ class ModelRunner(CudaGraphsMixin):
 
     # ---------------------------------------------------------------- inputs
     def prepare(self, out: SchedulerOutput, next_ids: list[int] | None = None):
-        """Flat inputs for ``out``. With ``next_ids`` (a chained launch, one token per row)
-        row i < len(next_ids) computes position num_computed_tokens + 1 with input token
-        next_ids[i]; later rows (joined since) take their last token.
+        """Flat inputs for ``out``. Each row starts at num_computed_tokens + ahead
+        (ScheduledSeq.ahead). With ``next_ids`` (a chained launch) row i < len(next_ids)
+        (one token) has input token next_ids[i]; later rows take their tokens from the
+        sequence (joined since, or admitted).
 
         A mixed step lays out its one-token sequences first (``meta.num_decode`` of them,
         ``meta.rest`` the others): the GPU backend runs the decode kernel on them instead of
@@ -273,7 +274,7 @@ class ModelRunner(CudaGraphsMixin):
         for i in order:
             item = items[i]
             s = item.seq
-            start = s.num_computed_tokens + (1 if i < chained else 0)
+            start = s.num_computed_tokens + item.ahead
             end = start + item.num_new_tokens
             if i < chained:
                 input_ids.append(next_ids[i])
@@ -290,13 +291,12 @@ class ModelRunner(CudaGraphsMixin):
         sample_rows = [last_row[i] for i, item in enumerate(items)
                        if next_ids is not None or item.samples]
         width = max(len(t) for t in tables)
-        dev = self.device
+        dev = self._to_device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                      dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            slot_mapping=dev(slots, torch.int64),
+            block_tables=dev([t + [0] * (width - len(t)) for t in tables], torch.int32),
+            seq_lens=dev(seq_lens, torch.int32),
+            query_start_loc=dev(qsl, torch.int32),
             seq_lens_list=seq_lens, query_lens_list=qlens,
             max_seq_len=max(seq_lens), max_query_len=max(qlens))
         if num_decode:
@@ -306,12 +306,22 @@ class ModelRunner(CudaGraphsMixin):
             meta.rest = AttentionMetadata(
                 slot_mapping=meta.slot_mapping[t0:], block_tables=meta.block_tables[nd:],
                 seq_lens=meta.seq_lens[nd:],
-                query_start_loc=torch.tensor(rest_qsl, dtype=torch.int32, device=dev),
+                query_start_loc=dev(rest_qsl, torch.int32),
                 seq_lens_list=seq_lens[nd:], query_lens_list=qlens[nd:],
                 max_seq_len=max(seq_lens[nd:]), max_query_len=max(qlens[nd:]))
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        ids = dev(input_ids, torch.int64)
+        pos = dev(positions, torch.int64)
         return ids, pos, meta, sample_rows
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a tensor on the runner's device. On a GPU through pinned memory
+        and a non-blocking copy: a plain ``torch.tensor(..., device=cuda)`` waits for the
+        stream, so a step launched ahead would wait for the one before it to finish (the
+        caching host allocator keeps the pinned block until its copy has run)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _sampling_batch(self, out: SchedulerOutput, every_row: bool = False) -> SamplingBatch:
         seqs, gens = [], []
@@ -405,6 +415,9 @@ class ModelRunner(CudaGraphsMixin):
             launched = (*self._graph_step(out), rows)
         elif (plan := self._mixed_plan(out)) is not None:
             launched = self._mixed_step(out, plan)
+            if len(sampled) == len(out.scheduled):  # a step launched after it reads greedy
+                launched = (launched[0], self._rows_of(launched[1], launched[4]),
+                            *launched[2:])
         if launched is not None:
             logits, greedy, host, landed, rows = launched
             if on_queued is not None:
@@ -433,41 +446,66 @@ class ModelRunner(CudaGraphsMixin):
         logits = self.model.compute_logits(hidden[rows])
         return self._sample(logits, self._sampling_batch(out), out, sampled)
 
+    def can_chain(self, prev: StepHandle, seqs) -> bool:
+        """Whether a step can be launched after ``prev`` before prev's tokens are read
+        (``async_decode``), with ``seqs`` (prev's rows that go on, and those joined since)
+        among its rows: every row of prev sampled, greedily (its tokens are known on the
+        device or the host without more sampling), and every row of the next step samples
+        greedily with nothing else asked (processed logits are sampled later: pending)."""
+        return (bool(self.config.async_decode) and prev.pending is None
+                and (prev.greedy is not None or prev.tokens is not None)
+                and len(prev.sampled_ids) == len(prev.sched.scheduled)
+                and all(s.sampling.argmax_only for s in seqs))
+
     @torch.inference_mode()
     def launch_next(self, out: SchedulerOutput, prev: StepHandle,
-                    keep: list[int] | None = None) -> StepHandle | None:
-        """Launch the step after ``prev`` before prev's tokens are read (``async_decode``).
+                    keep: list[int]) -> StepHandle:
+        """Launch the step after ``prev`` before prev's tokens are read (``async_decode``;
+        the engine checked :meth:`can_chain` and built ``out``, Engine._launch_ahead).
 
-        ``out``'s first rows continue prev's rows ``keep`` (default: all, in order), one
-        token each; their block tables already cover position num_computed_tokens + 1.
-        Row i's input is the token prev sampled for its row keep[i]. Later rows are
-        sequences that joined since (one token to compute, their input the last token they
-        hold). Only greedy, logprob-free steps where every row of prev sampled chain;
-        returns None (nothing launched) otherwise. A step whose logits are processed (a
+        ``out``'s first rows continue prev's rows ``keep`` (by index in prev), one token each
+        from position num_computed_tokens + ahead; row i's input is the token prev sampled
+        for its row keep[i]. Then sequences that joined since (one token, their input on the
+        host), then admitted prompts (whole). A decode-only step replays a decode graph, a
+        step with prompts a mixed graph where it fits, else runs eagerly; on a GPU prev's
+        tokens stay on the device throughout. A step whose logits are processed (a
         grammar's mask, penalties, logit_bias, min_tokens) is left unsampled (``pending``):
         the engine samples it with :meth:`sample_pending` once prev is read, while its
         forward pass runs."""
-        if keep is None:
-            keep = list(range(len(prev.sampled_ids)))
-        if not self.config.async_decode or prev.rows is not None or not keep \
-                or prev.pending is not None \
-                or len(keep) > len(out.scheduled) \
-                or any(prev.sampled_ids[j] != item.seq.request_id
-                       for j, item in zip(keep, out.scheduled)):
-            return None
         batch = self._sampling_batch(out, every_row=True)
-        if not batch.argmax_only:
-            return None
         ids = [item.seq.request_id for item in out.scheduled]
-        if prev.greedy is not None:
-            if not self._can_graph(out):
-                return None
-            logits, greedy, host, landed = self._graph_step(out, prev, keep)
+        if prev.greedy is not None or self.graphs:
+            src = None  # the chained rows' input tokens, on the device
+            if keep and prev.greedy is not None:
+                src = prev.greedy
+                if keep != list(range(len(src))):  # rows that ended are left out: gather
+                    src = self._rows_of(src, keep)  # on the device, no sync
+            elif keep:  # read already (an eager step sampled on the host): copy them up
+                src = self._to_device([prev.tokens[j] for j in keep], torch.int64)
+            if self._can_graph(out):
+                logits, greedy, host, landed = self._graph_step(out, src)
+                rows = None
+            elif (plan := self._mixed_plan(out)) is not None:
+                logits, greedy, host, landed, rows = self._mixed_step(out, plan, src)
+                greedy = self._rows_of(greedy, rows)  # in row order, for the step after
+                if not batch.plain:
+                    logits = self._rows_of(logits, rows)
+            else:
+                x, pos, meta, sample_rows = self.prepare(
+                    out, next_ids=None if src is None else [0] * len(src))
+                if src is not None:  # the chained rows are the first tokens (prepare)
+                    x[:len(src)].copy_(src)
+                self.eager_steps += 1
+                hidden = self.model(x, pos, self.kv_cache, meta, self.backend)
+                logits = self.model.compute_logits(self._rows_of(hidden, sample_rows))
+                if not batch.plain:
+                    return StepHandle(out, ids, chained=True, pending=logits)
+                return self._queue_copy(StepHandle(out, ids, chained=True),
+                                        self.sampler(logits, batch))
             if not batch.plain:
                 return StepHandle(out, ids, chained=True, pending=logits)
-            return StepHandle(out, ids, greedy=greedy, host=host, event=landed, chained=True)
-        if prev.tokens is None:
-            return None
+            return StepHandle(out, ids, rows=rows, greedy=greedy, host=host, event=landed,
+                              chained=True)
         x, pos, meta, rows = self.prepare(out, next_ids=[prev.tokens[j] for j in keep])
         self.eager_steps += 1
         hidden = self.model(x, pos, self.kv_cache, meta, self.backend)
@@ -476,6 +514,10 @@ class ModelRunner(CudaGraphsMixin):
             return StepHandle(out, ids, chained=True, pending=logits)
         tokens, _, _ = self.sampler(logits, batch).to_host()
         return StepHandle(out, ids, tokens=tokens, chained=True)
+
+    def _rows_of(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``t[rows]`` without a host sync on a GPU (the index goes through pinned memory)."""
+        return t.index_select(0, self._to_device(rows, torch.int64))
 
     @torch.inference_mode()
     def score_logprobs(self, out: SchedulerOutput) -> torch.Tensor:

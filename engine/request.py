@@ -115,6 +115,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def argmax_only(self) -> bool:
+        """Its token is an argmax (of the logits as processed) and nothing else is asked for
+        (engine.layers.sampler.SamplingBatch.argmax_only, for one request)."""
+        return self.greedy and not self.logprobs and not self.top_logprobs
+
+    @property
     def penalized(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)

@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+    # (+ ``ahead``) tokens of seq that the step before this one computes: a step launched
+    # before that one was read (Engine._launch_ahead) starts past them; 0 otherwise
+    ahead: int = 0
 
     @property
     def samples(self) -> bool:
@@ -140,6 +143,35 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def admit_ahead(self, budget: int) -> tuple[list[ScheduledSeq], bool]:
+        """Admit waiting requests into a step launched before the one running is read
+        (Engine._launch_ahead): in policy order, each with its whole remaining prompt in
+        one chunk within ``budget`` tokens, while seats and free blocks allow; never
+        preempting. Returns (the admitted, in order; whether the next in line is left for
+        a scheduled step: it needs chunking, or reports its progress, or is a prefill
+        worker's, or samples: a launched-ahead step is greedy). A request short of seats or blocks just waits: a scheduled step could
+        not admit it either."""
+        out: list[ScheduledSeq] = []
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self._next_waiting()
+            if seq.prefill_only or seq.report_progress or not seq.sampling.argmax_only:
+                return out, True
+            cached = not seq.block_table
+            if cached:
+                seq.num_cached_tokens = self.bm.allocate_cached_prefix(seq)
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > budget or not self.bm.allocate_slots(seq, n):
+                if cached:
+                    self.bm.release_cached_prefix(seq)
+                    seq.num_cached_tokens = 0
+                return out, n > budget
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out, False
 
     def _next_waiting(self) -> Sequence:
         """The waiting request to admit next (see the module's policy)."""

@@ -24,7 +24,9 @@ class StepHandle:
     left for later: ``pending`` holds its logits until ModelRunner.sample_pending."""
     sched: SchedulerOutput
     sampled_ids: list[str]
-    rows: list[int] | None = None  # graph paths: the rows of ``greedy`` that sampled (None: all)
+    # graph paths: the rows of ``host`` that sampled (None: all, in order); ``greedy`` is in
+    # the order of the rows that sampled when every row did (a mixed graph's is reordered)
+    rows: list[int] | None = None
     tokens: list[int] | None = None
     logprobs: list[float] | None = None
     greedy: torch.Tensor | None = None

@@ -217,6 +217,9 @@ class WorkerMetrics:
         self.steps = Counter("pdserve_engine_steps", "Model runs by path: decode_graph "
                              "(CUDA graph, decode only), mixed_graph (CUDA graph, decodes plus "
                              "short prompt chunks), eager", ["path"], registry=r)
+        self.steps_ahead = Counter("pdserve_engine_steps_launched_ahead", "Steps launched "
+                                   "before the step before them was read (async_decode: their "
+                                   "host work overlapped the device's)", registry=r)
         self.requests = Counter("pdserve_worker_requests", "Requests served by this worker, by "
                                 "kind (prefill, decode_remote, decode_local) and outcome",
                                 ["kind", "outcome"], registry=r)
@@ -261,7 +264,8 @@ class WorkerMetrics:
                 (self.preemptions, "num_preemptions"),
                 (self.steps.labels("decode_graph"), "graph_steps"),
                 (self.steps.labels("mixed_graph"), "mixed_graph_steps"),
-                (self.steps.labels("eager"), "eager_steps")):
+                (self.steps.labels("eager"), "eager_steps"),
+                (self.steps_ahead, "chained_steps")):
             now = getattr(st, field, 0)
             before = getattr(last, field, 0) if last is not None else 0
             if now > before:

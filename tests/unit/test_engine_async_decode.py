@@ -116,21 +116,59 @@ def test_abort_while_a_step_is_in_flight_holds_its_blocks_until_read():
     assert outs["b"] == solo
 
 
-def test_waiting_requests_stop_the_chain_and_are_admitted_next_step():
-    llm = _llm(async_decode=True)
-    eng = llm.engine
-    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    eng.add_request("a", [3, 4, 5], sp)
-    while eng._ahead is None:
-        eng.step()
-    eng.add_request("late", [8, 9, 10, 11], sp)
-    eng.step()  # reads the launched step; the waiting request stops further chaining
-    assert eng._ahead is None
-    eng.step()  # schedules "late" with "a"
-    assert eng.scheduler.requests["late"].num_computed_tokens > 0
-    while eng.has_work:
-        eng.step()
+def _arrivals(async_decode: bool, late: list[tuple], **kw) -> tuple[dict, object]:
+    """One request decoding; each of ``late`` (step, id, prompt, params) added before that
+    step: a request arriving while steps are launched ahead, as in closed-loop serving."""
+    eng = _llm(async_decode=async_decode, **kw).engine
+    eng.add_request("a", [3, 4, 5], SamplingParams(max_tokens=24, temperature=0,
+                                                   ignore_eos=True))
+    outs: dict[str, list[int]] = {}
+    step = 0
+    while eng.has_work or late:
+        while late and late[0][0] <= step:
+            _, rid, prompt, sp = late.pop(0)
+            eng.add_request(rid, prompt, sp)
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+        step += 1
+    bm = eng.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not bm.held_blocks
+    return outs, eng
 
+
+def test_arriving_requests_join_the_chain_with_lockstep_tokens():
+    """A waiting request whose whole prompt fits the step is admitted into the step launched
+    ahead (Scheduler.admit_ahead): the chain does not break for it, its first decode step
+    is chained too, and every token equals stepping in lockstep. Arrivals: one, then two
+    at once, one whose prompt is in the prefix cache, one with a single new token."""
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    def late():
+        return [(3, "b", [8, 9, 10, 11], sp), (6, "c", list(range(20, 33)), sp),
+                (6, "d", [40, 41, 42], sp), (9, "e", list(range(20, 33)) + [7], sp),
+                (12, "f", [50], sp)]
+
+    want, _ = _arrivals(False, late())
+    got, eng = _arrivals(True, late())
+    assert got == want and all(len(v) == 10 for k, v in got.items() if k != "a")
+    assert eng.steps - eng.chained_steps <= 2  # the first prefill and its first decode
+    assert eng.block_manager.prefix_hit_tokens > 0  # "e" hit "c"'s blocks
+
+
+def test_prompts_that_need_chunks_or_sampling_still_stop_the_chain():
+    """A prompt longer than the step's token budget is chunked by a scheduled step, and a
+    sampled request cannot run in a greedy step launched ahead: both wait for the chain to
+    end and are scheduled next; tokens equal lockstep's (the seeded sample too)."""
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True)
+
+    def late():
+        return [(3, "long", list(range(60, 90)), greedy), (12, "s", [9, 9, 9], seeded)]
+
+    want, _ = _arrivals(False, late(), max_num_batched_tokens=16)
+    got, eng = _arrivals(True, late(), max_num_batched_tokens=16)
+    assert got == want
+    assert eng.steps - eng.chained_steps >= 4  # each arrival broke the chain
 
 
 def _transfer_and_decode(async_decode: bool, n_steps_before: int):
@@ -192,9 +230,9 @@ def test_requests_ending_do_not_end_the_chain(pair):
     eng = ahead.engine
     steps, chained = eng.steps, eng.chained_steps
     assert _run(ahead, prompts, sp) == _run(sync, prompts, sp)
-    # a prefill step, a decode step in lockstep, then 10 launched ahead (a request whose
-    # last token the step before computes gets no row)
-    assert (eng.steps - steps, eng.chained_steps - chained) == (12, 10)
+    # a prefill step, then 11 launched ahead, the first right after the whole prompts (a
+    # request whose last token the step before computes gets no row)
+    assert (eng.steps - steps, eng.chained_steps - chained) == (12, 11)
 
 
 def test_a_chain_that_never_breaks_does_not_keep_freed_blocks():

@@ -53,6 +53,7 @@ def test_graph_decode_inputs_match_the_eager_inputs():
     # chained: the next position (its block must exist, as the engine allocates it first)
     for item in sched.scheduled:
         assert eng.block_manager.allocate_slots(item.seq, 2)
+        item.ahead = 1  # the step before (not read yet) computes one token of each
     fill_decode_inputs(sched, b, 4, i64, lens, tables, rows, chained=n)
     _, pos2, meta2, _ = eng.runner.prepare(sched, next_ids=[0] * n)
     assert i64[1, :n].tolist() == pos2.tolist() == (pos + 1).tolist()
@@ -60,6 +61,7 @@ def test_graph_decode_inputs_match_the_eager_inputs():
     assert lens[:n].tolist() == meta2.seq_lens.tolist()
     assert i64[0, :n].tolist() == [0] * n  # left for the device copy
     # a sequence that joined since the chained rows' step: only the first n - 1 rows chain
+    sched.scheduled[-1].ahead = 0
     fill_decode_inputs(sched, b, 4, i64, lens, tables, rows, chained=n - 1)
     ids3, pos3, meta3, _ = eng.runner.prepare(sched, next_ids=[0] * (n - 1))
     assert i64[1, :n].tolist() == pos3.tolist() == (pos + 1).tolist()[:n - 1] + [pos[-1]]
