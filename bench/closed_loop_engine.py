@@ -12,7 +12,8 @@ Modes (each on a fresh engine, after --warmup requests through it):
 * ``closed``: C requests in flight; one new request per request that ended, added
   --arrival-delay-ms after the step that ended it (0: before the next step). A served
   request arrives a client and gateway round trip later, while the next steps run: with a
-  delay, arrivals land between steps launched ahead, as in serving.
+  delay, arrivals land between steps launched ahead, as in serving; --arrival-jitter-ms
+  spreads them over several steps.
 
 Per mode: wall time, output tok/s, and the engine's step counters: steps, steps launched
 ahead of the one before (``chained``), CUDA-graph steps (decode-only, mixed) and eager steps,
@@ -51,12 +52,14 @@ def counters(eng) -> dict:
 
 
 def run_mode(eng, mode: str, prompts: list[list[int]], sp: SamplingParams,
-             concurrency: int, prefix: str, delay_s: float = 0.0) -> dict:
+             concurrency: int, prefix: str, delay_s: float = 0.0,
+             jitter_s: float = 0.0) -> dict:
     before = counters(eng)
     pending = list(enumerate(prompts))
     pending.reverse()
     in_flight = 0
     due: list[float] = []  # when each replacement request arrives (closed mode)
+    jitter = random.Random(1)
     out_tokens = 0
     prompt_steps = 0
     step_s: list[float] = []
@@ -88,8 +91,9 @@ def run_mode(eng, mode: str, prompts: list[list[int]], sp: SamplingParams,
             if o.finished:
                 in_flight -= 1
                 if mode == "closed" and len(due) < len(pending):
-                    due.append(time.perf_counter() + delay_s)
-        if not delay_s:
+                    due.append(time.perf_counter() + delay_s + jitter.uniform(0, jitter_s))
+                    due.sort()
+        if not delay_s and not jitter_s:
             while due:
                 due.pop()
                 add()
@@ -98,6 +102,7 @@ def run_mode(eng, mode: str, prompts: list[list[int]], sp: SamplingParams,
     step_s.sort()
     row = {k: after[k] - before[k] for k in after}
     row.update(arrival_delay_ms=round(delay_s * 1e3, 3) if mode == "closed" else None,
+               arrival_jitter_ms=round(jitter_s * 1e3, 3) if mode == "closed" else None,
                wall_s=round(wall, 3), output_tokens=out_tokens,
                output_tok_s=round(out_tokens / wall, 1), prompt_steps=prompt_steps,
                step_ms_p50=round(1e3 * step_s[len(step_s) // 2], 3) if step_s else None,
@@ -122,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--arrival-delay-ms", type=float, default=0.0,
                     help="closed mode: a replacement request arrives this long after the step "
                          "that ended its predecessor")
+    ap.add_argument("--arrival-jitter-ms", type=float, default=0.0,
+                    help="closed mode: plus a uniform random delay up to this long (spreads "
+                         "arrivals over steps, as a served run's clients do)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="an engine setting for both modes (repeatable), e.g. async_decode=false")
     a = ap.parse_args(argv)
@@ -150,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
 
         run_mode(eng, "offline", prompts(a.warmup), sp, a.concurrency, f"w{mode}")
         R["modes"][mode] = row = run_mode(eng, mode, prompts(a.num_requests), sp,
-                                          a.concurrency, mode, a.arrival_delay_ms / 1e3)
+                                          a.concurrency, mode, a.arrival_delay_ms / 1e3,
+                                          a.arrival_jitter_ms / 1e3)
         row["engine"] = {"max_num_seqs": eng.config.scheduler.max_num_seqs,
                          "max_num_batched_tokens": eng.config.scheduler.max_num_batched_tokens,
                          "device": str(eng.runner.device)}
