@@ -35,6 +35,7 @@ import time
 from engine.llm import LLM
 from engine.request import SamplingParams
 from pdserve.benchlib import harness
+from pdserve.benchlib.workload import parse_range
 
 FIGURES = [harness.Figure(f"{mode} output tok/s", "tok/s", ("modes", mode, "output_tok_s"),
                           format=",.0f") for mode in ("offline", "closed")] + [
@@ -51,7 +52,7 @@ def counters(eng) -> dict:
     return out
 
 
-def run_mode(eng, mode: str, prompts: list[list[int]], sp: SamplingParams,
+def run_mode(eng, mode: str, prompts: list[list[int]], sp: list[SamplingParams],
              concurrency: int, prefix: str, delay_s: float = 0.0,
              jitter_s: float = 0.0) -> dict:
     before = counters(eng)
@@ -67,7 +68,7 @@ def run_mode(eng, mode: str, prompts: list[list[int]], sp: SamplingParams,
     def add() -> None:
         nonlocal in_flight
         i, ids = pending.pop()
-        eng.add_request(f"{prefix}-{i}", ids, sp)
+        eng.add_request(f"{prefix}-{i}", ids, sp[i])
         in_flight += 1
 
     t0 = time.perf_counter()
@@ -120,8 +121,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-requests", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=512,
                     help="requests in flight in closed mode; also max_num_seqs of both modes")
-    ap.add_argument("--input-len", type=int, default=200)
-    ap.add_argument("--output-len", type=int, default=200)
+    ap.add_argument("--input-len", default="200", help="prompt tokens, N or LO:HI")
+    ap.add_argument("--output-len", default="200",
+                    help="output tokens, N or LO:HI (a range spreads the ends, and so the "
+                         "arrivals of closed mode, over steps)")
     ap.add_argument("--warmup", type=int, default=64, help="requests run before each mode")
     ap.add_argument("--modes", default="offline,closed")
     ap.add_argument("--arrival-delay-ms", type=float, default=0.0,
@@ -147,17 +150,26 @@ def main(argv: list[str] | None = None) -> None:
     R = rec.doc
     R["modes"] = {}
     rng = random.Random(0)
-    sp = SamplingParams(max_tokens=a.output_len, temperature=0, ignore_eos=True)
+    in_lo, in_hi = parse_range(a.input_len)
+    out_lo, out_hi = parse_range(a.output_len)
     for mode in a.modes.split(","):
         llm = LLM(a.model, device=a.device, max_num_seqs=a.concurrency, **kw)
         eng = llm.engine
         vocab = eng.model_config.vocab_size
 
         def prompts(n: int) -> list[list[int]]:
-            return [[rng.randrange(3, vocab) for _ in range(a.input_len)] for _ in range(n)]
+            return [[rng.randrange(3, vocab) for _ in range(rng.randint(in_lo, in_hi))]
+                    for _ in range(n)]
 
-        run_mode(eng, "offline", prompts(a.warmup), sp, a.concurrency, f"w{mode}")
-        R["modes"][mode] = row = run_mode(eng, mode, prompts(a.num_requests), sp,
+        def params(n: int) -> list[SamplingParams]:
+            return [SamplingParams(max_tokens=rng.randint(out_lo, out_hi), temperature=0,
+                                   ignore_eos=True) for _ in range(n)]
+
+        rng.seed(0)  # every mode runs the same requests
+        run_mode(eng, "offline", prompts(a.warmup), params(a.warmup), a.concurrency,
+                 f"w{mode}")
+        R["modes"][mode] = row = run_mode(eng, mode, prompts(a.num_requests),
+                                          params(a.num_requests),
                                           a.concurrency, mode, a.arrival_delay_ms / 1e3,
                                           a.arrival_jitter_ms / 1e3)
         row["engine"] = {"max_num_seqs": eng.config.scheduler.max_num_seqs,

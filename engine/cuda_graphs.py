@@ -110,13 +110,10 @@ class CudaGraphsMixin:
         self.m_i64 = torch.zeros(4, t, dtype=torch.int64, device=dev)
         n32 = mb + mb * w + (k + 1) + k + k * w
         self.m_i32 = torch.zeros(n32, dtype=torch.int32, device=dev)
-        # two sets of pinned staging buffers, as for the decode graphs: a mixed step launched
-        # ahead fills one while the H2D copies of the step before may still read the other
-        self.hm_i64 = [torch.zeros(4, t, dtype=torch.int64).pin_memory() for _ in range(2)]
-        self.hm_i32 = [torch.zeros(n32, dtype=torch.int32).pin_memory() for _ in range(2)]
-        self.hm_tok = [torch.zeros(mb + k, dtype=torch.int64).pin_memory() for _ in range(2)]
-        self._mstage = 0
-        self._mixed_done: list[torch.cuda.Event | None] = [None, None]
+        self.hm_i64 = torch.zeros(4, t, dtype=torch.int64).pin_memory()
+        self.hm_i32 = torch.zeros(n32, dtype=torch.int32).pin_memory()
+        self.hm_tok = torch.zeros(mb + k, dtype=torch.int64).pin_memory()
+        self._mixed_done: torch.cuda.Event | None = None
         self.m_i64[2].fill_(-1)
         o = mb + mb * w
         dec_tables = self.m_i32[mb:o].view(mb, w)
@@ -150,43 +147,34 @@ class CudaGraphsMixin:
         logger.info("captured %d mixed-step CUDA graphs (prefill tokens %s, up to %d chunks)",
                     len(self.mixed_graphs), self.mixed_tokens, k)
 
-    def _mixed_step(self, out: SchedulerOutput, plan, src: torch.Tensor | None = None):
+    def _mixed_step(self, out: SchedulerOutput, plan):
         """Fill the mixed graphs' static inputs for ``out`` and replay the (b, p) graph.
-        ``src`` (a chained launch): the input tokens of the first len(src) rows, on the
-        device (the step before's tokens, not read yet). Returns (logits, greedy, pinned
-        host copy of greedy, its event, logit rows of the items that sample in scheduled
-        order)."""
+        Returns (logits, greedy, pinned host copy of greedy, its event, logit rows of the
+        items that sample in scheduled order)."""
         dec, pre, b, p = plan
         k = MAX_PREFILL_SEQS
         mb, w = self.graph_buckets[-1], self.graph_width
-        st = self._mstage
-        self._mstage ^= 1
-        if self._mixed_done[st] is not None:
-            self._mixed_done[st].synchronize()  # this set's copies two steps ago have run
-        hm_i64, hm_i32 = self.hm_i64[st], self.hm_i32[st]
-        h64, h32 = hm_i64.numpy(), hm_i32.numpy()
+        if self._mixed_done is not None:
+            self._mixed_done.synchronize()  # the previous mixed step's copies have run
+        h64, h32 = self.hm_i64.numpy(), self.hm_i32.numpy()
         o = mb + mb * w
-        chained = 0 if src is None else len(src)
         rows = fill_mixed_inputs(
             out, dec, pre, b, p, self.block_size, h64, h32[:mb], h32[mb:o].reshape(mb, w),
             h32[o:o + k + 1], h32[o + k + 1:o + 2 * k + 1], h32[o + 2 * k + 1:].reshape(k, w),
-            self.table_rows, chained=chained)
-        self.m_i64[:, :b + p].copy_(hm_i64[:, :b + p], non_blocking=True)
-        self.m_i32[:b].copy_(hm_i32[:b], non_blocking=True)
-        self.m_i32[mb:mb + b * w].copy_(hm_i32[mb:mb + b * w], non_blocking=True)
-        self.m_i32[o:].copy_(hm_i32[o:], non_blocking=True)
-        if chained:  # the chained rows are the first decode rows (engine._launch_ahead)
-            self.m_i64[0, :chained].copy_(src)
+            self.table_rows)
+        self.m_i64[:, :b + p].copy_(self.hm_i64[:, :b + p], non_blocking=True)
+        self.m_i32[:b].copy_(self.hm_i32[:b], non_blocking=True)
+        self.m_i32[mb:mb + b * w].copy_(self.hm_i32[mb:mb + b * w], non_blocking=True)
+        self.m_i32[o:].copy_(self.hm_i32[o:], non_blocking=True)
         g, logits, greedy = self.mixed_graphs[(b, p)]
         g.replay()
         self.mixed_graph_steps += 1
         n = b + k
-        host = self.hm_tok[st]
-        host[:n].copy_(greedy[:n], non_blocking=True)
+        self.hm_tok[:n].copy_(greedy[:n], non_blocking=True)
         landed = torch.cuda.Event()
         landed.record()
-        self._mixed_done[st] = landed
-        return logits, greedy, host, landed, rows
+        self._mixed_done = landed
+        return logits, greedy, self.hm_tok, landed, rows
 
     def _graph_step(self, out: SchedulerOutput, src: torch.Tensor | None = None):
         """Fill the static buffers for a decode-only step and replay its bucket's graph.

@@ -130,20 +130,18 @@ def plan_mixed(out: SchedulerOutput, decode_buckets: list[int], tokens: list[int
 def fill_mixed_inputs(out: SchedulerOutput, dec: list[int], pre: list[int], b: int, p: int,
                       block_size: int, i64: np.ndarray, dec_lens: np.ndarray,
                       dec_tables: np.ndarray, qsl: np.ndarray, pre_lens: np.ndarray,
-                      pre_tables: np.ndarray, table_rows: BlockTableRows,
-                      chained: int = 0) -> list[int]:
+                      pre_tables: np.ndarray, table_rows: BlockTableRows) -> list[int]:
     """Host side of a mixed graph step. ``i64`` is [4, >= b + p] (ids, positions, slots, then
     in its first b + MAX_PREFILL_SEQS entries the rows whose logits are computed);
     ``dec_lens`` [>= b], ``dec_tables`` [>= b, width]; ``qsl`` [MAX_PREFILL_SEQS + 1],
     ``pre_lens`` [MAX_PREFILL_SEQS], ``pre_tables`` [MAX_PREFILL_SEQS, width]. Returns, in
-    the order of ``out.scheduled``, the logit row of each item that samples. ``chained``: as
-    in :func:`fill_decode_inputs`, for the first decode rows (the first items of ``out``)."""
+    the order of ``out.scheduled``, the logit row of each item that samples."""
     items = out.scheduled
     k = MAX_PREFILL_SEQS
     t = b + p
     # decode rows [0, b): as in a decode-only graph step
     fill_decode_inputs(SchedulerOutput([items[i] for i in dec]), b, block_size, i64[:3],
-                       dec_lens, dec_tables, table_rows, chained=chained)
+                       dec_lens, dec_tables, table_rows)
     i64[:3, b:t] = 0
     i64[2, b:t] = -1
     i64[3, :b + k] = 0

@@ -415,9 +415,6 @@ class ModelRunner(CudaGraphsMixin):
             launched = (*self._graph_step(out), rows)
         elif (plan := self._mixed_plan(out)) is not None:
             launched = self._mixed_step(out, plan)
-            if len(sampled) == len(out.scheduled):  # a step launched after it reads greedy
-                launched = (launched[0], self._rows_of(launched[1], launched[4]),
-                            *launched[2:])
         if launched is not None:
             logits, greedy, host, landed, rows = launched
             if on_queued is not None:
@@ -451,8 +448,9 @@ class ModelRunner(CudaGraphsMixin):
         (``async_decode``), with ``seqs`` (prev's rows that go on, and those joined since)
         among its rows: every row of prev sampled, greedily (its tokens are known on the
         device or the host without more sampling), and every row of the next step samples
-        greedily with nothing else asked (processed logits are sampled later: pending)."""
-        return (bool(self.config.async_decode) and prev.pending is None
+        greedily with nothing else asked (processed logits are sampled later: pending).
+        Not after a mixed-graph step (``rows`` set): see :meth:`launch_next`."""
+        return (bool(self.config.async_decode) and prev.pending is None and prev.rows is None
                 and (prev.greedy is not None or prev.tokens is not None)
                 and len(prev.sampled_ids) == len(prev.sched.scheduled)
                 and all(s.sampling.argmax_only for s in seqs))
@@ -466,10 +464,10 @@ class ModelRunner(CudaGraphsMixin):
         ``out``'s first rows continue prev's rows ``keep`` (by index in prev), one token each
         from position num_computed_tokens + ahead; row i's input is the token prev sampled
         for its row keep[i]. Then sequences that joined since (one token, their input on the
-        host), then admitted prompts (whole). A decode-only step replays a decode graph, a
-        step with prompts a mixed graph where it fits, else runs eagerly; on a GPU prev's
-        tokens stay on the device throughout. A step whose logits are processed (a
-        grammar's mask, penalties, logit_bias, min_tokens) is left unsampled (``pending``):
+        host), then admitted prompts (whole). A decode-only step replays a decode graph,
+        any other runs eagerly; on a GPU prev's tokens stay on the device throughout. A
+        step whose logits are processed (a grammar's mask, penalties, logit_bias,
+        min_tokens) is left unsampled (``pending``):
         the engine samples it with :meth:`sample_pending` once prev is read, while its
         forward pass runs."""
         batch = self._sampling_batch(out, every_row=True)
@@ -484,13 +482,9 @@ class ModelRunner(CudaGraphsMixin):
                 src = self._to_device([prev.tokens[j] for j in keep], torch.int64)
             if self._can_graph(out):
                 logits, greedy, host, landed = self._graph_step(out, src)
-                rows = None
-            elif (plan := self._mixed_plan(out)) is not None:
-                logits, greedy, host, landed, rows = self._mixed_step(out, plan, src)
-                greedy = self._rows_of(greedy, rows)  # in row order, for the step after
-                if not batch.plain:
-                    logits = self._rows_of(logits, rows)
-            else:
+            else:  # prompts (or a long context): eagerly. Not through the mixed graphs:
+                # chained into them, a served 8B model at 512 rows hit a device-side index
+                # assert (2026-12-04, not found yet); a lockstep mixed step still uses them
                 x, pos, meta, sample_rows = self.prepare(
                     out, next_ids=None if src is None else [0] * len(src))
                 if src is not None:  # the chained rows are the first tokens (prepare)
@@ -504,8 +498,7 @@ class ModelRunner(CudaGraphsMixin):
                                         self.sampler(logits, batch))
             if not batch.plain:
                 return StepHandle(out, ids, chained=True, pending=logits)
-            return StepHandle(out, ids, rows=rows, greedy=greedy, host=host, event=landed,
-                              chained=True)
+            return StepHandle(out, ids, greedy=greedy, host=host, event=landed, chained=True)
         x, pos, meta, rows = self.prepare(out, next_ids=[prev.tokens[j] for j in keep])
         self.eager_steps += 1
         hidden = self.model(x, pos, self.kv_cache, meta, self.backend)

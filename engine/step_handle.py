@@ -24,9 +24,7 @@ class StepHandle:
     left for later: ``pending`` holds its logits until ModelRunner.sample_pending."""
     sched: SchedulerOutput
     sampled_ids: list[str]
-    # graph paths: the rows of ``host`` that sampled (None: all, in order); ``greedy`` is in
-    # the order of the rows that sampled when every row did (a mixed graph's is reordered)
-    rows: list[int] | None = None
+    rows: list[int] | None = None  # graph paths: the rows of ``greedy`` that sampled (None: all)
     tokens: list[int] | None = None
     logprobs: list[float] | None = None
     greedy: torch.Tensor | None = None

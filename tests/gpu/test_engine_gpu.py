@@ -295,10 +295,10 @@ def _arrivals_run(async_decode: bool):
 
 
 def test_requests_arriving_mid_chain_are_admitted_ahead_with_lockstep_tokens():
-    """Arrivals join the step launched ahead (Scheduler.admit_ahead): through a mixed graph
-    with the decode rows' tokens copied on the device, or eagerly for a prompt beyond the
-    mixed graphs; the chain does not break for them, and the tokens are lockstep's (bf16:
-    the batches are the same, near-ties may still flip on padded buckets)."""
+    """Arrivals join the step launched ahead (Scheduler.admit_ahead), eagerly, with the
+    decode rows' tokens copied on the device; the chain does not break for them, and the
+    tokens are lockstep's (bf16: lockstep runs these steps through mixed graphs, so
+    near-ties may flip)."""
     want, _ = _arrivals_run(False)
     got, eng = _arrivals_run(True)
     assert set(got) == set(want) and all(len(got[k]) == len(want[k]) for k in want)
@@ -306,5 +306,5 @@ def test_requests_arriving_mid_chain_are_admitted_ahead_with_lockstep_tokens():
     total = sum(len(v) for v in want.values())
     print(f"arrivals mid-chain vs lockstep: {same / total:.3f} token agreement")
     assert same / total >= 0.95
-    assert eng.runner.mixed_graph_steps >= 3 and eng.runner.eager_steps >= 1
+    assert eng.runner.eager_steps >= 5 and eng.runner.graph_steps >= 20
     assert eng.steps - eng.chained_steps <= 3
