@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 import concurrent.futures
+from dataclasses import replace
 import logging
 import queue
 import threading
@@ -198,13 +199,23 @@ class AsyncEngine:
     # --------------------------------------------------------------- streams
     async def _stream(self, rid: str, q: asyncio.Queue, samples: int = 1
                       ) -> AsyncIterator[RequestOutput]:
-        """A request's outputs until each of its ``samples`` finished (an abort ends all)."""
+        """A request's outputs until each of its ``samples`` finished (an abort ends all).
+        Outputs of one sample that queued up while the consumer was busy (it writes each to
+        a socket) are merged into one (:func:`merge_outputs`): a consumer that falls behind
+        the engine catches up with fewer, longer messages instead of one per token."""
         finished = False
+        held = None  # taken from the queue but not merged: the next item
         try:
             while True:
-                item = await q.get()
+                item, held = (held, None) if held is not None else (await q.get(), None)
                 if isinstance(item, BaseException):
                     raise item
+                while isinstance(item, RequestOutput) and not item.finished and not q.empty():
+                    nxt = q.get_nowait()
+                    if not isinstance(nxt, RequestOutput) or nxt.index != item.index:
+                        held = nxt
+                        break
+                    item = merge_outputs(item, nxt)
                 yield item
                 if item.finished:
                     samples -= 1
@@ -349,3 +360,17 @@ class AsyncEngine:
     async def stats(self):
         """The engine's counters as of its latest step or command (no wait for a step)."""
         return self.snapshot
+
+
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One step delta for ``a`` then ``b`` (the same request and sample, in that order):
+    tokens, text and logprobs joined; finished, finish_reason and num_cached_tokens from
+    ``b``. Neither is changed."""
+    return replace(
+        a, token_ids=a.token_ids + b.token_ids, text=a.text + b.text,
+        logprobs=None if a.logprobs is None and b.logprobs is None
+        else (a.logprobs or []) + (b.logprobs or []),
+        top_logprobs=None if a.top_logprobs is None and b.top_logprobs is None
+        else (a.top_logprobs or []) + (b.top_logprobs or []),
+        finished=b.finished, finish_reason=b.finish_reason,
+        num_cached_tokens=b.num_cached_tokens)

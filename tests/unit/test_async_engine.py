@@ -99,3 +99,44 @@ def test_cancelled_preallocate_and_generate_leave_no_request_behind():
         await ae.stop()
 
     asyncio.run(main())
+
+
+def test_a_consumer_that_falls_behind_gets_the_queued_steps_merged():
+    """Outputs that queued up while the stream's consumer was busy come out as one output
+    per sample (tokens, text and logprobs in order); the tokens are the engine's, the
+    last output still says finished; another sample's output is not merged in."""
+    llm = LLM("dummy:tiny", block_size=4, num_blocks=64)
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
+    want = llm.generate([list(range(3, 12))], sp)[0]
+
+    async def main():
+        ae = AsyncEngine(llm.engine)
+        await ae.start()
+        stream = ae.generate("slow", list(range(3, 12)), sp)
+        first = await stream.__anext__()
+        while ae.snapshot is None or ae.snapshot.num_running:  # every step queued meanwhile
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # the last step's delivery is scheduled just after
+        rest = [o async for o in stream]
+        await ae.stop()
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert len(rest) == 1 and rest[0].finished and rest[0].finish_reason == want.finish_reason
+    assert first.token_ids + rest[0].token_ids == want.token_ids
+    assert len(first.logprobs) + len(rest[0].logprobs) == len(want.token_ids)
+
+
+def test_merge_outputs_keeps_order_and_the_last_state():
+    from engine.async_engine import merge_outputs
+    from engine.request import FinishReason, RequestOutput
+    a = RequestOutput("r", [], [5], "a", logprobs=[-0.5])
+    b = RequestOutput("r", [], [6, 7], "bc", finished=True, finish_reason=FinishReason.STOP,
+                      logprobs=[-0.1, -0.2], num_cached_tokens=4)
+    m = merge_outputs(a, b)
+    assert (m.token_ids, m.text, m.logprobs, m.finished, m.finish_reason,
+            m.num_cached_tokens) == ([5, 6, 7], "abc", [-0.5, -0.1, -0.2], True,
+                                     FinishReason.STOP, 4)
+    assert a.token_ids == [5] and b.token_ids == [6, 7]  # inputs untouched
+    assert merge_outputs(RequestOutput("r", [], [1]), RequestOutput("r", [], [2])).logprobs \
+        is None
