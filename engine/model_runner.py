@@ -378,7 +378,7 @@ class ModelRunner(CudaGraphsMixin):
                        if items[i].seq.status is SeqStatus.RUNNING]
         res = self.sampler(logits, batch)
         if self.device.type != "cuda":
-            h.tokens = res.to_host()[0]
+            h.tokens, h.logprobs, h.top_logprobs = res.to_host()
         else:
             self._queue_copy(h, res)
 
@@ -446,14 +446,13 @@ class ModelRunner(CudaGraphsMixin):
     def can_chain(self, prev: StepHandle, seqs) -> bool:
         """Whether a step can be launched after ``prev`` before prev's tokens are read
         (``async_decode``), with ``seqs`` (prev's rows that go on, and those joined since)
-        among its rows: every row of prev sampled, greedily (its tokens are known on the
-        device or the host without more sampling), and every row of the next step samples
-        greedily with nothing else asked (processed logits are sampled later: pending).
-        Not after a mixed-graph step (``rows`` set): see :meth:`launch_next`."""
+        among its rows: every row of prev sampled (its tokens are known on the device or
+        the host, no sampling left to do). The next step's rows may ask for anything: a
+        step that is not a plain argmax is sampled once prev is read (``pending``). Not
+        after a mixed-graph step (``rows`` set): see :meth:`launch_next`."""
         return (bool(self.config.async_decode) and prev.pending is None and prev.rows is None
                 and (prev.greedy is not None or prev.tokens is not None)
-                and len(prev.sampled_ids) == len(prev.sched.scheduled)
-                and all(s.sampling.argmax_only for s in seqs))
+                and len(prev.sampled_ids) == len(prev.sched.scheduled))
 
     @torch.inference_mode()
     def launch_next(self, out: SchedulerOutput, prev: StepHandle,
@@ -466,11 +465,14 @@ class ModelRunner(CudaGraphsMixin):
         for its row keep[i]. Then sequences that joined since (one token, their input on the
         host), then admitted prompts (whole). A decode-only step replays a decode graph,
         any other runs eagerly; on a GPU prev's tokens stay on the device throughout. A
-        step whose logits are processed (a grammar's mask, penalties, logit_bias,
-        min_tokens) is left unsampled (``pending``):
-        the engine samples it with :meth:`sample_pending` once prev is read, while its
-        forward pass runs."""
-        batch = self._sampling_batch(out, every_row=True)
+        step that is not a plain argmax (a grammar's mask, penalties, logit_bias,
+        min_tokens, a sampled row, logprobs) is left unsampled (``pending``): the engine
+        samples it with :meth:`sample_pending` once prev is read, while its forward pass
+        runs, so each row's processors and random stream are where lockstep has them.
+        Plainness is decided from the settings alone: a sampling batch built now would
+        create a seeded request's generator before its draw in prev."""
+        plain = all(item.seq.sampling.argmax_only and item.seq.sampling.plain
+                    for item in out.scheduled)
         ids = [item.seq.request_id for item in out.scheduled]
         if prev.greedy is not None or self.graphs:
             src = None  # the chained rows' input tokens, on the device
@@ -492,19 +494,20 @@ class ModelRunner(CudaGraphsMixin):
                 self.eager_steps += 1
                 hidden = self.model(x, pos, self.kv_cache, meta, self.backend)
                 logits = self.model.compute_logits(self._rows_of(hidden, sample_rows))
-                if not batch.plain:
+                if not plain:
                     return StepHandle(out, ids, chained=True, pending=logits)
-                return self._queue_copy(StepHandle(out, ids, chained=True),
-                                        self.sampler(logits, batch))
-            if not batch.plain:
+                return self._queue_copy(StepHandle(out, ids, chained=True), self.sampler(
+                    logits, self._sampling_batch(out, every_row=True)))
+            if not plain:
                 return StepHandle(out, ids, chained=True, pending=logits)
             return StepHandle(out, ids, greedy=greedy, host=host, event=landed, chained=True)
         x, pos, meta, rows = self.prepare(out, next_ids=[prev.tokens[j] for j in keep])
         self.eager_steps += 1
         hidden = self.model(x, pos, self.kv_cache, meta, self.backend)
         logits = self.model.compute_logits(hidden[rows])
-        if not batch.plain:
+        if not plain:
             return StepHandle(out, ids, chained=True, pending=logits)
+        batch = self._sampling_batch(out, every_row=True)
         tokens, _, _ = self.sampler(logits, batch).to_host()
         return StepHandle(out, ids, tokens=tokens, chained=True)
 

@@ -150,12 +150,12 @@ class Scheduler:
         one chunk within ``budget`` tokens, while seats and free blocks allow; never
         preempting. Returns (the admitted, in order; whether the next in line is left for
         a scheduled step: it needs chunking, or reports its progress, or is a prefill
-        worker's, or samples: a launched-ahead step is greedy). A request short of seats or blocks just waits: a scheduled step could
+        worker's). A request short of seats or blocks just waits: a scheduled step could
         not admit it either."""
         out: list[ScheduledSeq] = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self._next_waiting()
-            if seq.prefill_only or seq.report_progress or not seq.sampling.argmax_only:
+            if seq.prefill_only or seq.report_progress:
                 return out, True
             cached = not seq.block_table
             if cached:
