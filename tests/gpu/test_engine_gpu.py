@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 
 from engine.llm import LLM  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
+from tests.arrivals import run_with_arrivals  # noqa: E402
 
 # lengths cover: short, one block, several blocks, > SDPA_MIN_TOKENS (the flash path)
 LENGTHS = (1, 5, 16, 17, 40, 100, 600, 33, 9, 250)
@@ -269,8 +270,7 @@ def test_constrained_greedy_rows_chain_on_cuda_graphs():
 
 def _arrivals_run(async_decode: bool):
     """Two requests decoding on CUDA graphs; others arrive mid-run, one or several at a
-    time: short prompts (a mixed graph), one beyond mixed_graph_tokens (eager), one in the
-    prefix cache."""
+    time: short prompts, one beyond mixed_graph_tokens, one in the prefix cache."""
     llm = LLM("dummy:tiny", dtype="bfloat16", device="cuda", max_num_seqs=16,
               async_decode=async_decode)
     eng = llm.engine
@@ -280,18 +280,7 @@ def _arrivals_run(async_decode: bool):
     eng.add_request("b", ps[4], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
     late = [(3, "c", ps[0]), (5, "d", ps[5]), (5, "e", ps[9]), (9, "f", ps[6]),
             (12, "g", ps[5] + [7]), (15, "h", ps[1])]
-    outs: dict[str, list[int]] = {}
-    step = 0
-    while eng.has_work or late:
-        while late and late[0][0] <= step:
-            _, rid, p = late.pop(0)
-            eng.add_request(rid, p, sp)
-        for o in eng.step():
-            outs.setdefault(o.request_id, []).extend(o.token_ids)
-        step += 1
-    bm = eng.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and not bm.held_blocks
-    return outs, eng
+    return run_with_arrivals(eng, [(t, rid, p, sp) for t, rid, p in late]), eng
 
 
 def test_requests_arriving_mid_chain_are_admitted_ahead_with_lockstep_tokens():

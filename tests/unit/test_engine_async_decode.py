@@ -9,6 +9,7 @@ import pytest
 
 from engine import LLM, Constraint, SamplingParams
 from engine.request import FinishReason
+from tests.arrivals import run_with_arrivals
 
 
 def _llm(**kw):
@@ -143,18 +144,7 @@ def _arrivals(async_decode: bool, late: list[tuple], **kw) -> tuple[dict, object
     eng = _llm(async_decode=async_decode, **kw).engine
     eng.add_request("a", [3, 4, 5], SamplingParams(max_tokens=24, temperature=0,
                                                    ignore_eos=True))
-    outs: dict[str, list[int]] = {}
-    step = 0
-    while eng.has_work or late:
-        while late and late[0][0] <= step:
-            _, rid, prompt, sp = late.pop(0)
-            eng.add_request(rid, prompt, sp)
-        for o in eng.step():
-            outs.setdefault(o.request_id, []).extend(o.token_ids)
-        step += 1
-    bm = eng.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and not bm.held_blocks
-    return outs, eng
+    return run_with_arrivals(eng, late), eng
 
 
 def test_arriving_requests_join_the_chain_with_lockstep_tokens():
