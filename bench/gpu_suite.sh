@@ -31,6 +31,9 @@
 #   transfer     bench/kv_transfer_gpu.py (2 GPUs)                                          ~3
 #   defaults     bench/gpu_engine.py --defaults: bare LLM("dummy:llama-3-8b"), sections
 #                a,c,e,b (issue 22's done-when), then tests/gpu/test_config_gpu.py           ~5
+#   closed-loop  bench/closed_loop_engine.py: the engine alone at concurrency 512, all at once
+#                vs closed loop (waves), then closed loop with spread arrivals (1500 x
+#                (200 + 100..300)) in lockstep and launched ahead (1 GPU)                 ~3
 #   serve-defaults  pdserve bench --up: one colocated worker with no flag but --device cuda
 #                (Redis: the gateway learns its capacity), 1000 x (200+200) at concurrency
 #                256 and 512; then 1P1D on the one GPU (pdserve up --device cuda)           ~8
@@ -105,6 +108,14 @@ PY
     defaults) run python3 -m bench.gpu_engine --defaults \
         --out "$OUT/gpu_engine_defaults_h200.json"
       run python3 -m pytest -q -m gpu tests/gpu/test_config_gpu.py -p no:cacheprovider ;;
+    closed-loop)
+      run python3 -m bench.closed_loop_engine --model dummy:llama-3-8b --device cuda \
+        --concurrency 512 --modes offline,closed --out "$OUT/closed_loop_c512.json"
+      for v in "ahead|" "lockstep|--engine-arg async_decode=false"; do
+        run python3 -m bench.closed_loop_engine --model dummy:llama-3-8b --device cuda \
+          --concurrency 512 --num-requests 1500 --output-len 100:300 --arrival-delay-ms 2 \
+          --modes closed ${v#*|} --out "$OUT/closed_loop_spread_${v%%|*}.json"
+      done ;;
     serve-defaults)  # the LLM.generate figure to compare with: engine-full / defaults, b
       for dep in "colocated:--colocated 1 --prefill 0 --decode 0" "1p1d:--prefill 1 --decode 1"; do
         for c in 256 512; do
