@@ -14,7 +14,6 @@ from engine.layers.attention import AttentionMetadata
 from engine.graph_inputs import (MAX_PREFILL_SEQS, BlockTableRows, fill_decode_inputs,
                                  fill_mixed_inputs, plan_mixed, token_buckets)
 from engine.scheduler import SchedulerOutput
-from engine.step_handle import StepHandle
 
 logger = logging.getLogger(__name__)
 

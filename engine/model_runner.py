@@ -354,9 +354,9 @@ class ModelRunner(CudaGraphsMixin):
 
     @staticmethod
     def _queue_copy(h: StepHandle, res) -> StepHandle:
-        """``h`` reads ``res`` (GPU) through pinned host copies; with every row of its step
-        sampled, the tokens also stay on the device (``h.greedy``) for a step launched after
-        it (launch_next) to take as input, without waiting for them."""
+        """``h`` reads ``res`` through pinned host copies (a GPU's; on the CPU at once); with
+        every row of its step sampled, the tokens also stay on the device (``h.greedy``) for
+        a step launched after it (launch_next) to take as input, without waiting for them."""
         if len(h.sampled_ids) == len(h.sched.scheduled):
             h.greedy = res.tokens
         res.start_copy()
@@ -474,42 +474,32 @@ class ModelRunner(CudaGraphsMixin):
         plain = all(item.seq.sampling.argmax_only and item.seq.sampling.plain
                     for item in out.scheduled)
         ids = [item.seq.request_id for item in out.scheduled]
-        if prev.greedy is not None or self.graphs:
-            src = None  # the chained rows' input tokens, on the device
-            if keep and prev.greedy is not None:
-                src = prev.greedy
-                if keep != list(range(len(src))):  # rows that ended are left out: gather
-                    src = self._rows_of(src, keep)  # on the device, no sync
-            elif keep:  # read already (an eager step sampled on the host): copy them up
-                src = self._to_device([prev.tokens[j] for j in keep], torch.int64)
-            if self._can_graph(out):
-                logits, greedy, host, landed = self._graph_step(out, src)
-            else:  # prompts (or a long context): eagerly. Not through the mixed graphs:
-                # chained into them, a served 8B model at 512 rows hit a device-side index
-                # assert (2026-12-04, not found yet); a lockstep mixed step still uses them
-                x, pos, meta, sample_rows = self.prepare(
-                    out, next_ids=None if src is None else [0] * len(src))
-                if src is not None:  # the chained rows are the first tokens (prepare)
-                    x[:len(src)].copy_(src)
-                self.eager_steps += 1
-                hidden = self.model(x, pos, self.kv_cache, meta, self.backend)
-                logits = self.model.compute_logits(self._rows_of(hidden, sample_rows))
-                if not plain:
-                    return StepHandle(out, ids, chained=True, pending=logits)
-                return self._queue_copy(StepHandle(out, ids, chained=True), self.sampler(
-                    logits, self._sampling_batch(out, every_row=True)))
+        src = None  # the chained rows' input tokens, on the device (a GPU's stay there)
+        if keep and prev.greedy is not None:
+            src = prev.greedy
+            if keep != list(range(len(src))):  # rows that ended are left out: gather
+                src = self._rows_of(src, keep)  # on the device, no sync
+        elif keep:  # read already (an eager step sampled on the host): copy them over
+            src = self._to_device([prev.tokens[j] for j in keep], torch.int64)
+        if self._can_graph(out):
+            logits, greedy, host, landed = self._graph_step(out, src)
             if not plain:
                 return StepHandle(out, ids, chained=True, pending=logits)
             return StepHandle(out, ids, greedy=greedy, host=host, event=landed, chained=True)
-        x, pos, meta, rows = self.prepare(out, next_ids=[prev.tokens[j] for j in keep])
+        # prompts, a long context, or no graphs: eagerly. Not through the mixed graphs:
+        # chained into them, a served 8B model at 512 rows hit a device-side index assert
+        # (2026-12-04, not found yet); a lockstep mixed step still uses them
+        x, pos, meta, sample_rows = self.prepare(
+            out, next_ids=None if src is None else [0] * len(src))
+        if src is not None:  # the chained rows are the first tokens (prepare)
+            x[:len(src)].copy_(src)
         self.eager_steps += 1
         hidden = self.model(x, pos, self.kv_cache, meta, self.backend)
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(self._rows_of(hidden, sample_rows))
         if not plain:
             return StepHandle(out, ids, chained=True, pending=logits)
-        batch = self._sampling_batch(out, every_row=True)
-        tokens, _, _ = self.sampler(logits, batch).to_host()
-        return StepHandle(out, ids, tokens=tokens, chained=True)
+        return self._queue_copy(StepHandle(out, ids, chained=True), self.sampler(
+            logits, self._sampling_batch(out, every_row=True)))
 
     def _rows_of(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``t[rows]`` without a host sync on a GPU (the index goes through pinned memory)."""

@@ -126,23 +126,34 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted \
                 and len(self.running) < self.config.max_num_seqs:
             seq = self._next_waiting()
-            if not seq.block_table:
-                seq.num_cached_tokens = self.bm.allocate_cached_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.bm.allocate_slots(seq, n):
-                # give the cached prefix back while it waits: a waiting request holding
-                # blocks could starve the running ones (and itself) for good
-                self.bm.release_cached_prefix(seq)
-                seq.num_cached_tokens = 0
+            n, _ = self._admit(seq, budget, whole=False)
+            if n is None:
                 if not self.running:  # nothing will free blocks: it can never fit
                     logger.warning("request %s needs more KV blocks than exist", seq.request_id)
                 break
-            self.waiting.remove(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def _admit(self, seq: Sequence, budget: int, whole: bool) -> tuple[int | None, int]:
+        """Move waiting ``seq`` to running with its next chunk's blocks (after attaching its
+        cached prefix): up to ``budget`` tokens, or (``whole``) its whole remaining prompt
+        if that fits ``budget``. Returns (the chunk's tokens, or None when it does not fit
+        or blocks are short; the tokens it had left to compute after its cached prefix).
+        On None its cached prefix is given back: a waiting request holding blocks could
+        starve the running ones (and itself) for good."""
+        if not seq.block_table:
+            seq.num_cached_tokens = self.bm.allocate_cached_prefix(seq)
+        left = seq.num_tokens - seq.num_computed_tokens
+        n = left if whole else min(left, budget)
+        if n > budget or not self.bm.allocate_slots(seq, n):
+            self.bm.release_cached_prefix(seq)
+            seq.num_cached_tokens = 0
+            return None, left
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return n, left
 
     def admit_ahead(self, budget: int) -> tuple[list[ScheduledSeq], bool]:
         """Admit waiting requests into a step launched before the one running is read
@@ -157,18 +168,9 @@ class Scheduler:
             seq = self._next_waiting()
             if seq.prefill_only or seq.report_progress:
                 return out, True
-            cached = not seq.block_table
-            if cached:
-                seq.num_cached_tokens = self.bm.allocate_cached_prefix(seq)
-            n = seq.num_tokens - seq.num_computed_tokens
-            if n > budget or not self.bm.allocate_slots(seq, n):
-                if cached:
-                    self.bm.release_cached_prefix(seq)
-                    seq.num_cached_tokens = 0
-                return out, n > budget
-            self.waiting.remove(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            n, left = self._admit(seq, budget, whole=True)
+            if n is None:  # chunking needed (after its prefix hit), or blocks short
+                return out, left > budget
             out.append(ScheduledSeq(seq, n))
             budget -= n
         return out, False
