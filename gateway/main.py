@@ -169,6 +169,7 @@ def main(argv=None) -> int:
     setup_logging("gateway", settings.log_level, settings.log_format)
     from services.memory import limit_arenas
     limit_arenas(settings.malloc_arenas)  # before any thread: see services/memory.py
+    sys.setswitchinterval(settings.gil_switch_interval_us / 1e6)
     setup_tracing("gateway")
     try:
         run(serve_gateway(settings))

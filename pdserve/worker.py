@@ -182,6 +182,7 @@ def main(argv=None, role: str = "colocated") -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging(f"{settings.role}-worker", settings.log_level, settings.log_format)
+    sys.setswitchinterval(settings.gil_switch_interval_us / 1e6)
     setup_tracing(settings.role)
     try:
         run(serve_worker(settings, kv_options))

@@ -76,6 +76,13 @@ def _port(default: int, help: str) -> Any:
     return setting(default, help, ge=0, le=65535)
 
 
+def _switch_interval() -> Any:
+    return setting(100.0, "microseconds a thread may keep Python's interpreter lock while "
+                          "another waits for it (sys.setswitchinterval; Python's default: "
+                          "5000): short hands gRPC's completion thread and a worker's engine "
+                          "thread the lock sooner (docs/performance.md)", gt=0.0, le=1e6)
+
+
 @dataclass(frozen=True)
 class ServiceSettings:
     """What every service has: its gRPC server, Redis, shutdown, metrics and logs."""
@@ -108,6 +115,7 @@ class ServiceSettings:
     metrics_tls_key_file: str = setting("", "TLS on the /metrics port: its private key (PEM)")
     metrics_tls_ca_file: str = setting("", "TLS on the /metrics port: also require a client "
                                            "certificate signed by this CA (the scraper's)")
+    gil_switch_interval_us: float = _switch_interval()
     log_level: str = setting("INFO", "log level", choices=LOG_LEVELS)
     log_format: str = setting("json", "log lines: json or text", choices=LOG_FORMATS)
     tls_ca_file: str = setting("", "mutual TLS between services: the cluster CA certificate "
@@ -400,6 +408,7 @@ class ClientSettings:
     api_key: str = setting("", "API key sent to a gateway started with API keys "
                                "(authorization: Bearer); generate and chat also take "
                                "--api-key", secret=True)
+    gil_switch_interval_us: float = _switch_interval()
 
     def __post_init__(self) -> None:
         check_settings(self)

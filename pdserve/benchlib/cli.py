@@ -356,6 +356,13 @@ def main(argv=None) -> int:
             EngineConfig(device=a.device)
         except ValueError as e:
             p.error(str(e))
+    from services.config import ConfigError, client_settings
+    try:
+        # the client's gRPC completion thread hands each message to the event loop; with
+        # Python's 5 ms switch interval that handoff waits (docs/performance.md)
+        sys.setswitchinterval(client_settings().gil_switch_interval_us / 1e6)
+    except ConfigError as e:
+        p.error(str(e))
     try:
         items, meta = make_items(a)
         if a.save_workload:

@@ -408,3 +408,15 @@ def test_a_gpu_device_without_a_gpu_is_a_clear_error():
         pytest.skip("a GPU is visible")
     with pytest.raises(ValueError, match="device 'cuda:0': no CUDA GPU is visible"):
         LLM("dummy:tiny", device="cuda:0")
+
+
+def test_every_process_takes_the_gil_switch_interval_from_one_setting():
+    from services.config import client_settings, gateway_settings
+    env = {"PDSERVE_GIL_SWITCH_INTERVAL_US": "250"}
+    gw = ["--decode-addrs", "127.0.0.1:1"]
+    for build in (lambda: worker_settings([], env=env), lambda: gateway_settings(gw, env=env),
+                  lambda: client_settings(env=env)):
+        assert build().gil_switch_interval_us == 250.0
+    assert gateway_settings(gw, env={}).gil_switch_interval_us == 100.0
+    with pytest.raises(ConfigError, match="gil_switch_interval_us must be > 0"):
+        worker_settings(["--gil-switch-interval-us", "0"], env={})
