@@ -224,7 +224,8 @@ class BlockManager:
         need = self.blocks_needed(seq, seq.num_computed_tokens + num_new_tokens)
         if need > len(self.free):
             return False
-        seq.block_table.extend(self._take_free_runs(need))
+        if need:  # most decode steps need none: every row of every step asks
+            seq.block_table.extend(self._take_free_runs(need))
         return True
 
     def allocate_blocks(self, n: int) -> list[int] | None:

@@ -97,7 +97,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
         self.running.sort(key=lambda s: s.order)
@@ -116,7 +115,6 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(ScheduledSeq(seq, n))
-                scheduled_ids.add(seq.request_id)
                 budget -= n
                 i += 1
                 continue
