@@ -120,6 +120,10 @@ def _from_header(path: Path, doc: dict) -> Entry:
                  figures=list(doc.get("figures") or []))
 
 
+COMMIT_KEYS = ("added_in", "last_changed_in", "measured_at")
+FULL_SHA = re.compile(r"[0-9a-f]{40}")
+
+
 def _from_sidecar(path: Path, rec: dict) -> Entry:
     if rec.get("measured_at"):
         commit = short(rec["measured_at"])
@@ -146,9 +150,12 @@ def load_set(folder: Path) -> ResultSet:
         side = json.loads((folder / SIDECAR).read_text())
         rs.about = side.get("about", "")
     described = side.get("files", {})
-    for name in described:
+    for name, rec in described.items():
         if not (folder / name).exists():
             rs.problems.append(f"{folder / name}: in {SIDECAR} but missing")
+        for key in COMMIT_KEYS:  # a commit is a full hash; words go in measured_note
+            if rec.get(key) is not None and not FULL_SHA.fullmatch(str(rec[key])):
+                rs.problems.append(f"{folder / name}: {key} {rec[key]!r} is not a 40-hex commit")
     for file in sorted(p for p in folder.iterdir() if p.name != SIDECAR):
         if file.is_dir():
             rs.problems.append(f"{file}: a folder inside a result set")
