@@ -110,9 +110,13 @@ class CacheConfig:
                                            "cluster, the gateway's included)")
     kv_dtype: str | None = setting(
         None, "KV cache dtype; auto: the model dtype; int8 / fp8 (e4m3): 8-bit codes with a "
-              "float32 scale per token and KV head stored in the block (torch attention "
-              "backend; both workers of a 1P1D pair must use the same)",
+              "float32 scale per token and KV head stored in the block (both workers of a "
+              "1P1D pair must use the same)",
         choices=DTYPE_NAMES + KV_QUANT_DTYPES)
+    kv_scales: str = setting(
+        "dynamic", "scales of an int8 / fp8 KV cache: dynamic (each token and head its own "
+                   "max), checkpoint (the model folder's static k_scale / v_scale), or the "
+                   "path of a file from `pdserve quantize --kv-scales` (static, calibrated)")
     kv_block_runs: bool = setting(True, "allocations of 16+ blocks take runs of consecutive "
                                         "block ids (KV transfers then move a few large pieces); "
                                         "off: strict eviction order")
@@ -120,6 +124,11 @@ class CacheConfig:
     def __post_init__(self) -> None:
         check_settings(self)
         _power_of_two("block_size", self.block_size)
+        if not self.kv_scales:
+            raise SettingError("kv_scales", "kv_scales must be dynamic, checkpoint or a file")
+        if self.kv_scales != "dynamic" and self.kv_dtype not in KV_QUANT_DTYPES:
+            raise SettingError("kv_scales", f"kv_scales {self.kv_scales!r} scales an int8 / "
+                                            "fp8 KV cache: set kv_dtype int8 or fp8")
 
 
 @dataclass(frozen=True)

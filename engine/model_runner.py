@@ -43,7 +43,10 @@ def kv_layout_of(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype
     return (DTYPES[kd] if kd else model_dtype), mc.head_dim
 
 
-def make_attention_backend(config: EngineConfig, mc: ModelConfig) -> AttentionBackend:
+def make_attention_backend(config: EngineConfig, mc: ModelConfig,
+                           static_scales: torch.Tensor | None = None) -> AttentionBackend:
+    """``static_scales``: a quantized cache's static scales (engine.quant.kv_scales), on the
+    cache's device; None: dynamic."""
     scale = mc.head_dim ** -0.5
     want = config.attention_backend
     quantized = config.cache.kv_dtype in KV_QUANT_DTYPES  # int8 / fp8 codes + scales
@@ -55,10 +58,11 @@ def make_attention_backend(config: EngineConfig, mc: ModelConfig) -> AttentionBa
         # A/B measurements: kernels.fuse_rotary off: separate rotary and store_kv kernels;
         # kernels.split_mixed off: a mixed step's decode rows through the prefill kernel
         return TritonAttention(scale, fuse_rotary=config.kernels.fuse_rotary,
-                               split_mixed=config.kernels.split_mixed, kv_quantized=quantized)
+                               split_mixed=config.kernels.split_mixed, kv_quantized=quantized,
+                               static_scales=static_scales)
     if quantized:
         from engine.quant.kv import CODE_DTYPES, QuantKVAttention
-        return QuantKVAttention(scale, CODE_DTYPES[config.cache.kv_dtype])
+        return QuantKVAttention(scale, CODE_DTYPES[config.cache.kv_dtype], static_scales)
     return TorchAttention(scale)
 
 
@@ -127,7 +131,8 @@ class ModelRunner(CudaGraphsMixin):
                 self.packed_projections = self.model.load_packed(packed)
                 logger.info("CPU packed GEMV: %d projections read GGUF blocks",
                             self.packed_projections)
-        self.backend = make_attention_backend(config, mc)
+        self.kv_static_scales = self._static_kv_scales()
+        self.backend = make_attention_backend(config, mc, self.kv_static_scales)
         self.shared_gen = torch.Generator(device=self.device)
         self.shared_gen.manual_seed(config.seed)
         self.sampler = Sampler(self.shared_gen)
@@ -188,6 +193,18 @@ class ModelRunner(CudaGraphsMixin):
         plan.check_model(self.mc.num_layers)
         weights.clear()  # the float copies the loader handed over: free them first
         return quantize_model(self.model, plan)
+
+    def _static_kv_scales(self) -> torch.Tensor | None:
+        """kv_scales checkpoint / FILE: the quantized cache's static scales on this device
+        (engine.quant.kv_scales); None for dynamic scales or a float cache."""
+        cc = self.config.cache
+        if cc.kv_scales == "dynamic" or cc.kv_dtype not in KV_QUANT_DTYPES:
+            return None
+        from engine.quant.kv import CODE_DTYPES
+        from engine.quant.kv_scales import load_static_scales
+        scales = load_static_scales(cc.kv_scales, self.config.model, self.mc, self.model_id,
+                                    CODE_DTYPES[cc.kv_dtype])
+        return scales.to(self.device)
 
     def _make_kv_cache(self) -> None:
         """Size (see :meth:`_num_kv_blocks`) and allocate the KV cache; cap max_model_len by

@@ -1,17 +1,21 @@
-"""``pdserve quantize``: a mixed-precision plan (``--plan``) or calibrated weights (``--gptq``).
+"""``pdserve quantize``: a mixed-precision plan (``--plan``), calibrated weights (``--gptq``)
+or static KV cache scales (``--kv-scales``).
 
     pdserve quantize --plan --out plan.json [--model smollm2-135m] [--low int4 --high int8]
         [--budget 0.15] [--windows 2 --window 128] [--corpus FILE]
     pdserve quantize --gptq int4|int8|fp8 --out w.safetensors [--from-plan plan.json]
         [--windows 32 --window 256] [--device cuda]
+    pdserve quantize --kv-scales --out kv.safetensors [--windows 8 --window 256]
 
 Both run on the corpus's tune part (pdserve eval reports on the held-out part), on the float
 engine's device (``--device``, else the engine setting: PDSERVE_DEVICE, ``--base
 device=...``, or auto: cuda when a GPU is visible); GPTQ's Hessians and rounding run there
 too. The engine scores one window at a time, so its KV cache is sized for one (on a GPU the
 memory is left to the Hessians). The engine loads a plan with ``--quantization-plan
-plan.json`` and calibrated weights with ``--quantized-weights w.safetensors``
-(engine/quant/calibrated.py).
+plan.json``, calibrated weights with ``--quantized-weights w.safetensors``
+(engine/quant/calibrated.py) and KV scales with ``--kv-dtype fp8 --kv-scales kv.safetensors``
+(engine/quant/kv_scales.py: the largest |K| and |V| of each layer and KV head over the
+windows).
 """
 from __future__ import annotations
 
@@ -26,7 +30,11 @@ def main(argv=None) -> int:
                       help="run the sensitivity sweep and write a plan file")
     mode.add_argument("--gptq", choices=("int4", "int8", "fp8"), default=None,
                       help="calibrate GPTQ weights of this format and write them")
-    p.add_argument("--out", required=True, help="the plan (--plan) or weights (--gptq) file")
+    mode.add_argument("--kv-scales", action="store_true",
+                      help="calibrate static KV cache scales (per layer and KV head) and "
+                           "write them")
+    p.add_argument("--out", required=True,
+                   help="the plan (--plan), weights (--gptq) or scales (--kv-scales) file")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--base", default="", help="engine settings k=v,... of the float model")
     p.add_argument("--device", default=None,
@@ -40,17 +48,19 @@ def main(argv=None) -> int:
     p.add_argument("--corpus", default=None)
     p.add_argument("--corpus-sha256", default=None)
     p.add_argument("--window", type=integer(2), default=None,
-                   help="tokens per window [--plan 128, --gptq 256]")
+                   help="tokens per window [--plan 128, --gptq and --kv-scales 256]")
     p.add_argument("--windows", type=integer(1), default=None,
                    help="windows of the tune part [--plan 2; --gptq 32, or enough for "
-                        "1.25x the widest projection's inputs in tokens]")
+                        "1.25x the widest projection's inputs in tokens; --kv-scales 8]")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     if a.plan and a.from_plan:
         p.error("--from-plan goes with --gptq (a plan sweep writes a plan)")
-    a.window = a.window or (256 if a.gptq else 128)
+    a.window = a.window or (128 if a.plan else 256)
     llm, corpus, windows = _setup(p, a)
     if a.plan:
         return _plan(llm, corpus, windows, a)
+    if a.kv_scales:
+        return _kv_scales(llm, corpus, windows, a)
     return _gptq(p, llm, corpus, windows, a)
 
 
@@ -64,6 +74,8 @@ def _setup(p, a):
         if (pairs.get("quantization", "none") != "none" or "quantization_plan" in pairs
                 or "quantized_weights" in pairs):
             raise ValueError("quantize starts from the unquantized model")
+        if pairs.get("kv_dtype") in ("int8", "fp8"):
+            raise ValueError("quantize starts from a float KV cache")
         pairs["enforce_eager"] = "true"  # projections are swapped after loading
         pairs["cpu_packed"] = "false"  # every projection runs its module
         if a.device:
@@ -78,7 +90,8 @@ def _setup(p, a):
         p.error(str(e))
     ids = llm.tokenizer.encode(corpus.part("tune"))
     if a.windows is None:
-        a.windows = gptq_windows(llm.engine.runner.model, a.window) if a.gptq else 2
+        a.windows = (gptq_windows(llm.engine.runner.model, a.window) if a.gptq
+                     else 8 if a.kv_scales else 2)
     try:
         windows = [w[:-1] for w in pick_windows(ids, a.window, a.windows)]
     except ValueError as e:
@@ -125,4 +138,29 @@ def _gptq(p, llm, corpus, windows, a) -> int:
     print(f"wrote {a.out}: {n} projections {info['projections']}, weights "
           f"{info['weight_bytes'] / 2**20:.1f} MiB; calibrated on {info['tokens']} tokens in "
           f"{info['calibration_s']:.0f}s, quantized in {info['quantize_s']:.0f}s")
+    return 0
+
+
+def _kv_scales(llm, corpus, windows, a) -> int:
+    import time
+    from engine.quant.kv_scales import RangeRecorder, write_file
+    eng = llm.engine
+    runner = eng.runner
+    rec = RangeRecorder(runner.backend, eng.model_config.num_layers,
+                        eng.model_config.num_kv_heads)
+    runner.backend = rec
+    t0 = time.perf_counter()
+    try:
+        for w in windows:
+            eng.score(w)
+    finally:
+        runner.backend = rec.inner
+    info = {"corpus": corpus.describe(), "window": a.window, "windows": len(windows),
+            "tokens": sum(len(w) for w in windows), "calibration_s": time.perf_counter() - t0}
+    write_file(a.out, rec.ranges, eng.model_id, info)
+    r = rec.ranges
+    print(f"wrote {a.out}: K and V scales of {r.shape[0]} layers x {r.shape[2]} KV heads from "
+          f"{info['tokens']} tokens in {info['calibration_s']:.0f}s (max |K| "
+          f"{float(r[:, 0].min()):.3g}-{float(r[:, 0].max()):.3g}, max |V| "
+          f"{float(r[:, 1].min()):.3g}-{float(r[:, 1].max()):.3g})")
     return 0

@@ -75,6 +75,14 @@ def greedy_reference(model, prompt_ids: list[int], max_tokens: int) -> list[int]
     return out
 
 
+def wordlevel_tokenizer_json(vocab: int = 512) -> str:
+    """A fast tokenizer (tokenizer.json text) of words ``w0`` .. ``w{vocab-1}``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok.to_str()
+
+
 def save_hf_folder(loaded: LoadedModel, path: str, *, tokenizer_json: str | None = None,
                    tokenizer_config: dict | None = None, shards: int = 1,
                    config_overrides: dict | None = None) -> None:

@@ -38,13 +38,15 @@ class TritonAttention(AttentionBackend):
 
     def __init__(self, scale: float, sdpa_min_tokens: int = SDPA_MIN_TOKENS,
                  fuse_rotary: bool = True, split_mixed: bool = True,
-                 kv_quantized: bool = False):
+                 kv_quantized: bool = False, static_scales: torch.Tensor | None = None):
         """``kv_quantized``: the cache holds int8 / fp8 codes and scales (engine.quant.kv):
         store_kv quantizes, the attention kernels read codes, every prefill reads its K/V
         back from the cache (as a later decode step sees them: no SDPA over the fresh
-        float K/V), and rotary runs apart from the store."""
+        float K/V), and rotary runs apart from the store. ``static_scales``: a quantized
+        cache's static scales (float32 [num_layers, 2, num_kv_heads]), None: dynamic."""
         self.scale = scale
         self.kv_quantized = kv_quantized
+        self.static_scales = static_scales
         self.sdpa_min_tokens = sdpa_min_tokens
         # False: a mixed step's decode rows go through the prefill kernel with the rest
         self.split_mixed = split_mixed
@@ -56,7 +58,7 @@ class TritonAttention(AttentionBackend):
         if rope is not None:  # rotate q/k in place and store k/v: one launch
             rotary_store_kv(rope[0], q, k, v, rope[1], kv_cache, layer, meta.slot_mapping)
         else:
-            store_kv(k, v, kv_cache, layer, meta.slot_mapping)
+            store_kv(k, v, kv_cache, layer, meta.slot_mapping, self.static_scales)
         if meta.decode_only:
             return paged_decode_attention(q, kv_cache, layer, meta.block_tables, meta.seq_lens,
                                           self.scale)

@@ -1,5 +1,6 @@
 """store_kv: write one layer's new K/V rows into the paged, block-major KV cache (float, or
-int8 / fp8 codes with a scale per token and head: engine.quant.kv's layout and math)."""
+int8 / fp8 codes with a scale per token and head: engine.quant.kv's layout and math; the
+scale is each row's own, or a static one per layer, K/V and head)."""
 from __future__ import annotations
 
 import torch
@@ -34,11 +35,15 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, layer, n_heads, head_dim
 
 
 @triton.jit
-def _quantize_rows(x, qmax, inv_qmax, KVQ: tl.constexpr):
+def _quantize_rows(x, qmax, inv_qmax, static, KVQ: tl.constexpr, STATIC: tl.constexpr):
     """x float32 [H, D] (masked columns 0) -> (codes as uint8 [H, D], scale float32 [H]):
-    scale = max(max|x|, 1e-8) * float32(1 / qmax), codes = clamp(x / scale) rounded half to
-    even (int8) or to the nearest e4m3 (fp8), as engine.quant.kv.quantize_rows."""
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8) * inv_qmax
+    scale = max(max|x|, 1e-8) * float32(1 / qmax), or ``static`` [H] when STATIC; codes =
+    clamp(x / scale) rounded half to even (int8) or to the nearest e4m3 (fp8), as
+    engine.quant.kv.quantize."""
+    if STATIC:
+        scale = static
+    else:
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8) * inv_qmax
     y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -qmax, qmax)
     if KVQ == 1:
         r = tl.floor(y + 0.5)
@@ -54,8 +59,9 @@ def _quantize_rows(x, qmax, inv_qmax, KVQ: tl.constexpr):
 def _store_kv_quant_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, layer, n_heads, head_dim,
                            block_size, qmax, inv_qmax, stride_k_tok, stride_k_head,
                            stride_v_tok, stride_v_head, s_blk, s_layer, s_kv, s_tok, s_head,
-                           sc_off, sc_head, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                           KVQ: tl.constexpr, ALIGN: tl.constexpr):
+                           sc_off, sc_head, static_ptr, BLOCK_H: tl.constexpr,
+                           BLOCK_D: tl.constexpr, KVQ: tl.constexpr, ALIGN: tl.constexpr,
+                           STATIC: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:
@@ -71,8 +77,14 @@ def _store_kv_quant_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, layer, n_heads, he
                     other=0.0).to(tl.float32)
         v = tl.load(v_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d, mask=mask,
                     other=0.0).to(tl.float32)
-        kc, ks = _quantize_rows(k, qmax, inv_qmax, KVQ)
-        vc, vs = _quantize_rows(v, qmax, inv_qmax, KVQ)
+        ks = None
+        vs = None
+        if STATIC:  # static_ptr: float32 [num_layers, 2, n_heads]
+            st = static_ptr + layer * 2 * n_heads + h
+            ks = tl.load(st, mask=h_mask, other=1.0)
+            vs = tl.load(st + n_heads, mask=h_mask, other=1.0)
+        kc, ks = _quantize_rows(k, qmax, inv_qmax, ks, KVQ, STATIC)
+        vc, vs = _quantize_rows(v, qmax, inv_qmax, vs, KVQ, STATIC)
         tl.store(row[:, None] + d, kc, mask=mask)
         tl.store(row[:, None] + s_kv + d, vc, mask=mask)
         tl.store(sc.to(tl.pointer_type(tl.float32)), ks, mask=h_mask)
@@ -80,12 +92,13 @@ def _store_kv_quant_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, layer, n_heads, he
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, static_scales: torch.Tensor | None = None) -> None:
     """key/value [num_tokens, num_kv_heads, head_dim] -> kv_cache[slot // bs, layer, 0/1,
     slot % bs]. slot_mapping int64 [num_tokens]; slot -1 skips the token (padding).
     Slots are not bounds-checked on device (that would need a host sync). A quantized
     cache (int8 / float8_e4m3fn, engine.kernels._checks' slab layout) gets each row's codes
-    and scale."""
+    and scale; ``static_scales`` (float32 [num_layers, 2, num_kv_heads], quantized caches
+    only) gives every row of a (layer, K/V, head) the same scale instead of its own."""
     _, block_size, n_heads, head_dim = check_kv_cache(kv_cache, layer, quantized=True)
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES, device=kv_cache.device)
     check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=kv_cache.device)
@@ -98,13 +111,24 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, lay
         return
     s = kv_cache.stride()
     kvq = kv_quant_kind(kv_cache)
+    if static_scales is not None:
+        if not kvq:
+            raise ValueError("static_scales need a quantized (int8 / fp8) KV cache")
+        check_tensor("static_scales", static_scales, ndim=3, dtypes=(torch.float32,),
+                     device=kv_cache.device)
+        check_shape("static_scales", static_scales, (kv_cache.shape[1], 2, n_heads))
+        if not static_scales.is_contiguous():
+            raise ValueError("static_scales must be contiguous")
     if kvq:
         *geom, align = kv_geometry(kv_cache)
+        static = static_scales is not None
         _store_kv_quant_kernel[(key.shape[0],)](
             key, value, kv_cache.view(torch.uint8), slot_mapping, int(layer), n_heads,
             head_dim, block_size, _QMAX[kvq], _INV[kvq], key.stride(0), key.stride(1),
-            value.stride(0), value.stride(1), *geom, BLOCK_H=next_pow2(n_heads),
-            BLOCK_D=next_pow2(head_dim), KVQ=kvq, ALIGN=align)
+            value.stride(0), value.stride(1), *geom,
+            static_scales if static else slot_mapping,  # unused pointer when not STATIC
+            BLOCK_H=next_pow2(n_heads), BLOCK_D=next_pow2(head_dim), KVQ=kvq, ALIGN=align,
+            STATIC=static)
         return
     _store_kv_kernel[(key.shape[0],)](
         key, value, kv_cache, slot_mapping, int(layer), n_heads, head_dim, block_size,

@@ -171,7 +171,8 @@ def load_model(spec: str, dtype: "torch.dtype | None" = None, device: str = "cpu
         from engine.loader.hf_loader import hf_quantization_config
         config = hf_config(location)
         qcfg = hf_quantization_config(location)
-        if qcfg:
+        from engine.quant.checkpoint import method_of
+        if method_of(qcfg):  # quantized weights (not KV cache scales alone)
             if shard:
                 raise ValueError(f"{location}: a pre-quantized checkpoint cannot be loaded "
                                  "with tensor parallelism yet")

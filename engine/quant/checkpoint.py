@@ -16,8 +16,9 @@ the engine's own formats (engine.quant.reference) without re-quantizing:
 :func:`convert` returns the float weights the model is built from (each quantized projection
 dequantized: the model's shapes and names stay plain) and, per HF weight name, the
 quantized form the runner swaps in (engine.quant.quantize_loaded). Static KV cache scales
-(``k_scale`` / ``v_scale``) are read past with a warning: the engine's int8 / fp8 KV cache
-uses dynamic per-token scales (engine.quant.kv).
+(``k_scale`` / ``v_scale``, compressed-tensors' ``kv_cache_scheme``) are not weights: the
+engine reads them with ``kv_scales checkpoint`` (engine.quant.kv_scales); a checkpoint with
+KV scales and float weights is not a pre-quantized checkpoint (:func:`method_of` is None).
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def method_of(qcfg: dict | None) -> str | None:
     m = qcfg.get("quant_method")
     if m == "compressed-tensors":
         groups = qcfg.get("config_groups") or {}
+        if not groups:  # only a kv_cache_scheme: float weights (engine.quant.kv_scales)
+            return None
         for g in groups.values():
             w = g.get("weights") or {}
             if w.get("type") != "float" or w.get("num_bits") != 8:
@@ -131,11 +134,11 @@ def convert(raw: dict[str, torch.Tensor], qcfg: dict, dtype, device: str
         quant[base + ".weight"] = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
                                    for k, v in qw.items()}
         dense[base + ".weight"] = dequantize(qw).to(device=device, dtype=dtype)
-    kv_scales = [n for n in raw if n.endswith((".k_scale", ".v_scale"))]
+    kv_scales = [n for n in raw if n.endswith((".k_scale", ".v_scale",
+                                               "k_proj.output_scale", "v_proj.output_scale"))]
     if kv_scales:
-        logger.warning("%d static KV cache scales (k_scale / v_scale) are not used: a "
-                       "quantized KV cache (kv_dtype int8 / fp8) takes dynamic scales per "
-                       "token and head", len(kv_scales))
+        logger.info("%d static KV cache scales in the checkpoint: used with kv_dtype int8 / "
+                    "fp8 and kv_scales checkpoint (engine.quant.kv_scales)", len(kv_scales))
     for name, tensor in raw.items():
         if name not in used and name not in kv_scales:
             dense[name] = tensor.to(device=device, dtype=dtype).contiguous()

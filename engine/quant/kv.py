@@ -4,8 +4,10 @@ Layout: the cache keeps its block-major shape ``[num_blocks, num_layers, 2, bloc
 num_kv_heads, head_dim + 4]`` in int8 or float8_e4m3fn, so it holds 4 bytes more per (token,
 KV head) than its codes. Each (block, layer, K/V) slab of those bytes holds the codes
 ``[block_size, num_kv_heads, head_dim]`` first, then the float32 scales ``[num_kv_heads,
-block_size]`` (dynamic, per token and head: ``max|x| / 127`` for int8, ``max|x| / 448`` for
-fp8, as a product with the float32 reciprocal). Code rows start at multiples of head_dim,
+block_size]``: dynamic, per token and head (``max|x| / 127`` for int8, ``max|x| / 448`` for
+fp8, as a product with the float32 reciprocal), or static (``kv_scales``: one calibrated
+scale per layer, K/V and head, engine.quant.kv_scales, written into every row's slot so the
+readers are the same for both; values beyond the static range saturate). Code rows start at multiples of head_dim,
 so the kernels load them 16 bytes at a time (rows of head_dim + 4 bytes, as an earlier
 layout had them, allowed only 4-byte loads), and one head's scales for a block are
 contiguous. A block therefore carries its own scales: a KV transfer that moves blocks moves
@@ -38,11 +40,17 @@ __all__ = ["SCALE_BYTES", "CODE_DTYPES", "PACKED_KV", "quantize", "dequantize", 
            "read_cache", "QuantKVAttention"]
 
 
-def quantize(x: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (codes uint8 [..., D], scales float32 [...])."""
+def quantize(x: torch.Tensor, code_dtype: torch.dtype, scale: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes uint8 [..., D], scales float32 [...]). ``scale``: static scales
+    (float32, broadcast to ``x.shape[:-1]``, e.g. one per head for x [tokens, heads, D]);
+    None: each row's own (dynamic)."""
     xf = x.float()
     qmax = _QMAX[code_dtype]
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) * INV_QMAX[code_dtype]
+    if scale is None:
+        scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) * INV_QMAX[code_dtype]
+    else:
+        scale = scale.float().expand(xf.shape[:-1]).unsqueeze(-1)
     y = (xf / scale).clamp_(-qmax, qmax)
     if code_dtype == torch.int8:
         y = torch.round(y)
@@ -87,16 +95,21 @@ class QuantKVAttention(AttentionBackend):
 
     name = "torch-kvq"
 
-    def __init__(self, scale: float, code_dtype: torch.dtype):
+    def __init__(self, scale: float, code_dtype: torch.dtype,
+                 static_scales: torch.Tensor | None = None):
+        """``static_scales``: float32 [num_layers, 2, num_kv_heads] (engine.quant.kv_scales),
+        or None for dynamic scales."""
         self.scale = scale
         self.code_dtype = code_dtype
+        self.static_scales = static_scales
 
     def _store(self, k, v, kv_cache, layer, meta) -> None:
         bs = kv_cache.shape[3]
         blk, off = meta.slot_mapping // bs, meta.slot_mapping % bs
         for which, x in ((0, k), (1, v)):
             codes, scales = slabs(kv_cache, layer, which)
-            c, sc = quantize(x, self.code_dtype)
+            static = None if self.static_scales is None else self.static_scales[layer, which]
+            c, sc = quantize(x, self.code_dtype, static)
             codes[blk, off] = c
             scales[blk, :, off] = sc
 

@@ -76,6 +76,45 @@ def test_store_kv_quantizes_rows_as_the_torch_path(kind, dtype):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_with_static_scales_as_the_torch_path(kind, dtype):
+    """Static scales (one per layer, K/V and head): every stored row gets its head's scale
+    in its slot, codes are x / scale saturated at the format's largest code (some rows here
+    exceed the static range), as engine.quant.kv.quantize with that scale."""
+    cache = _cache(kind, 6, 3, 4, 2, 64)
+    want = cache.clone()
+    g = torch.Generator().manual_seed(1)
+    key = torch.randn(9, 2, 64, generator=g).to(DEV, dtype)
+    value = torch.randn(9, 2, 64, generator=g).to(DEV, dtype)
+    static = (torch.rand(3, 2, 2, generator=g) * 0.01 + 0.004).to(DEV)  # 3 layers, K/V, heads
+    slots = torch.randperm(24, generator=g)[:9].to(DEV)
+    slots[5] = -1
+    K.store_kv(key, value, cache, 2, slots, static_scales=static)
+    ok = slots >= 0
+    blk, off = slots[ok] // 4, slots[ok] % 4
+    for which, x in ((0, key), (1, value)):
+        codes, scales = slabs(want, 2, which)
+        codes[blk, off], scales[blk, :, off] = quantize(x[ok], CODE_DTYPES[kind],
+                                                        static[2, which])
+    qmax = 127 if kind == "int8" else 448
+    assert (key.float().abs().amax(-1) / static[2, 0] > qmax).any()  # saturation exercised
+    for which in (0, 1):
+        (got_c, got_s), (want_c, want_s) = slabs(cache, 2, which), slabs(want, 2, which)
+        assert torch.equal(got_s, want_s)
+        assert torch.equal(got_s[blk, :, off], static[2, which].expand(len(blk), 2))
+        if kind == "int8":
+            assert torch.equal(got_c, want_c)
+        else:
+            assert_fp8_codes(got_c, want_c, exact=DEV == "cuda", ties=dtype == torch.bfloat16)
+    assert not cache.view(torch.uint8)[:, :2].any()
+    with pytest.raises(ValueError, match="static_scales"):
+        K.store_kv(key, value, cache, 2, slots, static_scales=static[:2])
+    with pytest.raises(ValueError, match="quantized"):
+        K.store_kv(key, value, torch.zeros(6, 3, 2, 4, 2, 64, device=DEV), 2, slots,
+                   static_scales=static)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_attention_reads_codes_as_their_values(kind, dtype, num_splits):
     """Decode attention over the codes equals attention over the dequantized cache."""

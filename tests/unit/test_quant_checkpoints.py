@@ -7,18 +7,11 @@ import pytest
 import torch
 
 from engine.loader import load_model
-from tests.reference import save_hf_folder
+from tests.reference import save_hf_folder, wordlevel_tokenizer_json
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 GROUP = 32
-
-
-def _tokenizer_json() -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return tok.to_str()
 
 
 def _pack_int32(nibbles: torch.Tensor) -> torch.Tensor:
@@ -104,7 +97,7 @@ def _write(tmp_path, kind):
         quant.update({f"{prefix}.{key}": v for key, v in t.items()})
         dense[name] = deq
     folder_q, folder_f = tmp_path / "q", tmp_path / "f"
-    tok = _tokenizer_json()
+    tok = wordlevel_tokenizer_json()
     save_hf_folder(type(base)(base.config, quant, None, "q"), str(folder_q), tokenizer_json=tok,
                    config_overrides={"quantization_config": QCONFIGS[kind]})
     save_hf_folder(type(base)(base.config, dense, None, "f"), str(folder_f), tokenizer_json=tok)
