@@ -392,6 +392,8 @@ class LLMEngine:
                 continue  # prev computes its last token
             keep.append(j)
         on = [items[j] for j in keep]
+        sc.seat_ready()  # landed KV takes the seats free now (seats of rows ending in prev
+        # free once prev is read)
         joined: list = []  # running but not in prev (the rows kept are all running)
         if len(sc.running) != len(on):
             in_prev = {id(item.seq) for item in items}
@@ -554,7 +556,7 @@ class LLMEngine:
             for q in s.requests.values():  # a request's samples count under its id
                 per_request[q.group_id] = per_request.get(q.group_id, 0) + len(q.block_table)
         return EngineStats(
-            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_running=len(s.running), num_waiting=len(s.waiting) + len(s.ready),
             num_awaiting_kv=statuses.count(SeqStatus.AWAITING_KV),
             num_held=statuses.count(SeqStatus.HELD),
             kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,

@@ -62,6 +62,9 @@ class Scheduler:
         self.bm = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # KV landed (a decode worker's transferred prompts), no seat free yet: they hold
+        # their blocks and take the next seats, before any waiting prompt
+        self.ready: deque[Sequence] = deque()
         self.requests: dict[str, Sequence] = {}  # every unfinished or held request
 
     # ------------------------------------------------------------- admission
@@ -84,19 +87,29 @@ class Scheduler:
                      seq.num_tokens)
 
     def activate(self, seq: Sequence) -> None:
-        """AWAITING_KV -> RUNNING once the transferred KV has landed."""
+        """AWAITING_KV -> RUNNING once the transferred KV has landed, or READY while
+        ``max_num_seqs`` requests run (it takes a seat as one frees: :meth:`seat_ready`)."""
         assert seq.status is SeqStatus.AWAITING_KV
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        seq.status = SeqStatus.READY
+        self.ready.append(seq)
+        self.seat_ready()
+
+    def seat_ready(self) -> None:
+        """READY -> RUNNING, oldest first, while seats are free."""
+        while self.ready and len(self.running) < self.config.max_num_seqs:
+            seq = self.ready.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.ready)
 
     # -------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self.seat_ready()
 
         # 1. Running requests, oldest first; preempt the newest when blocks run out.
         self.running.sort(key=lambda s: s.order)
@@ -213,6 +226,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SeqStatus.READY:
+            self.ready.remove(seq)
         seq.finish_reason = reason
         if hold:
             seq.status = SeqStatus.HELD

@@ -26,6 +26,7 @@ class SeqStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     AWAITING_KV = "awaiting_kv"
+    READY = "ready"  # its KV landed (decode role); waiting for a seat (max_num_seqs)
     HELD = "held"
     FINISHED = "finished"
 

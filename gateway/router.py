@@ -245,6 +245,10 @@ class Router:
                 self.index_ok = True
             except IndexUnavailable:
                 self.index_ok = index_ok = False
+            # requests routed while this one awaited Redis are counted now (Router.begin
+            # follows route() without an await): judge the capacity again
+            if sum(w.inflight for w in decode_pool) >= cap:
+                raise OverCapacity("all workers are at capacity; retry later")
 
         def prefix_score(w: Worker) -> float:
             hit = min(cached.get(w.id, 0) * self.block_size, prompt_len)

@@ -278,6 +278,17 @@ class GatewaySettings(ServiceSettings):
         30.0, "an HTTP request body not received in full within this many seconds is "
               "answered 408 and its connection closed (a client that stalls mid-body holds "
               "no connection for long)", gt=0.0)
+    http_max_header_bytes: int = setting(
+        64 * 1024, "largest HTTP request line + headers (bigger: 431 and the connection "
+                   "closed, before the rest is read)", ge=1024, unit="bytes")
+    http_header_timeout_s: float = setting(
+        10.0, "an HTTP connection whose request line and headers are not complete this many "
+              "seconds after it opened or its request began is answered 408 and closed (idle "
+              "and slowloris connections hold nothing for long)", gt=0.0)
+    http_max_connections: int = setting(
+        8192, "open HTTP connections beyond which a new one is answered 503 and closed (the "
+              "gateway raises its open-file limit to fit them where the hard limit allows)",
+        ge=1)
     limits: RequestLimits = section(RequestLimits, "request limits")
 
     def __post_init__(self) -> None:

@@ -32,6 +32,7 @@ that started them.
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 from pdcore.config_tree import standard_environ
@@ -142,8 +143,26 @@ def shutdown_tracing() -> None:
 
 
 # ------------------------------------------------------------- propagation
+# W3C Trace Context: traceparent is version-traceid-parentid-flags in lowercase hex; a
+# tracestate is at most 32 list members of printable ASCII (512 bytes is the size a vendor
+# may rely on). Anything else a client sends is dropped here, never passed on: a header
+# that is not valid gRPC metadata would fail the call it rides on.
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_TRACESTATE = re.compile(r"[\x20-\x7e]{0,512}")
+
+
+def _valid_trace_header(key: str, value) -> bool:
+    if not isinstance(value, str):
+        return False
+    if key == "traceparent":
+        return _TRACEPARENT.fullmatch(value) is not None
+    return _TRACESTATE.fullmatch(value) is not None
+
+
 def incoming_headers(grpc_context) -> dict[str, str]:
-    return {k: v for k, v in (grpc_context.invocation_metadata() or ()) if k in TRACE_HEADERS}
+    """The caller's W3C trace headers that are well-formed (others are dropped)."""
+    return {k: v for k, v in (grpc_context.invocation_metadata() or ())
+            if k in TRACE_HEADERS and _valid_trace_header(k, v)}
 
 
 def server_span(name: str, grpc_context, attributes: dict | None = None):
@@ -180,10 +199,8 @@ def trace_id(span, grpc_context=None) -> str:
     if ENABLED and span.is_recording():
         return format(span.get_span_context().trace_id, "032x")
     if grpc_context is not None:
-        for k, v in grpc_context.invocation_metadata() or ():
-            if k == "traceparent":
-                parts = v.split("-")
-                return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else ""
+        parent = incoming_headers(grpc_context).get("traceparent")
+        return parent.split("-")[1] if parent else ""
     return ""
 
 

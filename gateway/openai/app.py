@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_PARSE_ON_LOOP = 256 * 1024  # bodies at least this large are parsed on a thread
 
 
 class _Headers:
@@ -120,7 +121,9 @@ class HttpFront:
                                 f"{self.body_timeout_s:g} s", code="request_timeout") from None
         raw = b"".join(chunks)
         try:
-            body = json.loads(raw)
+            # a large body parses on a thread: the event loop keeps serving the others
+            body = json.loads(raw) if len(raw) < _PARSE_ON_LOOP else \
+                await asyncio.to_thread(json.loads, raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise bad(f"the body is not valid JSON: {str(e)[:200]}") from None
         except RecursionError:
@@ -140,6 +143,7 @@ class HttpFront:
                         code="request_too_large")
 
     def _job(self, kind: str, body: dict, request: Request, key: str) -> translate.Job:
+        translate.check_sizes(body, self.env.limits)
         label = request.headers.get("x-request-id", "")
         if kind == "chat":
             return translate.chat_job(body, self.names, label, self.timeout_s, key,

@@ -77,7 +77,11 @@ class ReloadingTls:
 
 class HttpServer:
     def __init__(self, app, *, host: str, port: int, grace_s: float = 5.0,
-                 tls: ReloadingTls | None = None) -> None:
+                 tls: ReloadingTls | None = None, max_header_bytes: int = 64 * 1024,
+                 header_timeout_s: float = 10.0, max_connections: int = 8192) -> None:
+        """The last three: what a connection may hold before its request head is in
+        (gateway/openai/guard.py)."""
+        from gateway.openai.guard import guarded_protocol
         self.host, self.port = host, port
         self.tls = tls
         uvicorn, server_cls = _server_class()
@@ -89,7 +93,9 @@ class HttpServer:
                           ssl_context_factory=lambda _config, _default: tls.context)
         config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
                                 timeout_graceful_shutdown=max(grace_s, 0.1),
-                                timeout_keep_alive=30, http="auto", loop="none", **ssl_kw)
+                                timeout_keep_alive=30, loop="none", **ssl_kw,
+                                http=guarded_protocol(max_header_bytes, header_timeout_s,
+                                                      max_connections))
         self.server = server_cls(config)
         self._task: asyncio.Task | None = None
 
@@ -120,6 +126,27 @@ class HttpServer:
             logger.exception("HTTP server ended with an error")
 
 
+def raise_open_files(connections: int, spare: int = 4096) -> None:
+    """Raise this process's soft limit on open files towards ``connections`` + ``spare``
+    (gRPC channels, Redis, tokenizer files), within the hard limit; say so when it falls
+    short, since the connection limit then cannot be reached."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + spare
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:
+            logger.warning("could not raise the open-file limit to %d: %s", want, e)
+    if soft != resource.RLIM_INFINITY and soft < connections + spare:
+        logger.warning("open-file limit %d is below http_max_connections %d + %d: new "
+                       "connections may fail before the limit refuses them", soft,
+                       connections, spare)
+
+
 async def start_front(settings, env, keys, grpc_server) -> HttpServer | None:
     """The gateway's HTTP front from its settings, serving (None when ``http_port`` is 0).
     While the gRPC server shuts down, /health answers 503."""
@@ -134,8 +161,12 @@ async def start_front(settings, env, keys, grpc_server) -> HttpServer | None:
     if settings.client_tls_cert_file:  # the gRPC client port's settings: one certificate
         tls = ReloadingTls(settings.client_tls_cert_file, settings.client_tls_key_file,
                            settings.client_tls_ca_file)
+    raise_open_files(settings.http_max_connections)
     srv = HttpServer(front.app(), host=settings.host, port=settings.http_port,
-                     grace_s=settings.grace_s, tls=tls)
+                     grace_s=settings.grace_s, tls=tls,
+                     max_header_bytes=settings.http_max_header_bytes,
+                     header_timeout_s=settings.http_header_timeout_s,
+                     max_connections=settings.http_max_connections)
     srv.port = await srv.start()
     if tls is None:
         from services.config import is_loopback

@@ -88,6 +88,18 @@ def check_model(body: dict, names: tuple[str, ...]) -> str:
     return name
 
 
+def check_sizes(body: dict, limits) -> None:
+    """The request limits (services.config.RequestLimits) on the lists and maps of a body,
+    judged by their length before any entry is converted: a body of a million logit_bias
+    entries is refused at the cost of one len(), not of building them all first."""
+    for key, most, what in (("logit_bias", limits.max_logit_bias, "logit_bias entries"),
+                            ("stop", limits.max_stop_strings, "stop strings"),
+                            ("stop_token_ids", limits.max_stop_token_ids, "stop_token_ids")):
+        v = body.get(key)
+        if isinstance(v, (list, dict)) and len(v) > most:
+            raise bad(f"at most {most} {what}", key)
+
+
 def _stop(body: dict) -> list[str]:
     v = body.get("stop")
     if v is None:
@@ -182,7 +194,7 @@ def sampling(body: dict, max_key: str | None, n: int) -> common_pb2.SamplingPara
         if v is not None:
             setattr(sp, key, v)
     sp.top_k = _int(body, "top_k", -1, 2**31 - 1) or 0
-    seed = _int(body, "seed", 0, 2**64 - 1)
+    seed = _int(body, "seed", 0, 2**63 - 1)  # the engine's range (services.validation)
     if seed is not None:
         sp.seed = seed
     sp.stop.extend(_stop(body))

@@ -13,7 +13,7 @@ from tests.arrivals import run_with_arrivals
 
 
 def _llm(**kw):
-    return LLM("dummy:tiny", block_size=4, num_blocks=256, max_num_seqs=8, **kw)
+    return LLM("dummy:tiny", **{"block_size": 4, "num_blocks": 256, "max_num_seqs": 8, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -299,3 +299,52 @@ def test_a_chunked_prefill_with_one_token_to_make_is_not_left_behind():
     assert done is not None and len(done.token_ids) == 1
     while eng.has_work:
         eng.step()
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_landed_kv_waits_for_a_seat(async_decode):
+    """A decode worker's transferred prompts never run more than max_num_seqs at once: the
+    ones past the cap wait READY (holding their landed blocks, counted as waiting) and take
+    seats as running requests end, before any waiting prompt; an abort of a READY request
+    frees its blocks; every request's tokens equal a lone run's."""
+    from engine.sequence import SeqStatus
+    pre = _llm()
+    dec = _llm(async_decode=async_decode, max_num_seqs=2)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = {f"r{i}": list(range(20 + i, 33 + i)) for i in range(5)}
+    outs: dict[str, list[int]] = {}
+    for rid, prompt in prompts.items():
+        pre.engine.add_request(rid, prompt, sp, prefill_only=True)
+        first = []
+        while not first:
+            first = pre.engine.step()
+        dst = dec.engine.preallocate(rid, prompt, sp)
+        dec.engine.runner.kv_cache[dst] = pre.engine.runner.kv_cache[first[0].held_block_ids]
+        pre.engine.release(rid)
+        outs[rid] = list(dec.engine.commit_transferred(rid, first[0].token_ids[0]).token_ids)
+    sc = dec.engine.scheduler
+    assert len(sc.running) == 2 and [s.request_id for s in sc.ready] == ["r2", "r3", "r4"]
+    assert all(s.status is SeqStatus.READY for s in sc.ready)
+    assert dec.engine.stats().num_waiting == 3
+    r4_blocks = len(sc.requests["r4"].block_table)
+    free = dec.engine.block_manager.num_free_blocks
+    assert dec.engine.abort("r4")  # a READY request: its landed blocks go back
+    assert dec.engine.block_manager.num_free_blocks == free + r4_blocks
+    del prompts["r4"], outs["r4"]
+    dec.engine.add_request("late", [7, 8, 9], sp)  # a new prompt queues behind READY ones
+    outs["late"] = []
+    most, order = 0, []
+    while dec.engine.has_work:
+        most = max(most, len(sc.running))
+        for o in dec.engine.step():
+            if not outs[o.request_id]:
+                order.append(o.request_id)
+            outs[o.request_id] += o.token_ids
+        if dec.engine._ahead is not None:
+            most = max(most, len(dec.engine._ahead.sched.scheduled))
+    assert most <= 2
+    assert order == ["late"]  # the only one without a first token before the loop
+    bm = dec.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    for rid, prompt in {**prompts, "late": [7, 8, 9]}.items():
+        assert outs[rid] == _llm().generate([prompt], sp)[0].token_ids, rid

@@ -106,6 +106,7 @@ def test_response_formats_become_constraints():
     ({"messages": []}, "messages"), ({"messages": [{"content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ({"seed": -1}, "seed"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"seed": 2**63}, "seed"),  # the engine's range, said in the message
     # found by fuzzing the HTTP front (each was a 500)
     ({"logit_bias": {"\u00b2": 1}}, "logit_bias"), ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
     *[({"messages": [{"role": "user", "content": "x"},
@@ -265,3 +266,21 @@ def test_sampling_fields_the_engine_lacks_are_refused_when_turned_on():
             with pytest.raises(validation.InvalidRequest, match=f"sampling.{name} is not "
                                "supported yet"):
                 validation.check_supported(pb)
+
+
+def test_list_and_map_sizes_are_judged_before_any_entry_is_converted():
+    """A body of a million logit_bias entries is refused by its length (the limits of
+    services.config.RequestLimits), without converting them: fast, whatever the size."""
+    import time
+    from services.config import RequestLimits
+    lim = RequestLimits()
+    t0 = time.perf_counter()
+    for key, v in (("logit_bias", {str(i): 1.0 for i in range(1_000_000)}),
+                   ("stop", ["x"] * 1_000_000), ("stop_token_ids", [1] * 1_000_000)):
+        with pytest.raises(ApiError) as e:
+            translate.check_sizes({key: v}, lim)
+        assert (e.value.status, e.value.param) == (400, key) and "at most" in e.value.message
+    assert time.perf_counter() - t0 < 1.0
+    translate.check_sizes({"logit_bias": {"1": 1}, "stop": ["a"], "stop_token_ids": [2]}, lim)
+    e = error(chat, seed=2**63)
+    assert "2**63" in e.message or str(2**63 - 1) in e.message

@@ -87,6 +87,28 @@ def test_over_capacity_and_failed_workers():
     asyncio.run(go())
 
 
+def test_capacity_holds_for_a_burst_that_awaits_the_index(redis_server):
+    """Requests routed at once all await the Redis prefix lookup; each begins as soon as
+    its route returns (as GatewayRequest does). Those over the pool's capacity are refused
+    once the lookup returns: the check before it saw none of the others yet."""
+    async def go():
+        idx = PrefixIndex(redis_server, "m")
+        r = make_router(index=idx, queue_factor=1.0)
+        add(r, info("c1", "colocated", cap=4))
+        hashes = BlockHasher("s", "m", BS).hash_blocks(list(range(BS * 3)))
+
+        async def one():
+            route = await r.route(BS * 3, hashes)
+            r.begin(route)  # no await between the two, as in the gateway's pipeline
+
+        res = await asyncio.gather(*(one() for _ in range(12)), return_exceptions=True)
+        assert sum(x is None for x in res) == 4
+        assert all(isinstance(x, OverCapacity) for x in res if x is not None)
+        assert r.workers["c1"].inflight == 4
+        await idx.close()
+    asyncio.run(go())
+
+
 def test_index_down_falls_back_to_load_only(redis_proc):
     async def go():
         idx = PrefixIndex(redis_proc.url, "m")

@@ -50,6 +50,23 @@ def test_off_costs_nothing_and_keeps_incoming_headers():
     assert telemetry.trace_id(span, FakeContext()) == ""
 
 
+@pytest.mark.parametrize("bad", [
+    ("traceparent", "a\xffb"), ("traceparent", "a\tb"), ("traceparent", TP.upper()),
+    ("traceparent", TP + "-00"), ("tracestate", "\u00e9"), ("tracestate", "x" * 20_000),
+    ("tracestate", "a=b\nc")])
+def test_malformed_trace_headers_are_dropped_not_passed_on(bad):
+    """A client's trace header that is not W3C Trace Context never reaches the metadata of
+    the calls made for it (such a value can fail the call: non-ASCII, a tab, 20 KB)."""
+    telemetry.setup_tracing("gateway", env={})
+    ctx = FakeContext([bad, ("tracestate", "vendor=ok")] if bad[0] == "traceparent"
+                      else [("traceparent", TP), bad])
+    md = dict(telemetry.outgoing_metadata(telemetry.NOOP_SPAN, ctx))
+    assert md.get(bad[0]) is None
+    assert len(md) == 1  # the valid one of the pair stays
+    if bad[0] == "traceparent":
+        assert telemetry.trace_id(telemetry.NOOP_SPAN, ctx) == ""
+
+
 def test_on_parents_and_propagates(monkeypatch):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
