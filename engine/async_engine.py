@@ -30,6 +30,11 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        # set once the engine thread takes no more commands (stopped or dead): a command
+        # queued after that would wait forever, so call() refuses it; the lock makes the
+        # check and the put one step against the thread's last drain
+        self._closed: BaseException | None = None
+        self._cmd_lock = threading.Lock()
         self._wake = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -57,10 +62,16 @@ class AsyncEngine:
         self._thread.start()
 
     async def stop(self) -> None:
+        """Stop the engine thread; commands queued or called from now on fail with
+        EngineDeadError (never wait forever), open streams end with it."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        else:
+            self._close(EngineDeadError("engine stopped"))
+        for rid in list(self._streams):
+            self._deliver(rid, EngineDeadError("engine stopped"))
         if self._thread is None or not self._thread.is_alive():
             self.engine.close()  # tensor-parallel ranks: stopped with the engine
 
@@ -72,6 +83,24 @@ class AsyncEngine:
             logger.exception("engine thread failed; failing every in-flight request")
             self.dead = e
             self._fail_all(e)
+        finally:  # stopped (or dead): commands queued from now on, or not run yet, fail
+            self._close(EngineDeadError("engine stopped" if self.dead is None
+                                        else f"engine failed: {self.dead!r}"))
+
+    def _close(self, exc: BaseException) -> None:
+        with self._cmd_lock:
+            if self._closed is None:
+                self._closed = exc
+        self._drain(self._closed)
+
+    def _drain(self, exc: BaseException) -> None:
+        while True:
+            try:
+                _, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(exc)
 
     def _serve(self) -> None:
         eng = self.engine
@@ -136,13 +165,7 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for rid in list(self._streams):
             self._deliver(rid, EngineDeadError(f"engine failed: {exc!r}"))
-        while True:
-            try:
-                _, fut = self._cmds.get_nowait()
-            except queue.Empty:
-                break
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(EngineDeadError(f"engine failed: {exc!r}"))
+        self._close(EngineDeadError(f"engine failed: {exc!r}"))
 
     # --------------------------------------------------------------- commands
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -150,7 +173,10 @@ class AsyncEngine:
         if self.dead is not None:
             raise EngineDeadError(f"engine failed: {self.dead!r}")
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put((fn, fut))
+        with self._cmd_lock:
+            if self._closed is not None:
+                raise EngineDeadError(str(self._closed))
+            self._cmds.put((fn, fut))
         self._wake.set()
         return await asyncio.wrap_future(fut)
 

@@ -61,6 +61,11 @@ class HealthProber:
             n = self._strikes[worker.id] = self._strikes.get(worker.id, 0) + 1
             logger.debug("probe of %s failed (%d): %s", worker.id, n, e.code().name)
             if n >= self.failures:
+                if worker.healthy:  # did it leave the registry (draining)? read it first
+                    try:
+                        await self.router.refresh()
+                    except Exception:  # noqa: BLE001 - judged on what is known
+                        logger.debug("registry refresh before a verdict failed", exc_info=True)
                 self.router.set_health(worker, False)
             return False
         self._strikes[worker.id] = 0

@@ -33,7 +33,7 @@ def _router(settings: GatewaySettings, model_id: str, model_max_len: int, tls=No
                   local_prefill_queue_tokens=settings.local_prefill_queue_tokens,
                   local_prefill_decode_tokens=settings.local_prefill_decode_tokens,
                   static_capacity=settings.static_capacity, queue_factor=settings.queue_factor,
-                  model_max_len=model_max_len)
+                  model_max_len=model_max_len, registry_grace_s=settings.registry_grace_s)
 
 
 def _env(settings: GatewaySettings, router, tokenizer, model_id: str, vocab_size: int,

@@ -101,6 +101,10 @@ class _Broken(Exception):
         self.reason, self.message, self.code = reason, message, code
 
 
+class _NoOther(Exception):
+    """No worker is left that this request has not failed on."""
+
+
 class GatewayRequest:
     def __init__(self, env: GatewayEnv, creq: ClientRequest, span, grpc_context=None) -> None:
         self.env, self.creq, self.span, self.ctx = env, creq, span, grpc_context
@@ -203,6 +207,8 @@ class GatewayRequest:
         except TokenizerBusy as e:
             env.metrics.rejections.labels("tokenizer_queue").inc()
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        except InvalidRequest:  # the request's own limits: their message as it is
+            raise
         except ValueError as e:  # a chat template that refuses the conversation
             raise InvalidRequest(f"cannot render the conversation: {e}") from None
 
@@ -214,16 +220,24 @@ class GatewayRequest:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.creq.timeout_s
         failed: set[str] = set()
+        last: _Broken | None = None  # why the previous attempt broke
         retries, migrations = PRE_TOKEN_RETRIES, env.max_migrations
         env.active.add(self)
         try:
             while True:
-                route = await self._route(hashes, frozenset(failed), retries)
+                try:
+                    route = await self._route(hashes, frozenset(failed), retries)
+                except _NoOther:
+                    # every worker left was tried: the client hears why the last one
+                    # failed (RESOURCE_EXHAUSTED when it had no KV blocks, ...), not that
+                    # there are no workers
+                    raise RequestError(last.code, last.message) from None
                 try:
                     async for resp in self._attempt(route, sp, deadline):
                         yield resp
                     return
                 except _Broken as b:
+                    last = b
                     if b.reason == "shutdown":
                         for resp in self._final_aborts():
                             yield resp
@@ -262,6 +276,8 @@ class GatewayRequest:
             try:
                 route = await env.router.route(len(self.ids), hashes, exclude)
             except NoWorkers as e:
+                if exclude:  # workers exist, and this request failed on each of them
+                    raise _NoOther() from None
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
             except OverCapacity as e:
                 env.metrics.rejections.labels("capacity").inc()

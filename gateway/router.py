@@ -116,9 +116,10 @@ class Router:
                  static_prefill: tuple[str, ...] = (), static_decode: tuple[str, ...] = (),
                  static_capacity: int = 64, queue_factor: float = 2.0,
                  local_prefill_max_tokens: int = 0, local_prefill_queue_tokens: int = 0,
-                 local_prefill_decode_tokens: int = 0, model_max_len: int = 0):
+                 local_prefill_decode_tokens: int = 0, model_max_len: int = 0,
+                 registry_grace_s: float = 3.0):
         """``model_max_len``: the model's own context limit, used until a worker reports its
-        own (:meth:`context_limit`)."""
+        own (:meth:`context_limit`). ``registry_grace_s``: see :meth:`refresh`."""
         self.model = model
         self.model_max_len = model_max_len
         self.block_size = block_size
@@ -130,6 +131,9 @@ class Router:
         self.local_prefill_queue_tokens = local_prefill_queue_tokens
         self.local_prefill_decode_tokens = local_prefill_decode_tokens
         self.workers: dict[str, Worker] = {}
+        self.registry_grace_s = registry_grace_s
+        self._grace_until = 0.0  # monotonic: missing workers that answer probes stay
+        self._epoch: str | None = None  # the registry's epoch (services.registry) last seen
         self._turns: dict[tuple[str, ...], int] = {}
         self.registry_ok = registry is None
         self.index_ok = index is None
@@ -160,6 +164,13 @@ class Router:
 
     # -------------------------------------------------------------- discovery
     async def refresh(self) -> None:
+        """Follow the registry: discover workers, retire those that left it. A worker that
+        leaves on its own (shutdown, or its heartbeat stopped) is retired at once. But a
+        listing right after Redis was unreachable, or after the registry's epoch changed
+        (Redis restarted empty: services.registry), says nothing about them: workers re-register within
+        a heartbeat, so for ``registry_grace_s`` those that still answer their probes keep
+        serving (the gateway failed every request in the second between a Redis restart
+        and the workers' heartbeats)."""
         if self.registry is None:
             return
         try:
@@ -167,6 +178,12 @@ class Router:
         except RegistryUnavailable:
             self.registry_ok = False
             return  # keep the last known workers
+        now = time.monotonic()
+        epoch = getattr(self.registry, "epoch", None)
+        wiped = self._epoch is not None and epoch != self._epoch  # Redis lost its data
+        if not self.registry_ok or wiped:
+            self._grace_until = now + self.registry_grace_s
+        self._epoch = epoch
         self.registry_ok = True
         seen = set()
         for info in infos:
@@ -180,6 +197,8 @@ class Router:
         for wid, w in list(self.workers.items()):
             if wid in seen or w.static:
                 continue
+            if w.registered and w.healthy and now < self._grace_until:
+                continue  # the registry lost it, not the worker (see above)
             if w.registered:
                 logger.info("worker %s left the registry: no new requests", wid)
                 w.registered = False
@@ -233,22 +252,8 @@ class Router:
             colocated = True
         if not decode_pool:
             raise NoWorkers("no workers available for model " + self.model)
-        cap = sum(max(w.info.capacity, 1) * self.queue_factor for w in decode_pool)
-        if sum(w.inflight for w in decode_pool) >= cap:
-            raise OverCapacity("all workers are at capacity; retry later")
-
-        cached: dict[str, int] = {}
-        index_ok = self.index is not None
-        if self.index is not None and hashes:
-            try:
-                cached = await self.index.longest_prefix(hashes)
-                self.index_ok = True
-            except IndexUnavailable:
-                self.index_ok = index_ok = False
-            # requests routed while this one awaited Redis are counted now (Router.begin
-            # follows route() without an await): judge the capacity again
-            if sum(w.inflight for w in decode_pool) >= cap:
-                raise OverCapacity("all workers are at capacity; retry later")
+        self._check_capacity(decode_pool)
+        cached, index_ok = await self._cached(hashes, decode_pool)
 
         def prefix_score(w: Worker) -> float:
             hit = min(cached.get(w.id, 0) * self.block_size, prompt_len)
@@ -273,6 +278,27 @@ class Router:
         self._count(hit, index_ok)
         return Route(decode=d, prefill=p, cached_tokens=hit, index_ok=index_ok, scores=scores,
                      prefill_tokens=prompt_len - min(hit, prompt_len))
+
+    async def _cached(self, hashes: list[bytes], decode_pool: list[Worker]
+                      ) -> tuple[dict[str, int], bool]:
+        """(worker id -> cached prefix blocks, whether the index answered)."""
+        cached: dict[str, int] = {}
+        index_ok = self.index is not None
+        if self.index is not None and hashes:
+            try:
+                cached = await self.index.longest_prefix(hashes)
+                self.index_ok = True
+            except IndexUnavailable:
+                self.index_ok = index_ok = False
+            # requests routed while this one awaited Redis are counted now (Router.begin
+            # follows route() without an await): judge the capacity again
+            self._check_capacity(decode_pool)
+        return cached, index_ok
+
+    def _check_capacity(self, decode_pool: list[Worker]) -> None:
+        cap = sum(max(w.info.capacity, 1) * self.queue_factor for w in decode_pool)
+        if sum(w.inflight for w in decode_pool) >= cap:
+            raise OverCapacity("all workers are at capacity; retry later")
 
     def _prefill_locally(self, p: Worker, d: Worker, uncached_on_decode: int) -> bool:
         """Conditional disaggregation: a short prompt while ``p`` is backed up and ``d``
@@ -318,12 +344,20 @@ class Router:
 
     def set_health(self, worker: Worker, healthy: bool) -> None:
         """gateway.health's verdict; a worker that stops answering has its ``watchers``
-        called: the streams it serves end and their requests resume elsewhere."""
+        called: the streams it serves end and their requests resume elsewhere -- unless it
+        left the registry before (it is draining)."""
         if healthy == worker.healthy:
             return
         worker.healthy = healthy
         if healthy:
             logger.info("worker %s answers again", worker.id)
+            return
+        if not worker.registered and not worker.static:
+            # it left the registry first: a worker shutting down, whose server refuses new
+            # calls (probes) while its streams drain within its grace period; they end there
+            # (a stream that breaks meanwhile still resumes elsewhere)
+            logger.info("worker %s is draining: %d streams finish there", worker.id,
+                        len(worker.watchers))
             return
         logger.warning("worker %s stopped answering: routed around, %d streams move",
                        worker.id, len(worker.watchers))

@@ -225,6 +225,10 @@ class GatewaySettings(ServiceSettings):
            "their first token stay within this many uncached tokens (a decode worker that "
            "falls behind gets no more); 0: no cap", ge=0)
     refresh_s: float = setting(1.0, "how often to re-read the registry", gt=0.0)
+    registry_grace_s: float = setting(
+        3.0, "after Redis was unreachable, or when a listing holds none of the workers known "
+             "(Redis restarted empty), workers missing from it that still answer their probes "
+             "keep serving this long while they re-register", ge=0.0)
     reaper_interval_s: float = setting(1.0, "how often to reap dead workers' index entries",
                                        gt=0.0)
     request_timeout_s: float = setting(600.0, "end-to-end deadline per request", gt=0.0)

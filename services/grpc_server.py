@@ -48,6 +48,8 @@ KEEPALIVE_TIMEOUT_S = 2.0
 # 20 s, held every call to a stopped peer that long (its kernel still accepts the TCP
 # connection, the handshake never ends)
 CONNECT_TIMEOUT_S = KEEPALIVE_S + KEEPALIVE_TIMEOUT_S
+# the longest wait between attempts to reach a peer that went away
+MAX_RECONNECT_S = CONNECT_TIMEOUT_S
 
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 PREFILL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
@@ -77,6 +79,11 @@ def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tup
         ("grpc.http2.max_ping_strikes", 0),
         # gRPC core uses the minimum reconnect backoff as each connection attempt's deadline
         ("grpc.min_reconnect_backoff_ms", int(CONNECT_TIMEOUT_S * 1000)),
+        # and grows the wait between attempts up to 120 s by default: a worker restarted on
+        # the address of one that died was then not dialled again for 30-40 s while it
+        # served (probes failed fast on the backed-off channel). Retry at least this often:
+        ("grpc.initial_reconnect_backoff_ms", int(KEEPALIVE_S * 1000)),
+        ("grpc.max_reconnect_backoff_ms", int(MAX_RECONNECT_S * 1000)),
     ]
 
 

@@ -8,6 +8,9 @@ Key layout (``ns`` = namespace, default ``pdserve``)::
                                     (+ expires_ms, cert, sig: signed entries, below)
     {ns}:workers              SET   worker ids ever registered (an index for listing; members
                                     whose hash has expired are removed lazily by list_workers)
+    {ns}:epoch                STRING  a random id set by the first registration after the
+                                    registry was empty: a reader that sees it change (or vanish)
+                                    knows Redis lost its data, not that workers left
 
 A worker is alive exactly while its hash exists. :class:`Heartbeat` rewrites the hash and its
 TTL every ``interval_s`` (default 1 s), so a worker that stops heart-beating disappears within
@@ -108,14 +111,15 @@ def new_worker_id(address: str) -> str:
     return f"{address}-{uuid.uuid4().hex[:8]}"
 
 
-# KEYS[1] = workers set; ARGV[1] = worker key prefix. Returns a list of flat HGETALL replies.
+# KEYS[1] = workers set, KEYS[2] = epoch; ARGV[1] = worker key prefix. Returns {epoch or
+# false, list of flat HGETALL replies}.
 _LIST_LUA = """
 local out = {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local h = redis.call('HGETALL', ARGV[1] .. id)
   if #h == 0 then redis.call('SREM', KEYS[1], id) else out[#out + 1] = h end
 end
-return out
+return {redis.call('GET', KEYS[2]), out}
 """
 
 
@@ -140,7 +144,11 @@ class WorkerRegistry:
         self.conn = RedisConn(url, timeout_s=timeout_s, cooldown_s=cooldown_s,
                               error_cls=RegistryUnavailable, name="registry", auth=auth)
         self._set_key = f"{namespace}:workers"
+        self._epoch_key = f"{namespace}:epoch"
         self._list = self.conn.client.register_script(_LIST_LUA)
+        # the registry's epoch at the latest listing (None: no worker registered since Redis
+        # last started empty); see the module's key layout
+        self.epoch: str | None = None
 
     def key(self, worker_id: str) -> str:
         return worker_key(self.namespace, worker_id)
@@ -162,6 +170,7 @@ class WorkerRegistry:
                 p.hset(key, mapping=info.to_hash())
                 p.pexpire(key, self.ttl_ms)
                 p.sadd(self._set_key, info.worker_id)
+                p.set(self._epoch_key, uuid.uuid4().hex, nx=True)
                 res = await p.execute()
             return bool(res[0])
 
@@ -184,7 +193,9 @@ class WorkerRegistry:
                            ) -> list[WorkerInfo]:
         """Alive workers, optionally of one role and/or model, sorted by id."""
         prefix = worker_key(self.namespace, "")
-        rows = await self.conn.call(lambda r: self._list(keys=[self._set_key], args=[prefix]))
+        epoch, rows = await self.conn.call(
+            lambda r: self._list(keys=[self._set_key, self._epoch_key], args=[prefix]))
+        self.epoch = epoch or None
         out = []
         for flat in rows:
             h = dict(zip(flat[::2], flat[1::2]))

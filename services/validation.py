@@ -176,8 +176,14 @@ async def compile_constraint(engine, sp: SamplingParams) -> None:
     except TimeoutError:
         raise InvalidRequest(f"sampling.constraint did not compile within {limit:g} s") \
             from None
-    except ValueError as e:
-        raise InvalidRequest(str(e)[:400]) from None
+    except ValueError as e:  # quotes the client's text: keep it short
+        raise InvalidRequest(_short(str(e))) from None
+    except RecursionError:
+        raise InvalidRequest("sampling.constraint is nested too deeply") from None
+
+
+def _short(msg: str, most: int = 200) -> str:
+    return msg if len(msg) <= most else msg[:most - 3] + "..."
 
 
 def check_sampling_vocab(sp: SamplingParams, vocab_size: int) -> None:

@@ -52,12 +52,16 @@ def _json_schema(text: str) -> str:
         schema = json.loads(text)
     except ValueError as e:
         raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+    except RecursionError:  # a few hundred nested levels in a 64 KiB schema
+        raise GrammarError("json_schema is nested too deeply") from None
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("json_schema must be a JSON object (a JSON Schema)")
     try:
         return _ll().LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
     except ValueError as e:
         raise GrammarError(f"json_schema: {e}") from None
+    except RecursionError:
+        raise GrammarError("json_schema is nested too deeply") from None
 
 
 def grammar_of(kind: str, text: str) -> str:

@@ -148,3 +148,38 @@ def test_random_cancels_and_deadlines_leave_every_block_free(worker_args):
         assert all(w.proc.poll() is None for w in c.workers)
         assert run(gen_many(c.address, [client.make_request("still there?", max_tokens=3, ignore_eos=True)])
                    )[0].completion_tokens == 3
+
+
+def test_sigterm_drains_a_workers_streams_there_and_the_worker_exits():
+    """SIGTERM to one of two colocated workers while it streams: it leaves the registry and
+    its server refuses new calls (the gateway's probes fail), but its streams finish on it
+    within its grace period -- the gateway does not move them -- and the process exits.
+    (Before: the streams were moved after ~1.5 s, and the worker never exited: the
+    clean-ups of the moved calls waited on an engine that had stopped.)"""
+    import asyncio
+    import signal
+
+    with LocalCluster("dummy:tiny", prefill=0, decode=0, colocated=2, secure=False) as c:
+        a = c.workers[0]
+        reqs = [client.make_request(f"stream {i} " + "x " * 20, max_tokens=1900,
+                                    temperature=0.0, ignore_eos=True) for i in range(16)]
+
+        async def main():
+            task = asyncio.ensure_future(gen_many(c.address, reqs, timeout=120))
+            deadline = time.monotonic() + 30
+            while (await worker_stats(a.address)).num_running == 0:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+            a.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            outs = await task
+            return outs, time.monotonic() - t0
+
+        outs, took = run(main())
+        assert took < 35  # within the worker's grace (30 s)
+        assert all(o.completion_tokens == 1900 and o.finish_reason == "length" for o in outs)
+        a.proc.wait(timeout=40)  # exits (grace 30 s at most)
+        assert a.proc.returncode == 0, a.proc.returncode
+        gw = "\n".join(c.gateway.log)
+        assert "resuming elsewhere" not in gw and "streams move" not in gw, gw[-2000:]
+        assert c.workers[1].alive

@@ -10,7 +10,8 @@ from engine.loader import load_config
 from kvtransfer import KVLayout
 from pdserve.cluster import LocalCluster
 from services.kv_proto import layout_to_proto
-from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from protos.pdserve.v1 import (common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2,
+                              worker_pb2_grpc)
 from tests.integration.helpers import run, wait_all_free, worker_stats
 
 
@@ -116,18 +117,31 @@ def test_decode_worker_without_room_refuses_and_calls_off_the_prefill():
                 refused = None
             except grpc.aio.AioRpcError as e:
                 refused = (e.code(), e.details())
+            # the same through the gateway, whose only decode worker refuses: the client
+            # hears that worker's status, not "no workers available"
+            async with grpc.aio.insecure_channel(gw_address) as gch:
+                gstub = gateway_pb2_grpc.GatewayStub(gch)
+                try:
+                    async for _ in gstub.Generate(gateway_pb2.GenerateRequest(
+                            prompt_token_ids=prompt, sampling=sp), timeout=60):
+                        pass
+                    via_gateway = None
+                except grpc.aio.AioRpcError as e:
+                    via_gateway = (e.code(), e.details())
             holder.cancel()
             await wait_all_free([dec.address], timeout_s=15)  # the holder's blocks come back
             ok = [r async for r in call("after", sp)]
-            return refused, ok
+            return refused, via_gateway, ok
 
     with LocalCluster("dummy:tiny", prefill=1, decode=1, secure=False,
                       worker_args=("--num-blocks", "8")) as c:
         pre = next(w for w in c.workers if w.kind == "prefill")
         dec = next(w for w in c.workers if w.kind == "decode")
-        refused, ok = run(main(dec, pre))
+        gw_address = c.address
+        refused, via_gateway, ok = run(main(dec, pre))
         assert refused == (grpc.StatusCode.RESOURCE_EXHAUSTED,
                            "decode worker has no free KV blocks for this prompt")
+        assert via_gateway == refused
         assert ok and ok[-1].finish_reason in ("stop", "length")
         for stats in run(wait_all_free([pre.address, dec.address], timeout_s=15)):
             assert (stats.kv_blocks_used, stats.num_running, stats.num_waiting,

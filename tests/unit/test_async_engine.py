@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 
@@ -140,3 +142,42 @@ def test_merge_outputs_keeps_order_and_the_last_state():
     assert a.token_ids == [5] and b.token_ids == [6, 7]  # inputs untouched
     assert merge_outputs(RequestOutput("r", [], [1]), RequestOutput("r", [], [2])).logprobs \
         is None
+
+
+def test_commands_during_and_after_stop_fail_instead_of_waiting_forever():
+    """A worker stopping under load: callers that queue a command (an abort from a
+    cancelled call's clean-up) while or after the engine thread stops get EngineDeadError
+    at once; before, their futures were never resolved and the worker's shutdown waited on
+    them forever (SIGTERM with streams in flight never exited). A stream still open ends
+    with the same error."""
+    from engine.async_engine import EngineDeadError
+    llm = LLM("dummy:tiny", block_size=4, num_blocks=64)
+
+    async def main():
+        ae = AsyncEngine(llm.engine)
+        await ae.start()
+        sp = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+        stream = ae.generate("long", [3, 4, 5], sp)
+        await stream.__anext__()  # running
+
+        async def hammer():
+            out = []
+            for i in range(200):
+                try:
+                    out.append(await asyncio.wait_for(ae.abort(f"x{i}"), 5))
+                except EngineDeadError:
+                    out.append("dead")
+                await asyncio.sleep(0)
+            return out
+
+        h = asyncio.create_task(hammer())
+        await asyncio.sleep(0.01)
+        await asyncio.wait_for(ae.stop(), 10)
+        res = await asyncio.wait_for(h, 10)  # every call answered, none hung
+        assert len(res) == 200 and res[-1] == "dead"
+        with pytest.raises(EngineDeadError, match="stopped"):
+            await asyncio.wait_for(ae.abort("after"), 2)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+    asyncio.run(main())

@@ -268,7 +268,8 @@ def test_llm_builder_accepts_every_engine_setting():
             v = "spec-" + name
         else:
             v = values[spec.kind]
-        c = engine_config(**{"model": "dummy:tiny", "env": {}, name: v})
+        extra = {"kv_dtype": "fp8"} if name == "kv_scales" else {}  # scales need codes
+        c = engine_config(**{"model": "dummy:tiny", "env": {}, name: v, **extra})
         got = c
         for attr in spec.path:
             got = getattr(got, attr)
@@ -288,7 +289,7 @@ def test_llm_runs_with_every_engine_setting_set():
               enforce_eager=True, mixed_graph_tokens=0, cuda_graph_max_len=256, num_threads=1,
               async_decode=True, block_size=8, num_blocks=64, kv_cache_memory_bytes=1 << 20,
               gpu_memory_utilization=0.5, enable_prefix_caching=False, hash_seed="h",
-              kv_dtype="float32", kv_block_runs=False, max_num_seqs=4,
+              kv_dtype="float32", kv_scales="dynamic", kv_block_runs=False, max_num_seqs=4,
               max_num_batched_tokens=32, max_model_len=200, policy="short_first",
               schedule_max_wait_s=0.5, gemv="off", gemv_pdl=False, gemv_split_k=True,
               fuse_rotary=False, split_mixed=False, cpu_packed=False,

@@ -178,3 +178,38 @@ def test_sigterm_sets_not_serving_then_exits_cleanly():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+def test_a_peer_back_on_its_address_is_reached_within_seconds():
+    """A peer's address is dialled (health probes, one per second) while nothing listens
+    there for 30 s, then a server starts on it: the pooled channel reaches it within a few
+    seconds. gRPC's default reconnect backoff grows to 120 s; after 30 s of failures its
+    next attempt was 5-20 s away (a restarted worker was routed around for 30-40 s)."""
+    from services.grpc_server import MAX_RECONNECT_S, ChannelPool
+
+    async def main():
+        port = free_port()
+        address = f"127.0.0.1:{port}"
+        pool = ChannelPool(health_pb2_grpc.HealthStub)
+        stub = pool.stub(address)
+        t_end = time.monotonic() + 30
+        while time.monotonic() < t_end:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+            await asyncio.sleep(1)
+        srv = GrpcServer([GATEWAY_SERVICE], host="127.0.0.1", port=port)
+        await srv.start()
+        t0 = time.monotonic()
+        try:
+            while True:
+                try:
+                    await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.2)
+            assert time.monotonic() - t0 < MAX_RECONNECT_S + 2.0
+        finally:
+            await srv.stop(0.1)
+            await pool.close()
+    asyncio.run(main())

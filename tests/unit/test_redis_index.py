@@ -198,7 +198,8 @@ def test_reaper_task_cleans_up_in_the_background(redis_server):
         task = asyncio.create_task(idx.run_reaper(interval_s=0.1))
         await wait_for(lambda: _no_workers(idx), timeout_s=2.0)
         task.cancel()
-        assert await idx.conn.client.dbsize() == 1  # only the {ns}:workers listing set is left
+        # only the {ns}:workers listing set and the registry's epoch are left
+        assert sorted(await idx.conn.client.keys("*")) == ["pdserve:epoch", "pdserve:workers"]
         await idx.close()
         await reg.close()
 
@@ -314,7 +315,7 @@ def test_sync_client_sees_the_documented_key_layout(redis_server):
     run(main())
     r = redis.Redis.from_url(redis_server, decode_responses=True)
     assert sorted(r.keys("*")) == sorted([
-        "pdserve:worker:A", "pdserve:workers", f"pdserve:idx:{MODEL}:workers",
+        "pdserve:worker:A", "pdserve:workers", "pdserve:epoch", f"pdserve:idx:{MODEL}:workers",
         f"pdserve:idx:{MODEL}:wrk:A", f"pdserve:idx:{MODEL}:blk:{H[0].hex()}"])
     assert 0 < r.pttl("pdserve:worker:A") <= 30_000
     assert r.pttl(f"pdserve:idx:{MODEL}:wrk:A") == -1  # no TTL: kept until reaped

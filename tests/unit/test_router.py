@@ -109,6 +109,63 @@ def test_capacity_holds_for_a_burst_that_awaits_the_index(redis_server):
     asyncio.run(go())
 
 
+def test_workers_survive_a_registry_that_lost_them_but_not_a_departure(redis_proc):
+    """Redis restarted empty (killed and started again, nothing kept, or flushed between
+    two listings): the known workers are missing from the listing after it. Those still
+    answering their probes keep serving for registry_grace_s while they re-register, then
+    are retired if they did not. Workers leaving the registry on their own (the registry's
+    epoch unchanged) are retired at once, all of them too."""
+    from services.registry import WorkerRegistry
+
+    async def go():
+        reg = WorkerRegistry(redis_proc.url, timeout_s=0.5, cooldown_s=0.05)
+        for wid in ("d1", "d2", "d3"):
+            await reg.register(info(wid, "decode"))
+        r = make_router(registry_grace_s=0.8)
+        r.registry = reg
+        await r.refresh()
+        assert {w.id for w in r._pool("decode")} == {"d1", "d2", "d3"}
+        await reg.deregister("d3")  # a departure: the others are still listed
+        await r.refresh()
+        assert {w.id for w in r._pool("decode")} == {"d1", "d2"}
+        redis_proc.kill()
+        await r.refresh()  # unreachable: the last known workers stay
+        assert not r.registry_ok and len(r._pool("decode")) == 2
+        redis_proc.start()  # empty
+        await asyncio.sleep(0.1)  # the client's cool-down after the failure
+        await r.refresh()
+        assert r.registry_ok and {w.id for w in r._pool("decode")} == {"d1", "d2"}
+        assert (await r.route(8, [])).decode.id in ("d1", "d2")
+        r.set_health(r.workers["d2"], False)  # one stopped answering meanwhile: retired
+        await reg.register(info("d1", "decode"))  # d1 re-registers within the grace
+        await r.refresh()
+        assert {w.id for w in r._pool("decode")} == {"d1"} and "d2" not in r.workers
+        await asyncio.sleep(0.9)
+        await r.refresh()
+        assert {w.id for w in r._pool("decode")} == {"d1"}
+        # a wipe without an outage the gateway saw (FLUSHALL between two refreshes): the
+        # registry's epoch tells it from the workers leaving
+        await reg.register(info("d4", "decode"))
+        await r.refresh()
+        await reg.conn.call(lambda c: c.flushall())
+        await r.refresh()
+        assert {w.id for w in r._pool("decode")} == {"d1", "d4"}
+        await asyncio.sleep(0.9)
+        await r.refresh()  # the grace is over and they never came back
+        assert r._pool("decode") == []
+        # every worker leaving on its own (the epoch stays): retired at once
+        for wid in ("d5", "d6"):
+            await reg.register(info(wid, "decode"))
+        await r.refresh()
+        assert {w.id for w in r._pool("decode")} == {"d5", "d6"}
+        await reg.deregister("d5")
+        await reg.deregister("d6")
+        await r.refresh()
+        assert r._pool("decode") == []
+        await reg.close()
+    asyncio.run(go())
+
+
 def test_index_down_falls_back_to_load_only(redis_proc):
     async def go():
         idx = PrefixIndex(redis_proc.url, "m")

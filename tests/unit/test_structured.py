@@ -74,7 +74,14 @@ def test_bad_constraints_raise_short_grammar_errors(compiler):
                      # refuses it (it used to break its request's first token: a 200 with
                      # finish_reason abort)
                      (Constraint("regex", "a{1000000}"), "too many expressions"),
-                     (Constraint("json_schema", '{"$ref": "#"}'), "json_schema")):
+                     (Constraint("json_schema", '{"$ref": "#"}'), "json_schema"),
+                     # found by a failure hunt: a RecursionError reached gRPC (UNKNOWN),
+                     # and the gateway retried it on every worker
+                     *((Constraint("json_schema", open_ * 990 + "{}" + close * 990),
+                        "nested too deeply|json_schema")
+                       for open_, close in (('{"type":"array","items":', "}"),
+                                            ('{"anyOf":[', "]}"),
+                                            ('{"type":"object","properties":{"a":', "}}")))):
         with pytest.raises(GrammarError, match=words) as e:
             compiler.matcher(c)
         assert len(str(e.value)) <= 320 and "<state>" not in str(e.value)
