@@ -17,7 +17,7 @@ from pdcore.config_tree import environ
 __all__ = [
     "triton_available", "store_kv", "paged_decode_attention", "paged_prefill_attention",
     "rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rotary_embedding", "sample", "gemv",
-    "rotary_store_kv",
+    "rotary_store_kv", "apply_token_bitmask",
 ]
 
 _WRAPPERS = {
@@ -31,6 +31,7 @@ _WRAPPERS = {
     "sample": "sampling",
     "gemv": "matvec",
     "rotary_store_kv": "cache",
+    "apply_token_bitmask": "sampling",
 }
 
 

@@ -159,6 +159,20 @@ def sample_ref(logits, temperatures, top_ks, top_ps, seeds, steps):
     return torch.where(t > 0, sampled, logits.float().argmax(dim=1))
 
 
+def apply_token_bitmask_ref(x, bitmask, rows=None) -> None:
+    """See sampling.apply_token_bitmask: -inf in ``x`` [B, V] wherever the row's bit is 0."""
+    V = x.shape[1]
+    words = bitmask.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+    bits = ((bitmask.to(torch.int32).unsqueeze(-1) >> shifts) & 1).view(-1, words * 32)
+    forbid = bits[:, :V] == 0
+    if rows is None:
+        x.masked_fill_(forbid, float("-inf"))
+        return
+    idx = rows.to(torch.int64)
+    x.index_copy_(0, idx, x.index_select(0, idx).masked_fill_(forbid, float("-inf")))
+
+
 def gemv_ref(x, weight, bias=None, *, prologue="none", residual=None, norm_weight=None,
              eps=1e-6, **_config):
     """Reference of engine.kernels.matvec.gemv (config keywords ignored): the prologue's rounded

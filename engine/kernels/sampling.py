@@ -153,3 +153,44 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tenso
                              top_ps, seeds, steps, out, vocab, logits.stride(0), BLOCK=block,
                              num_warps=8 if logits.is_cuda else 4)
     return out
+
+
+@triton.jit
+def _token_bitmask_kernel(x_ptr, mask_ptr, rows_ptr, vocab, stride_x, stride_m,
+                          HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + r).to(tl.int64)
+    else:
+        row = r
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = j < vocab
+    words = tl.load(mask_ptr + r * stride_m + (j >> 5), mask=inside, other=-1)
+    allowed = ((words >> (j & 31)) & 1) != 0
+    tl.store(x_ptr + row * stride_x + j, float("-inf"), mask=inside & ~allowed)
+
+
+def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor,
+                        rows: torch.Tensor | None = None) -> None:
+    """Structured output's mask, in place and in one launch: ``x`` [B, V] float gets -inf
+    at every token whose bit is 0 in its row of ``bitmask`` [R, ceil(V / 32)] int32 (token
+    ``32 w + b`` is bit ``b`` of word ``w``, the grammar engine's layout). ``rows`` [R]
+    (int32 / int64, on the device): the rows of ``x`` the mask rows belong to; None: R == B,
+    in order. Allowed tokens are not read or written."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    B, V = x.shape
+    check_tensor("bitmask", bitmask, ndim=2, dtypes=(torch.int32,), device=x.device)
+    R = bitmask.shape[0]
+    check_shape("bitmask", bitmask, (R, (V + 31) // 32))
+    if rows is None:
+        if R != B:
+            raise ValueError(f"bitmask has {R} rows for x's {B}: pass rows")
+    else:
+        check_tensor("rows", rows, ndim=1, dtypes=(torch.int32, torch.int64), device=x.device)
+        check_shape("rows", rows, (R,))
+    if R == 0 or V == 0:
+        return
+    block = 1024
+    _token_bitmask_kernel[(R, triton.cdiv(V, block))](
+        x, bitmask, bitmask if rows is None else rows, V, x.stride(0), bitmask.stride(0),
+        HAS_ROWS=rows is not None, BLOCK=block, num_warps=4)

@@ -10,8 +10,8 @@ Per step, for the rows that sample (one per sequence), in this order:
      (count > 0)``, counts over the output tokens.
   4b. structured output: each constrained row's matcher (engine.grammar) writes its
      next-token bitmask (on the host, all rows at once on the grammar engine's threads; on a
-     GPU while the forward pass runs); the bits are unpacked on the device and the tokens
-     they forbid get -inf. Unconstrained rows are neither copied nor read for it.
+     GPU while the forward pass runs); one kernel (engine.kernels.apply_token_bitmask) reads
+     the copied words and gives the tokens they forbid -inf. Unconstrained rows are neither copied nor read for it.
   Chosen-token logprobs and ``top_logprobs`` are those of this processed distribution
   (log-softmax, before temperature); a request without controls gets the raw model's.
   5. greedy rows: argmax. Sampled rows: temperature, top-k, top-p, min_p (probability below
@@ -306,9 +306,6 @@ def _top_p_drop(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     return drop & on
 
 
-_SHIFTS: dict = {}  # device -> int32 [32]: 0..31
-
-
 def apply_masks(x: torch.Tensor, rows: list[tuple[int, object]]) -> None:
     """Step 4b on the constrained ``rows`` of ``x`` [B, V], in place."""
     from engine.grammar import fill_bitmasks
@@ -318,21 +315,37 @@ def apply_masks(x: torch.Tensor, rows: list[tuple[int, object]]) -> None:
     host = torch.empty((len(rows), words), dtype=torch.int32,
                        pin_memory=dev.type == "cuda")
     fill_bitmasks([m for _, m in rows], host)
+    ordered = len(rows) == x.shape[0] and all(r == j for j, (r, _) in enumerate(rows))
     if dev.type == "cpu":  # one C pass: bits (little-endian words) -> bools
         bits = np.unpackbits(host.numpy().view(np.uint8), axis=1, bitorder="little")
         forbid = torch.from_numpy(bits[:, :V]) == 0
-    else:
-        shifts = _SHIFTS.get(dev)
-        if shifts is None:
-            shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
-        on_dev = host.to(dev, non_blocking=True)
-        bits = ((on_dev.unsqueeze(-1) >> shifts) & 1).view(len(rows), words * 32)
-        forbid = bits[:, :V] == 0
-    if len(rows) == x.shape[0] and all(r == j for j, (r, _) in enumerate(rows)):
-        x.masked_fill_(forbid, float("-inf"))
+        if ordered:
+            x.masked_fill_(forbid, float("-inf"))
+            return
+        idx = torch.tensor([r for r, _ in rows], dtype=torch.int64)
+        x.index_copy_(0, idx, x.index_select(0, idx).masked_fill_(forbid, float("-inf")))
         return
-    idx = _dev([r for r, _ in rows], torch.int64, dev)
-    x.index_copy_(0, idx, x.index_select(0, idx).masked_fill_(forbid, float("-inf")))
+    # on a GPU: one copy of the words, one kernel (a torch unpack took 4-7 launches a step)
+    on_dev = host.to(dev, non_blocking=True)
+    idx = None if ordered else _dev([r for r, _ in rows], torch.int32, dev)
+    _bitmask_fn()(x, on_dev, idx)
+
+
+_BITMASK_FN = None
+
+
+def _bitmask_fn():
+    """The Triton kernel where Triton runs (always on a CUDA machine with the engine's
+    dependencies), else its torch reference; decided once."""
+    global _BITMASK_FN
+    if _BITMASK_FN is None:
+        from engine import kernels
+        if kernels.triton_available():
+            _BITMASK_FN = kernels.apply_token_bitmask
+        else:
+            from engine.kernels.reference import apply_token_bitmask_ref
+            _BITMASK_FN = apply_token_bitmask_ref
+    return _BITMASK_FN
 
 
 def _apply_penalties(x: torch.Tensor, rows: list) -> None:

@@ -190,3 +190,17 @@ def test_rotary_store_kv():
     close(q, eq, tol=1e-2)  # fp32 math on both sides; FMA contraction may move one ulp
     close(k, ek, tol=1e-2)
     close(cache, expect, tol=1e-2)
+
+
+@pytest.mark.parametrize("subset", [False, True])
+def test_token_bitmask(subset):
+    batch, vocab = 64, 128256
+    x = torch.randn(batch, vocab, device=DEV)
+    rows = torch.randperm(batch, device=DEV)[:17].to(torch.int32) if subset else None
+    n = 17 if subset else batch
+    bitmask = torch.randint(-2**31, 2**31 - 1, (n, (vocab + 31) // 32), device=DEV,
+                            dtype=torch.int64).to(torch.int32)
+    want, got = x.clone(), x.clone()
+    R.apply_token_bitmask_ref(want, bitmask, rows)
+    K.apply_token_bitmask(got, bitmask, rows)
+    assert torch.equal(got, want)

@@ -340,3 +340,40 @@ def test_model_gemv_plan_reads_quantized_projections(fmt):
             outs.append(model(ids, pos, c, meta, TritonAttention(cfg.head_dim ** -0.5)))
     err = (outs[1] - outs[0]).norm() / outs[0].norm()
     assert 0 < err < 5e-3, f"relative error {err:.2e}"  # mma: x and int4 weights in fp16
+
+
+@pytest.mark.parametrize("vocab", [100, 128, 1000])
+@pytest.mark.parametrize("subset", [False, True])
+def test_token_bitmask_matches_reference(vocab, subset):
+    g = torch.Generator().manual_seed(vocab + subset)
+    batch, words = 5, (vocab + 31) // 32
+    x = torch.randn(batch, vocab, generator=g).to(DEV)
+    rows = torch.tensor([3, 0, 4], dtype=torch.int32, device=DEV) if subset else None
+    n = 3 if subset else batch
+    bitmask = torch.randint(-2**31, 2**31 - 1, (n, words), generator=g,
+                            dtype=torch.int64).to(torch.int32).to(DEV)
+    bitmask[0] = -1  # every token allowed
+    bitmask[-1] = 0  # none allowed
+    want = x.clone()
+    R.apply_token_bitmask_ref(want, bitmask, rows)
+    got = x.clone()
+    K.apply_token_bitmask(got, bitmask, rows)
+    assert torch.equal(got, want)
+    # the definition, bit by bit: token 32 w + b is bit b of word w
+    targets = rows.tolist() if subset else list(range(batch))
+    for j, r in enumerate(targets):
+        bits = [(int(bitmask[j, t // 32]) >> (t % 32)) & 1 for t in range(vocab)]
+        expect = torch.where(torch.tensor(bits, device=DEV) == 1, x[r], float("-inf"))
+        assert torch.equal(got[r], expect)
+    untouched = [r for r in range(batch) if r not in targets]
+    assert torch.equal(got[untouched], x[untouched])
+
+
+def test_token_bitmask_checks_its_arguments():
+    x = torch.zeros(2, 64, device=DEV)
+    with pytest.raises(ValueError, match="bitmask must have shape"):
+        K.apply_token_bitmask(x, torch.zeros(2, 3, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="pass rows"):
+        K.apply_token_bitmask(x, torch.zeros(1, 2, dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="dtype"):
+        K.apply_token_bitmask(x, torch.zeros(2, 2, dtype=torch.int64, device=DEV))
