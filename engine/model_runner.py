@@ -14,8 +14,9 @@ import torch
 
 from engine.config import CPU_KV_CACHE_BYTES, KV_QUANT_DTYPES, EngineConfig, ModelConfig
 from engine.cuda_graphs import CudaGraphsMixin
+from engine.kernels import triton_available as kernels_available
 from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
-from engine.layers.sampler import Sampler, SamplingBatch, sample_seed
+from engine.layers.sampler import Sampler, SamplingBatch, masked_greedy, sample_seed
 from engine.models.registry import model_class
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SeqStatus
@@ -136,6 +137,8 @@ class ModelRunner(CudaGraphsMixin):
         self.shared_gen = torch.Generator(device=self.device)
         self.shared_gen.manual_seed(config.seed)
         self.sampler = Sampler(self.shared_gen)
+        # masked greedy graph steps take their constrained rows' tokens in one kernel
+        self._triton = self.device.type == "cuda" and kernels_available()
         self.generators: dict[str, torch.Generator] = {}
         self.eos_token_ids: frozenset[int] = frozenset(mc.eos_token_ids)  # min_tokens masks
         self.graphs: dict[int, tuple] = {}
@@ -387,13 +390,19 @@ class ModelRunner(CudaGraphsMixin):
         min_tokens count it), as in lockstep. Rows whose request ended meanwhile are thrown
         away by the engine; they are not masked (their matcher may be done or broken)."""
         logits, h.pending = h.pending, None
+        greedy, h.pending_greedy = h.pending_greedy, None
         if logits is None:
             return
         batch = self._sampling_batch(h.sched, every_row=True)
         items = h.sched.scheduled
         batch.masks = [(i, m) for i, m in batch.masks
                        if items[i].seq.status is SeqStatus.RUNNING]
-        res = self.sampler(logits, batch)
+        if greedy is not None and batch.masks_only and self._triton:
+            # (a graph step: its argmax is there, the free rows keep it; the next replay,
+            # which rewrites it, is launched after this)
+            res = masked_greedy(logits, greedy, batch)
+        else:
+            res = self.sampler(logits, batch)
         if self.device.type != "cuda":
             h.tokens, h.logprobs, h.top_logprobs = res.to_host()
         else:
@@ -501,7 +510,8 @@ class ModelRunner(CudaGraphsMixin):
         if self._can_graph(out):
             logits, greedy, host, landed = self._graph_step(out, src)
             if not plain:
-                return StepHandle(out, ids, chained=True, pending=logits)
+                return StepHandle(out, ids, chained=True, pending=logits,
+                                  pending_greedy=greedy)
             return StepHandle(out, ids, greedy=greedy, host=host, event=landed, chained=True)
         # prompts, a long context, or no graphs: eagerly. Not through the mixed graphs:
         # chained into them, a served 8B model at 512 rows hit a device-side index assert

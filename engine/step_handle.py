@@ -34,3 +34,6 @@ class StepHandle:
     sample: SampleOutput | None = None  # samples still on the device (read by collect)
     chained: bool = False  # launched by launch_next, before the previous step's tokens were read
     pending: torch.Tensor | None = None  # logits not sampled yet (see above)
+    # a pending graph step's argmax of the raw logits (a view of the graph's output, valid
+    # until its next replay): what a batch masked and nothing else keeps for its free rows
+    pending_greedy: torch.Tensor | None = None

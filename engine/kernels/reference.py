@@ -173,6 +173,13 @@ def apply_token_bitmask_ref(x, bitmask, rows=None) -> None:
     x.index_copy_(0, idx, x.index_select(0, idx).masked_fill_(forbid, float("-inf")))
 
 
+def masked_argmax_ref(logits, bitmask, rows, out) -> None:
+    """See sampling.masked_argmax."""
+    x = logits.index_select(0, rows.to(torch.int64)).float()
+    apply_token_bitmask_ref(x, bitmask)
+    out.index_copy_(0, rows.to(torch.int64), x.argmax(dim=-1))
+
+
 def gemv_ref(x, weight, bias=None, *, prologue="none", residual=None, norm_weight=None,
              eps=1e-6, **_config):
     """Reference of engine.kernels.matvec.gemv (config keywords ignored): the prologue's rounded

@@ -194,3 +194,48 @@ def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor,
     _token_bitmask_kernel[(R, triton.cdiv(V, block))](
         x, bitmask, bitmask if rows is None else rows, V, x.stride(0), bitmask.stride(0),
         HAS_ROWS=rows is not None, BLOCK=block, num_warps=4)
+
+
+@triton.jit
+def _masked_argmax_kernel(logits_ptr, mask_ptr, rows_ptr, out_ptr, vocab, stride_l, stride_m,
+                          BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + r).to(tl.int64)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.zeros([], tl.int64)
+    for j0 in range(0, vocab, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        inside = j < vocab
+        words = tl.load(mask_ptr + r * stride_m + (j >> 5), mask=inside, other=0)
+        allowed = inside & (((words >> (j & 31)) & 1) != 0)
+        z = tl.load(logits_ptr + row * stride_l + j, mask=allowed,
+                    other=float("-inf")).to(tl.float32)
+        c_max = tl.max(z, axis=0)
+        c_arg = tl.argmax(z, axis=0).to(tl.int64) + j0
+        best_i = tl.where(c_max > best, c_arg, best_i)  # strictly: the first maximum wins
+        best = tl.maximum(best, c_max)
+    tl.store(out_ptr + row, best_i)
+
+
+def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
+                  out: torch.Tensor) -> None:
+    """Greedy tokens of structured output's constrained rows in one launch: ``out[rows[r]]``
+    = the index of the largest of ``logits[rows[r]]`` [V] among the tokens row ``r`` of
+    ``bitmask`` [R, ceil(V / 32)] int32 allows (the first such index on ties, as
+    torch.argmax; 0 when none is allowed), exactly the argmax of apply_token_bitmask's
+    output. ``logits`` [B, V] any float dtype (read as float32, not copied), ``rows`` [R]
+    int32 / int64, ``out`` [B] int64; rows not listed keep their value."""
+    check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    B, V = logits.shape
+    check_tensor("bitmask", bitmask, ndim=2, dtypes=(torch.int32,), device=logits.device)
+    R = bitmask.shape[0]
+    check_shape("bitmask", bitmask, (R, (V + 31) // 32))
+    check_tensor("rows", rows, ndim=1, dtypes=(torch.int32, torch.int64), device=logits.device)
+    check_shape("rows", rows, (R,))
+    check_tensor("out", out, ndim=1, dtypes=(torch.int64,), device=logits.device)
+    check_shape("out", out, (B,))
+    if R == 0 or V == 0:
+        return
+    _masked_argmax_kernel[(R,)](logits, bitmask, rows, out, V, logits.stride(0),
+                                bitmask.stride(0), BLOCK=4096 if logits.is_cuda else 256,
+                                num_warps=8 if logits.is_cuda else 4)

@@ -71,6 +71,11 @@ class SamplingBatch:
         return self.all_greedy and not self.want_logprobs and not any(self.top_logprobs)
 
     @property
+    def masks_only(self) -> bool:
+        """Argmax only, and no processing but structured output's masks (masked_greedy)."""
+        return self.argmax_only and not (self.bias or self.banned or self.penalties)
+
+    @property
     def plain(self) -> bool:
         """The tokens are the argmax of the raw logits and nothing else is asked for."""
         return self.argmax_only and not self.processed
@@ -306,15 +311,20 @@ def _top_p_drop(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     return drop & on
 
 
+def _bitmasks(rows: list[tuple[int, object]], vocab: int, pin: bool) -> torch.Tensor:
+    """The constrained rows' next-token bitmasks [R, ceil(V / 32)] int32, filled on the host
+    by the grammar engine's threads (pinned for a copy to a GPU)."""
+    from engine.grammar import fill_bitmasks
+    host = torch.empty((len(rows), (vocab + 31) // 32), dtype=torch.int32, pin_memory=pin)
+    fill_bitmasks([m for _, m in rows], host)
+    return host
+
+
 def apply_masks(x: torch.Tensor, rows: list[tuple[int, object]]) -> None:
     """Step 4b on the constrained ``rows`` of ``x`` [B, V], in place."""
-    from engine.grammar import fill_bitmasks
     V = x.shape[1]
     dev = x.device
-    words = (V + 31) // 32
-    host = torch.empty((len(rows), words), dtype=torch.int32,
-                       pin_memory=dev.type == "cuda")
-    fill_bitmasks([m for _, m in rows], host)
+    host = _bitmasks(rows, V, pin=dev.type == "cuda")
     ordered = len(rows) == x.shape[0] and all(r == j for j, (r, _) in enumerate(rows))
     if dev.type == "cpu":  # one C pass: bits (little-endian words) -> bools
         bits = np.unpackbits(host.numpy().view(np.uint8), axis=1, bitorder="little")
@@ -329,6 +339,24 @@ def apply_masks(x: torch.Tensor, rows: list[tuple[int, object]]) -> None:
     on_dev = host.to(dev, non_blocking=True)
     idx = None if ordered else _dev([r for r, _ in rows], torch.int32, dev)
     _bitmask_fn()(x, on_dev, idx)
+
+
+def masked_greedy(logits: torch.Tensor, greedy: torch.Tensor,
+                  batch: SamplingBatch) -> SampleOutput:
+    """The tokens of a batch whose only processing is structured output's masks
+    (``batch.masks_only``), given ``greedy`` [B], the argmax of the raw ``logits`` [B, V]
+    that the forward pass computed anyway: the unconstrained rows keep it, the constrained
+    rows take their masked argmax (engine.kernels.masked_argmax, one launch). Equal to
+    ``Sampler()(logits, batch).tokens``, without a float copy of every row's logits or a
+    second argmax over them. Needs Triton (a GPU, or the interpreter)."""
+    from engine.kernels import masked_argmax
+    tokens = greedy.clone()
+    if batch.masks:
+        dev = logits.device
+        bits = _bitmasks(batch.masks, logits.shape[1], pin=dev.type == "cuda")
+        masked_argmax(logits, bits.to(dev, non_blocking=True),
+                      _dev([r for r, _ in batch.masks], torch.int32, dev), tokens)
+    return SampleOutput(tokens)
 
 
 _BITMASK_FN = None

@@ -204,3 +204,17 @@ def test_token_bitmask(subset):
     R.apply_token_bitmask_ref(want, bitmask, rows)
     K.apply_token_bitmask(got, bitmask, rows)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_masked_argmax(dtype):
+    batch, vocab = 64, 128256
+    logits = torch.randn(batch, vocab, device=DEV).to(dtype)
+    rows = torch.randperm(batch, device=DEV)[:17]
+    bitmask = torch.randint(-2**31, 2**31 - 1, (17, (vocab + 31) // 32), device=DEV,
+                            dtype=torch.int64).to(torch.int32)
+    greedy = logits.argmax(dim=-1)
+    want, got = greedy.clone(), greedy.clone()
+    R.masked_argmax_ref(logits, bitmask, rows, want)
+    K.masked_argmax(logits, bitmask, rows, got)
+    assert torch.equal(got, want)

@@ -377,3 +377,52 @@ def test_token_bitmask_checks_its_arguments():
         K.apply_token_bitmask(x, torch.zeros(1, 2, dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match="dtype"):
         K.apply_token_bitmask(x, torch.zeros(2, 2, dtype=torch.int64, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masked_argmax_matches_reference(dtype):
+    g = torch.Generator().manual_seed(7)
+    batch, vocab = 6, 700
+    logits = torch.randn(batch, vocab, generator=g).to(dtype).to(DEV)
+    logits[2, 5] = logits[2, 9] = 50.0  # a tie: the first index wins, as torch.argmax
+    rows = torch.tensor([4, 2, 0, 5], dtype=torch.int64, device=DEV)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), generator=g,
+                            dtype=torch.int64).to(torch.int32).to(DEV)
+    bitmask[1] = -1  # row 2: everything allowed
+    bitmask[3] = 0  # row 5: nothing allowed (0, as torch.argmax over -inf)
+    out = torch.full((batch,), -7, dtype=torch.int64, device=DEV)
+    want = out.clone()
+    R.masked_argmax_ref(logits, bitmask, rows, want)
+    K.masked_argmax(logits, bitmask, rows, out)
+    assert torch.equal(out, want)
+    assert int(out[2]) == 5 and int(out[5]) == 0 and int(out[1]) == -7
+    masked = logits.float().index_select(0, rows)
+    K.apply_token_bitmask(masked, bitmask)
+    assert torch.equal(out[rows], masked.argmax(dim=-1))
+
+
+def test_masked_greedy_equals_the_sampler():
+    """engine.layers.sampler.masked_greedy (GPU graph steps masked and nothing else) gives
+    the tokens of the full sampler: the forward's argmax for free rows, masked for the
+    rest (llguidance matchers over the dummy models' byte tokenizer)."""
+    from engine import Constraint
+    from engine.grammar import GrammarCompiler
+    from engine.layers.sampler import Sampler, SamplingBatch, masked_greedy
+    from engine.loader import ByteTokenizer
+
+    bt = ByteTokenizer()
+    vocab = 512
+    c = GrammarCompiler(bt, vocab, bt.eos_token_ids)
+    batch = 5
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(3)).to(DEV)
+    sb = SamplingBatch([0.0] * batch, [0] * batch, [1.0] * batch, [None] * batch, False,
+                       masks=[(1, c.matcher(Constraint("regex", "(yes|no)"))),
+                              (3, c.matcher(Constraint("regex", "[0-9]+")))])
+    assert sb.masks_only
+    got = masked_greedy(logits, logits.argmax(dim=-1), sb).tokens
+    want = Sampler(torch.Generator(device=DEV))(logits, sb).tokens
+    assert torch.equal(got, want)
+    assert int(got[1]) - bt.OFFSET in (ord("y"), ord("n"))
+    assert chr(int(got[3]) - bt.OFFSET).isdigit()
+    free = [0, 2, 4]
+    assert torch.equal(got[free], logits[free].argmax(dim=-1))
