@@ -22,6 +22,11 @@ from engine.request import FinishReason, PrefillProgress, RequestOutput, Samplin
 logger = logging.getLogger(__name__)
 
 
+# The engine thread's wait when the last step could schedule nothing although work waits
+# (a prefill worker's blocks held by KV transfers): a command (a release, an abort, a new
+# request) wakes it at once; this bounds the wait otherwise.
+STALL_WAIT_S = 0.05
+
 class EngineDeadError(RuntimeError):
     pass
 
@@ -140,6 +145,9 @@ class AsyncEngine:
                 self._fail_all(e)
                 return
             self.snapshot = eng.stats()
+            if eng.stalled:  # nothing could be scheduled: wait for a command (a release)
+                self._wake.wait(STALL_WAIT_S)
+                self._wake.clear()
             for fn in self.step_listeners:
                 fn(outs)
             if outs:  # one wake-up of the event loop per step, not one per request

@@ -135,6 +135,7 @@ class LLMEngine:
         self.forks: dict[str, int] = {}
         self.groups: dict[str, list[str]] = {}
         self.steps = 0
+        self.stalled = False  # the last step found work but could run none (see step)
         self.num_preemptions = 0
         self.last_schedule: SchedulerOutput | None = None  # the last step's schedule
         # prefill role: chunks launched by requests added with report_progress, for the
@@ -338,6 +339,9 @@ class LLMEngine:
                   and seq.report_progress]
         if resets:
             self._report(resets)
+        # work waits but nothing could run (blocks held for KV transfers, nothing running):
+        # the caller waits for a command (a release, an abort) instead of stepping again
+        self.stalled = not sched and not self.scheduler.running
         if not sched:
             return []
         reporting = [item for item in sched.scheduled if item.seq.report_progress]

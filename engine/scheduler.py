@@ -66,6 +66,7 @@ class Scheduler:
         # their blocks and take the next seats, before any waiting prompt
         self.ready: deque[Sequence] = deque()
         self.requests: dict[str, Sequence] = {}  # every unfinished or held request
+        self._never_fits: set[str] = set()  # warned about once (see _short_of_blocks)
 
     # ------------------------------------------------------------- admission
     def add(self, seq: Sequence, front: bool = False) -> None:
@@ -139,12 +140,22 @@ class Scheduler:
             seq = self._next_waiting()
             n, _ = self._admit(seq, budget, whole=False)
             if n is None:
-                if not self.running:  # nothing will free blocks: it can never fit
-                    logger.warning("request %s needs more KV blocks than exist", seq.request_id)
+                if not self.running:
+                    self._short_of_blocks(seq)
                 break
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def _short_of_blocks(self, seq: Sequence) -> None:
+        """Nothing runs and ``seq`` still does not fit. Blocks held for KV transfers
+        (a prefill worker's HELD requests) come back when those end (the engine waits, it
+        does not spin: LLMEngine.stalled); only when nothing holds any can it never fit."""
+        if any(s.status is SeqStatus.HELD for s in self.requests.values()):
+            return
+        if seq.request_id not in self._never_fits:
+            self._never_fits.add(seq.request_id)
+            logger.warning("request %s needs more KV blocks than exist", seq.request_id)
 
     def _admit(self, seq: Sequence, budget: int, whole: bool) -> tuple[int | None, int]:
         """Move waiting ``seq`` to running with its next chunk's blocks (after attaching its
@@ -235,6 +246,7 @@ class Scheduler:
             self.bm.free_seq(seq)
             seq.status = SeqStatus.FINISHED
             self.requests.pop(seq.request_id, None)
+        self._never_fits.discard(seq.request_id)
         logger.debug("request %s finished (%s%s)", seq.request_id, reason.value,
                      ", blocks held" if hold else "")
 

@@ -181,3 +181,38 @@ def test_commands_during_and_after_stop_fail_instead_of_waiting_forever():
             async for _ in stream:
                 pass
     asyncio.run(main())
+
+
+def test_a_prompt_waiting_for_blocks_held_by_transfers_waits_without_spinning(caplog):
+    """Prefill role: finished prompts HOLD their blocks until their KV transfer ends. A
+    prompt that does not fit meanwhile waits: the engine thread sleeps until a command (the
+    release) instead of stepping in a loop (a hung decode worker's transfers made it spin a
+    core and log 'needs more KV blocks than exist' 20,000 times a second), and it is
+    admitted as soon as the blocks come back."""
+    import logging
+    llm = LLM("dummy:tiny", block_size=4, num_blocks=24, max_num_batched_tokens=64)
+    sp = SamplingParams(max_tokens=4, temperature=0)
+
+    async def main():
+        ae = AsyncEngine(llm.engine)
+        tried = []
+        ae.step_listeners.append(lambda outs: tried.append(1))
+        await ae.start()
+        held = await ae.prefill("held", list(range(1, 61)), sp)  # 61 tokens: 16 blocks
+        assert len(held.held_block_ids) >= 15
+        task = asyncio.create_task(ae.prefill("next", list(range(2, 42)), sp))  # 11 blocks
+        await asyncio.sleep(0.1)
+        steps = len(tried)
+        await asyncio.sleep(0.5)
+        spun = len(tried) - steps
+        assert spun <= 30, f"{spun} empty steps in 0.5 s"  # ~10 at one per 50 ms
+        assert not task.done() and llm.engine.stalled
+        assert await ae.release("held")
+        out = await asyncio.wait_for(task, 5)
+        assert len(out.token_ids) == 1
+        assert await ae.release("next")
+        await ae.stop()
+
+    with caplog.at_level(logging.WARNING, logger="engine.scheduler"):
+        asyncio.run(main())
+    assert "more KV blocks than exist" not in caplog.text
