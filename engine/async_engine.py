@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 # request) wakes it at once; this bounds the wait otherwise.
 STALL_WAIT_S = 0.05
 
+
 class EngineDeadError(RuntimeError):
     pass
 

@@ -156,6 +156,13 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tenso
 
 
 @triton.jit
+def _allowed(mask_ptr, r, stride_m, j, inside):
+    """Bit ``j`` of bitmask row ``r`` (token 32 w + b is bit b of word w), False outside."""
+    words = tl.load(mask_ptr + r * stride_m + (j >> 5), mask=inside, other=0)
+    return inside & (((words >> (j & 31)) & 1) != 0)
+
+
+@triton.jit
 def _token_bitmask_kernel(x_ptr, mask_ptr, rows_ptr, vocab, stride_x, stride_m,
                           HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
@@ -165,8 +172,7 @@ def _token_bitmask_kernel(x_ptr, mask_ptr, rows_ptr, vocab, stride_x, stride_m,
         row = r
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = j < vocab
-    words = tl.load(mask_ptr + r * stride_m + (j >> 5), mask=inside, other=-1)
-    allowed = ((words >> (j & 31)) & 1) != 0
+    allowed = _allowed(mask_ptr, r, stride_m, j, inside)
     tl.store(x_ptr + row * stride_x + j, float("-inf"), mask=inside & ~allowed)
 
 
@@ -205,9 +211,7 @@ def _masked_argmax_kernel(logits_ptr, mask_ptr, rows_ptr, out_ptr, vocab, stride
     best_i = tl.zeros([], tl.int64)
     for j0 in range(0, vocab, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
-        inside = j < vocab
-        words = tl.load(mask_ptr + r * stride_m + (j >> 5), mask=inside, other=0)
-        allowed = inside & (((words >> (j & 31)) & 1) != 0)
+        allowed = _allowed(mask_ptr, r, stride_m, j, j < vocab)
         z = tl.load(logits_ptr + row * stride_l + j, mask=allowed,
                     other=float("-inf")).to(tl.float32)
         c_max = tl.max(z, axis=0)

@@ -11,7 +11,8 @@ Per step, for the rows that sample (one per sequence), in this order:
   4b. structured output: each constrained row's matcher (engine.grammar) writes its
      next-token bitmask (on the host, all rows at once on the grammar engine's threads; on a
      GPU while the forward pass runs); one kernel (engine.kernels.apply_token_bitmask) reads
-     the copied words and gives the tokens they forbid -inf. Unconstrained rows are neither copied nor read for it.
+     the copied words and gives the tokens they forbid -inf. Unconstrained rows are neither
+     copied nor read for it.
   Chosen-token logprobs and ``top_logprobs`` are those of this processed distribution
   (log-softmax, before temperature); a request without controls gets the raw model's.
   5. greedy rows: argmax. Sampled rows: temperature, top-k, top-p, min_p (probability below
