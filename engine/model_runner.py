@@ -344,22 +344,27 @@ class ModelRunner(CudaGraphsMixin):
         return t.pin_memory().to(self.device, non_blocking=True)
 
     def _sampling_batch(self, out: SchedulerOutput, every_row: bool = False) -> SamplingBatch:
-        seqs, gens = [], []
+        seqs, gens, counters = [], [], []
         for item in out.scheduled:
             if not (every_row or item.samples):
                 continue
             s = item.seq
             sp = s.sampling
-            g = None
+            g = c = None
             if sp.seed is not None and sp.temperature > 0:
-                g = self.generators.get(s.request_id)
-                if g is None:
-                    g = self._seeded_generator(sample_seed(sp.seed, s.sample_index),
-                                               s.num_output_tokens)
-                    self.generators[s.request_id] = g
+                if self._triton:  # a GPU: the counter-based RNG, all seeded rows at once
+                    c = (sample_seed(sp.seed, s.sample_index), s.num_output_tokens)
+                else:
+                    g = self.generators.get(s.request_id)
+                    if g is None:
+                        g = self._seeded_generator(sample_seed(sp.seed, s.sample_index),
+                                                   s.num_output_tokens)
+                        self.generators[s.request_id] = g
             seqs.append(s)
             gens.append(g)
-        return SamplingBatch.from_seqs(seqs, gens, self.eos_token_ids)
+            counters.append(c)
+        return SamplingBatch.from_seqs(seqs, gens, self.eos_token_ids,
+                                       counters if self._triton else None)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch, out: SchedulerOutput,
                 sampled: list[str]) -> StepHandle:

@@ -18,7 +18,7 @@ __all__ = [
     "triton_available", "store_kv", "paged_decode_attention", "paged_prefill_attention",
     "rmsnorm", "fused_add_rmsnorm", "silu_and_mul", "rotary_embedding", "sample", "gemv",
     "rotary_store_kv", "apply_token_bitmask",
-    "masked_argmax",
+    "masked_argmax", "seeded_exponentials",
 ]
 
 _WRAPPERS = {
@@ -34,6 +34,7 @@ _WRAPPERS = {
     "rotary_store_kv": "cache",
     "apply_token_bitmask": "sampling",
     "masked_argmax": "sampling",
+    "seeded_exponentials": "sampling",
 }
 
 

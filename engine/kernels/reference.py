@@ -119,6 +119,11 @@ def random_uniform_ref(seeds, steps, vocab_size):
     return ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
 
 
+def seeded_exponentials_ref(seeds, steps, vocab):
+    """See sampling.seeded_exponentials: -log of random_uniform_ref."""
+    return -torch.log(random_uniform_ref(seeds, steps, vocab))
+
+
 def _order_keys(z):
     """int64 keys whose order is the order of the fp32 values z."""
     b = z.contiguous().view(torch.int32)

@@ -243,3 +243,38 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
     _masked_argmax_kernel[(R,)](logits, bitmask, rows, out, V, logits.stride(0),
                                 bitmask.stride(0), BLOCK=4096 if logits.is_cuda else 256,
                                 num_warps=8 if logits.is_cuda else 4)
+
+
+@triton.jit
+def _exponentials_kernel(seed_ptr, step_ptr, out_ptr, vocab, stride_o, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    seed = tl.load(seed_ptr + r).to(tl.int64)
+    step = tl.load(step_ptr + r).to(tl.int64)
+    key = _mix32((seed & 0xFFFFFFFF) ^ 0x5BD1E995)
+    key = _mix32(key ^ ((seed >> 32) & 0xFFFFFFFF))
+    key = _mix32(key ^ (step & 0xFFFFFFFF))
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    h = _mix32((_mix32(key ^ j.to(tl.int64)) + key) & 0xFFFFFFFF)
+    u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    tl.store(out_ptr + r * stride_o + j, -tl.log(u), mask=j < vocab)
+
+
+def seeded_exponentials(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) draws [R, vocab] float32 for seeded rows in one launch: row ``r`` is
+    ``-log(u)`` with ``u`` the counter-based uniform of (seeds[r], steps[r], token) that
+    ``sample`` uses (reference.random_uniform_ref), so a request's draws are a pure function
+    of its seed and its step: never of the batch, nothing to carry when it moves. ``seeds``
+    int64 [R] (the sample's seed), ``steps`` int64 [R] (tokens it generated before)."""
+    check_tensor("seeds", seeds, ndim=1, dtypes=(torch.int64,))
+    R = seeds.shape[0]
+    check_tensor("steps", steps, ndim=1, dtypes=(torch.int64,), device=seeds.device)
+    check_shape("steps", steps, (R,))
+    if vocab < 1:
+        raise ValueError(f"vocab must be >= 1, got {vocab}")
+    out = torch.empty((R, vocab), dtype=torch.float32, device=seeds.device)
+    if R:
+        block = 1024
+        _exponentials_kernel[(R, triton.cdiv(vocab, block))](seeds, steps, out, vocab,
+                                                             out.stride(0), BLOCK=block,
+                                                             num_warps=4)
+    return out

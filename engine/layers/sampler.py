@@ -24,9 +24,11 @@ copied to the device (pinned, non-blocking), penalty counts are a scatter-add of
 token ids, and the results stay on the device until :meth:`SampleOutput.to_host` is read.
 Rows without a control pay nothing for it (each stage runs on the rows that use it).
 
-Seeded rows draw from their own ``torch.Generator`` (one exponential per vocabulary entry per
-sample, never more), so a request's samples do not depend on what else is in the batch.
-Unseeded rows share the engine's generator.
+Seeded rows draw their exponentials (one per vocabulary entry per sample) as a pure function
+of the request's seed and step, so its samples do not depend on what else is in the batch:
+on a GPU from the counter-based RNG of engine.kernels (``counters``: one launch for every
+seeded row of the step), on the CPU from a ``torch.Generator`` of their own. Unseeded rows
+share the engine's generator.
 """
 from __future__ import annotations
 
@@ -56,6 +58,10 @@ class SamplingBatch:
         field(default_factory=list)
     # constrained rows: (row, engine.grammar.Matcher); the masks are computed by the sampler
     masks: list[tuple[int, object]] = field(default_factory=list)
+    # per row (empty: none): (seed, step) of a seeded row whose exponentials come from the
+    # counter-based RNG (a GPU's: engine.kernels.seeded_exponentials, one launch for every
+    # such row) instead of a generator of its own; step = tokens it generated before
+    counters: list[tuple[int, int] | None] = field(default_factory=list)
 
     @property
     def all_greedy(self) -> bool:
@@ -82,9 +88,10 @@ class SamplingBatch:
         return self.argmax_only and not self.processed
 
     @classmethod
-    def from_seqs(cls, seqs, generators: list, eos_token_ids) -> "SamplingBatch":
+    def from_seqs(cls, seqs, generators: list, eos_token_ids,
+                  counters: list | None = None) -> "SamplingBatch":
         """``seqs``: engine Sequences (sampling, token_ids, num_prompt_tokens)."""
-        b = cls([], [], [], list(generators), False)
+        b = cls([], [], [], list(generators), False, counters=list(counters or []))
         any_min_p = any(s.sampling.min_p for s in seqs)
         any_top = any(s.sampling.top_logprobs for s in seqs)
         for i, s in enumerate(seqs):
@@ -241,10 +248,22 @@ class Sampler:
                  [batch.min_ps[i] for i in rows] if batch.min_ps else [])
         probs = torch.softmax(w, dim=-1)
         e = torch.empty_like(probs)
-        shared = [j for j, i in enumerate(rows) if batch.generators[i] is None]
+        counted = [j for j, i in enumerate(rows)
+                   if batch.counters and batch.counters[i] is not None]
+        shared = [j for j, i in enumerate(rows) if batch.generators[i] is None
+                  and not (batch.counters and batch.counters[i] is not None)]
         if len(shared) == len(rows):
             e.exponential_(generator=self.shared)
         else:
+            if counted:
+                from engine.kernels import seeded_exponentials
+                seeds, steps = zip(*(batch.counters[rows[j]] for j in counted))
+                drawn = seeded_exponentials(_dev(seeds, torch.int64, dev),
+                                            _dev(steps, torch.int64, dev), probs.shape[1])
+                if len(counted) == len(rows):
+                    e = drawn
+                else:
+                    e.index_copy_(0, _dev(counted, torch.int64, dev), drawn)
             for j, i in enumerate(rows):
                 g = batch.generators[i]
                 if g is not None:

@@ -426,3 +426,38 @@ def test_masked_greedy_equals_the_sampler():
     assert chr(int(got[3]) - bt.OFFSET).isdigit()
     free = [0, 2, 4]
     assert torch.equal(got[free], logits[free].argmax(dim=-1))
+
+
+def test_seeded_exponentials_are_the_counter_rng_and_batch_independent():
+    seeds = torch.tensor([3, 2**62 + 5, 3, -9], dtype=torch.int64, device=DEV)
+    steps = torch.tensor([0, 7, 1, 2**40], dtype=torch.int64, device=DEV)
+    got = K.seeded_exponentials(seeds, steps, 300)
+    want = R.seeded_exponentials_ref(seeds, steps, 300)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert bool((got > 0).all()) and not torch.equal(got[0], got[2])  # a new step: new draws
+    alone = K.seeded_exponentials(seeds[1:2], steps[1:2], 300)
+    assert torch.equal(alone[0], got[1])  # a row's draws do not depend on the batch
+    big = K.seeded_exponentials(seeds[:1], steps[:1], 4000)
+    assert abs(float(big.mean()) - 1.0) < 0.05  # Exp(1): mean 1 (sd of the mean ~0.016)
+
+
+def test_sampler_draws_counted_rows_from_the_counter_rng():
+    """SamplingBatch.counters (a GPU's seeded rows): each such row's token is the exponential
+    race over its own (seed, step) draws, whatever else is in the batch."""
+    from engine.layers.sampler import Sampler, SamplingBatch
+    vocab = 64
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1)).to(DEV)
+
+    def batch(rows, counters):
+        n = len(rows)
+        return SamplingBatch([0.9] * n, [0] * n, [1.0] * n, [None] * n, False,
+                             counters=counters)
+
+    s = Sampler(torch.Generator(device=DEV).manual_seed(0))
+    got = s(logits, batch([0, 1, 2], [(11, 4), None, (12, 0)])).tokens
+    for r, (seed, step) in ((0, (11, 4)), (2, (12, 0))):
+        e = R.seeded_exponentials_ref(torch.tensor([seed]), torch.tensor([step]), vocab)[0]
+        p = torch.softmax(logits[r].float().cpu() / 0.9, dim=-1)
+        assert int(got[r]) == int((p / e).argmax())
+        alone = s(logits[r:r + 1], batch([r], [(seed, step)])).tokens
+        assert int(alone[0]) == int(got[r])
