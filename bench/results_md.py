@@ -132,7 +132,8 @@ def _from_sidecar(path: Path, rec: dict) -> Entry:
     else:
         commit = ("not recorded" + (f" ({rec['measured_note']})" if rec.get("measured_note")
                                     else ""))
-    commit += f"; file added in {short(rec.get('added_in'))}"
+    if rec.get("added_in"):
+        commit += f"; file added in {short(rec['added_in'])}"
     if rec.get("last_changed_in") and rec.get("last_changed_in") != rec.get("added_in"):
         commit += f", last changed in {short(rec['last_changed_in'])}"
     env = rec.get("command_env", "")

@@ -135,8 +135,10 @@ def main(argv: list[str] | None = None) -> dict:
     harness.add_output_args(ap, "structured_gpu")
     a = ap.parse_args(argv)
     import torch
+    ran = set(a.batches)  # a run of some batches only records the figures it measured
+    figures = [f for f in FIGURES if f.path[1]["batch"] in ran]
     rec = harness.Recorder.start("structured_gpu", a, argv=argv, about=__doc__,
-                                 figures=FIGURES, cuda=True)
+                                 figures=figures, cuda=True)
     rec["runs"] = []
     for b in a.batches:
         one = copy.copy(a)
