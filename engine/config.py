@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, fields, replace
 import re
 from typing import Any
 
-from pdcore.settings import (SettingError, check_settings, check_value, field_types,  # noqa: F401
-                             kind_of, section, setting, setting_fields)
+from pdcore.settings import (LABEL, SettingError, check_settings, check_value,  # noqa: F401
+                             field_types, kind_of, section, setting, setting_fields)
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "short_first")
@@ -94,7 +94,7 @@ class CacheConfig:
     """The paged KV cache and its prefix cache."""
 
     block_size: int = setting(16, "KV block size in tokens (a power of two; the gateway's must "
-                                  "match)", ge=1)
+                                  "match)", ge=1, le=1024)
     num_blocks: int = setting(0, "KV blocks; 0: derived from kv_cache_memory_bytes", ge=0)
     kv_cache_memory_bytes: int | None = setting(
         None, "KV cache size in bytes (16GiB-style suffixes work); auto: on a GPU what "
@@ -107,7 +107,7 @@ class CacheConfig:
         gt=0.0, le=1.0)
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of cached prompt prefixes")
     hash_seed: str = setting("pdserve-v1", "block-hash seed (the same on every process of a "
-                                           "cluster, the gateway's included)")
+                                           "cluster, the gateway's included)", pattern=LABEL)
     kv_dtype: str | None = setting(
         None, "KV cache dtype; auto: the model dtype; int8 / fp8 (e4m3): 8-bit codes with a "
               "float32 scale per token and KV head stored in the block (both workers of a "
@@ -207,7 +207,8 @@ class EngineConfig:
                                  "bfloat16 or float16", choices=("auto",) + DTYPE_NAMES)
     device: str = setting("auto", "auto (cuda when a GPU is visible, else cpu), cpu, cuda or "
                                   "cuda:N")
-    seed: int = setting(0, "engine seed (weights of dummy models, sampling without a seed)")
+    seed: int = setting(0, "engine seed (weights of dummy models, sampling without a seed)",
+                        ge=0, le=2**63 - 1)
     attention_backend: str = setting(
         "auto", "auto (triton on a GPU, torch on the CPU), torch or triton",
         choices=ATTENTION_BACKENDS)
@@ -219,10 +220,12 @@ class EngineConfig:
         8192, "GPU: decode steps whose sequences all fit this many tokens replay CUDA graphs "
               "(their block tables are this wide, whatever max_model_len is); longer contexts "
               "step eagerly", ge=1)
-    num_threads: int = setting(0, "CPU: torch intra-op threads; 0: torch's default", ge=0)
+    num_threads: int = setting(0, "CPU: torch intra-op threads; 0: torch's default", ge=0,
+                               le=1024)
     tensor_parallel_size: int = setting(
         1, "tensor-parallel ranks (one process each, on this host: gloo on the CPU, NCCL on "
-           "GPUs cuda:N..N+size-1); each loads only its slice of the weights", ge=1)
+           "GPUs cuda:N..N+size-1); each loads only its slice of the weights", ge=1,
+        le=64)
     tensor_parallel_timeout_s: float = setting(
         30.0, "a tensor-parallel collective that waits longer on a rank fails the engine (a "
               "rank that exits fails it at once)", gt=0)
@@ -298,3 +301,16 @@ def resolve_engine_config(c: EngineConfig, *, cuda_available: bool,
         async_decode = kind == "cuda" and not eager
     return replace(c, device=device, dtype=dtype, async_decode=async_decode,
                    enforce_eager=eager, scheduler=replace(sc, **limits))
+
+
+def check_runnable(c: EngineConfig, *, triton_interpreted: bool = False) -> None:
+    """SettingError for choices of the resolved ``c`` that cannot run together here.
+    ``triton_interpreted``: Triton kernels run on the CPU (TRITON_INTERPRET=1, tests)."""
+    kv = c.cache.kv_dtype
+    if kv in DTYPE_NAMES and kv != c.dtype:
+        raise SettingError("kv_dtype", f"kv_dtype {kv} with the model in {c.dtype}: a float "
+                           "KV cache holds the model's dtype (auto); int8 or fp8 compress it")
+    if c.attention_backend == "triton" and c.device_kind == "cpu" and not triton_interpreted:
+        raise SettingError("attention_backend", "attention_backend triton needs a GPU (on "
+                           "the CPU only under Triton's interpreter, TRITON_INTERPRET=1, for "
+                           "tests); use auto or torch")

@@ -17,7 +17,7 @@ import time
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, resolve_engine_config
+from engine.config import EngineConfig, check_runnable, resolve_engine_config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import GrammarCompiler
 from engine.model_runner import DTYPES, ModelRunner, StepHandle
@@ -67,8 +67,29 @@ def resolve_on_this_machine(config: EngineConfig) -> EngineConfig:
     if config.dtype == "auto" and on_gpu:
         from engine.loader import checkpoint_dtype
         checkpoint = checkpoint_dtype(config.model)
-    return resolve_engine_config(config, cuda_available=cuda, checkpoint_dtype=checkpoint,
-                                 bf16_supported=not on_gpu or torch.cuda.is_bf16_supported())
+    resolved = resolve_engine_config(config, cuda_available=cuda, checkpoint_dtype=checkpoint,
+                                     bf16_supported=not on_gpu
+                                     or torch.cuda.is_bf16_supported())
+    from pdcore.config_tree import environ
+    check_runnable(resolved, triton_interpreted=environ().get("TRITON_INTERPRET") == "1")
+    return resolved
+
+
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """ValueError when ``config`` (resolved) cannot run its tensor_parallel_size ranks here:
+    too few GPUs from its device on, or a model whose heads do not split (read from the
+    model's config, not its weights)."""
+    from engine.loader import load_config
+    from engine.parallel.plan import check_shardable
+
+    n = config.tensor_parallel_size
+    if config.device_kind == "cuda":
+        first = int(config.device.split(":")[1]) if ":" in config.device else 0
+        have = torch.cuda.device_count()
+        if first + n > have:
+            raise ValueError(f"tensor_parallel_size {n} from {config.device} needs GPUs "
+                             f"cuda:{first}..{first + n - 1}; {have} visible")
+    check_shardable(load_config(config.model), n)
 
 
 class LLMEngine:
@@ -81,6 +102,7 @@ class LLMEngine:
             if loaded is not None:
                 raise ValueError("tensor_parallel_size > 1 loads the weights per rank: pass "
                                  "no preloaded model")
+            check_tensor_parallel(config)  # before any rank starts
             from engine.parallel import TensorParallel  # starts the other ranks' processes
             tp = TensorParallel(config)
         if loaded is None:

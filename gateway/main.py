@@ -84,18 +84,15 @@ def _server(settings: GatewaySettings, keys, metrics):
 
 
 async def serve_gateway(settings: GatewaySettings) -> None:
-    from engine.loader import load_config, load_tokenizer, resolve_spec
     from gateway.health import HealthProber
-    from gateway.openai.server import start_front
     from gateway.server import GatewayServicer
     from protos.pdserve.v1 import gateway_pb2_grpc
     from services.auth import load_api_keys
-    from services.metrics import GatewayMetrics, serve_metrics
+    from services.metrics import GatewayMetrics
     from services.tls import cluster_tls
 
     tls = cluster_tls(settings)
-    _, _, model_id = resolve_spec(settings.model)
-    mc = load_config(settings.model)
+    model_id, mc, tokenizer = _model(settings)
     router = _router(settings, model_id, mc.max_position, tls)
     await router.refresh()
     prober = HealthProber(router, interval_s=settings.health_interval_s,
@@ -108,23 +105,18 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     metrics.export_config(shown)
     logger.info("gateway configuration: %s", json.dumps(shown))
     keys = load_api_keys(settings.api_keys, settings.api_key_file)
-    env = _env(settings, router, load_tokenizer(settings.model), model_id, mc.vocab_size,
-               len(keys), metrics, tls)
+    env = _env(settings, router, tokenizer, model_id, mc.vocab_size, len(keys), metrics, tls)
     servicer = GatewayServicer(env, request_timeout_s=settings.request_timeout_s)
     srv = _server(settings, keys, metrics)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, srv.server)
     srv.add_grace_end_hook(lambda: env.end_all("shutdown"))
     tasks = _background(settings, router, prober)
-    port = await srv.start()
-    http = await start_front(settings, env, keys, srv)  # the OpenAI HTTP API (None: off)
-    srv.install_signal_handlers()
-    mport = serve_metrics(metrics.registry, settings.metrics_port, settings.host,
-                          settings)
-    print(f"READY gateway {settings.host}:{port}" + (f" metrics={mport}" if mport else "")
-          + (f" http={http.port}" if http else ""), flush=True)
+    http = None
     try:
+        http = await _listen(settings, srv, env, keys, metrics)
         await srv.wait_stopped()
     finally:
+        await srv.abort()  # a start that failed midway (else stopped already: nothing)
         await (http.stop() if http else asyncio.sleep(0))
         await cancel_and_wait(tasks)
         await servicer.close()
@@ -132,6 +124,44 @@ async def serve_gateway(settings: GatewaySettings) -> None:
         for c in (router.registry, router.index):
             if c is not None:
                 await c.close()
+
+
+def _model(settings: GatewaySettings):
+    """(model id, model config, tokenizer) of ``settings.model``; a spec or folder that
+    cannot be loaded: services.startup.StartError (exit 2)."""
+    from engine.loader import load_config, load_tokenizer, resolve_spec
+    from services.startup import StartError
+    try:
+        _, _, model_id = resolve_spec(settings.model)
+        return model_id, load_config(settings.model), load_tokenizer(settings.model)
+    except (ValueError, OSError) as e:
+        logger.debug("the model did not load", exc_info=True)
+        raise StartError(f"the model's configuration and tokenizer cannot be loaded: "
+                         f"{e}") from None
+
+
+async def _listen(settings: GatewaySettings, srv, env, keys, metrics):
+    """Serve the gRPC port, the OpenAI HTTP API and /metrics, then print the READY line;
+    returns the HTTP server (None: off). A port that cannot be bound:
+    services.startup.StartError naming it (what this started is stopped again)."""
+    from gateway.openai.server import start_front
+    from services.metrics import serve_metrics
+    from services.startup import binding
+    with binding(*LISTENS["port"](settings)):
+        await srv.start()
+    with binding(*LISTENS["http_port"](settings)):
+        http = await start_front(settings, env, keys, srv)
+    try:
+        srv.install_signal_handlers()
+        with binding(*LISTENS["metrics_port"](settings)):
+            mport = serve_metrics(metrics.registry, settings.metrics_port, settings.host,
+                                  settings)
+    except BaseException:
+        await (http.stop() if http else asyncio.sleep(0))
+        raise
+    print(f"READY gateway {srv.address}" + (f" metrics={mport}" if mport else "")
+          + (f" http={http.port}" if http else ""), flush=True)
+    return http
 
 
 def _background(settings: GatewaySettings, router, prober) -> list[asyncio.Task]:
@@ -144,28 +174,41 @@ def _background(settings: GatewaySettings, router, prober) -> list[asyncio.Task]
     return tasks
 
 
+# what the gateway listens on: setting -> settings -> (what, host, port) (port 0: off, but
+# the gRPC port's 0 is any free port)
+LISTENS = {
+    "port": lambda s: ("the gRPC port: --host, --port", s.host, s.port),
+    "http_port": lambda s: ("the HTTP port: --host, --http-port", s.host, s.http_port),
+    "metrics_port": lambda s: ("the metrics port: --host, --metrics-port", s.host,
+                               s.metrics_port),
+}
+
+
 def _check_files(settings: GatewaySettings) -> None:
-    """Certificates and secrets readable and consistent before anything starts
-    (ValueError saying which is not)."""
-    from services.tls import cluster_tls
-    tls = cluster_tls(settings)
-    if tls is not None and tls.role != "gateway":
-        raise ValueError(f"{settings.tls_cert_file} is a {tls.role} certificate; the gateway "
-                         f"needs a gateway one")
-    settings.redis_auth()
+    """Certificates, secrets and addresses usable before anything starts (ValueError or
+    services.startup.StartError saying which is not)."""
+    from services.startup import check_service
+    check_service(settings, "gateway", "the gateway",
+                  [LISTENS["port"](settings)]
+                  + [LISTENS[n](settings) for n in ("http_port", "metrics_port")
+                     if getattr(settings, n)])
 
 
 def main(argv=None) -> int:
     from services.config import ConfigError, gateway_settings
     from services.grpc_server import run
     from services.logging_setup import setup_logging
+    from services.startup import BAD_VALUE, StartError
     from services.telemetry import setup_tracing, shutdown_tracing
     try:
         settings = gateway_settings(argv)
         _check_files(settings)
+    except StartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.status
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return BAD_VALUE
     setup_logging("gateway", settings.log_level, settings.log_format)
     from services.memory import limit_arenas
     limit_arenas(settings.malloc_arenas)  # before any thread: see services/memory.py
@@ -173,6 +216,10 @@ def main(argv=None) -> int:
     setup_tracing("gateway")
     try:
         run(serve_gateway(settings))
+    except StartError as e:  # a model, a port: one line, no traceback (services/startup.py)
+        logger.error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
+        return e.status
     finally:
         shutdown_tracing()
     return 0

@@ -141,6 +141,12 @@ def aliases(cls: type) -> dict[str, str]:
     return out
 
 
+def typo(word: str, candidates) -> bool:
+    """``word`` is unknown but nearly one of ``candidates`` (a misspelling, not a name of
+    some other entry point): what a non-strict builder still refuses."""
+    return bool(difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.85))
+
+
 def nearest(word: str, candidates) -> str:
     """`` (did you mean X?)`` for the closest candidate, or ''."""
     best = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
@@ -172,7 +178,7 @@ def parse_text(spec: Spec, raw: str) -> Any:
             if m and unit in _SIZE_UNITS:
                 try:
                     return int(float(m.group(1)) * _SIZE_UNITS[unit])
-                except ValueError:
+                except (ValueError, OverflowError):  # 1e400 is inf
                     pass
             raise ValueError(f"expected a byte count (e.g. 17179869184 or 16GiB), got {raw!r}")
         try:
@@ -190,13 +196,41 @@ def parse_text(spec: Spec, raw: str) -> Any:
 
 
 def _file_value(spec: Spec, value: Any) -> Any:
-    """A value read from a file: text is parsed, lists become tuples, the rest is checked by
-    the dataclass."""
-    if isinstance(value, str) and spec.kind != "str":
+    """A value read from a file: text is parsed as a flag's would be (``auto`` included), a
+    list of strings becomes a tuple, the rest is checked by the dataclass."""
+    if isinstance(value, str):
         return parse_text(spec, value)
     if isinstance(value, list):
-        return tuple(str(v) for v in value)
+        if spec.kind != "tuple" or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"expected {_KIND_TEXT[spec.kind]}, got the list {value!r}"[:200])
+        return tuple(value)
+    if isinstance(value, dict):
+        raise ValueError(f"expected {_KIND_TEXT[spec.kind]}, got a table")
     return value
+
+
+_KIND_TEXT = {"int": "an integer", "float": "a number", "bool": "true or false",
+              "str": "a string", "tuple": "a list of strings"}
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping (the file would
+    otherwise silently mean its last one)."""
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, (str, int, float, bool)) and key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} written twice", key_node.start_mark)
+        seen.add(key) if isinstance(key, (str, int, float, bool)) else None
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                                 _unique_mapping)
 
 
 # ------------------------------------------------------------------------- sources
@@ -214,13 +248,20 @@ def read_file(path: str) -> dict:
         if path.endswith(".toml"):
             loaded = tomllib.loads(data.decode())
         elif path.endswith((".yaml", ".yml", ".json")):
-            loaded = yaml.safe_load(data) or {}
+            loaded = yaml.load(data, Loader=_UniqueKeyLoader) or {}
         else:
             raise ConfigError(f"config file {path!r}: the name must end in .toml, .yaml, "
                               ".yml or .json")
     except (tomllib.TOMLDecodeError, yaml.YAMLError, UnicodeDecodeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        mark = getattr(e, "problem_mark", None)
+        if getattr(e, "problem", None) and mark is not None:  # YAML: what, and where
+            text = f"{e.problem} (line {mark.line + 1}, column {mark.column + 1})"
+        else:
+            text = " ".join(str(e).split())
+        first = text[:200] if text else type(e).__name__
         raise ConfigError(f"config file {path!r} does not parse: {first}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path!r} is nested too deeply") from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {path!r} must hold a mapping of settings")
     return loaded
@@ -248,8 +289,8 @@ def file_values(path: str, cls: type, sections: Sequence[str],
                      allowed_groups)
                 continue
             if key not in allowed:
-                if not strict:
-                    continue
+                if not strict and not typo(key, allowed):
+                    continue  # another entry point's setting, perhaps
                 raise ConfigError(f"config file {path!r}: unknown setting {where}{key}"
                                   + nearest(key, allowed))
             if own and key in names:
@@ -286,7 +327,7 @@ def env_values(env: Mapping[str, str], cls: type, roots: Mapping[str, type],
     (not ``strict``: ignored -- a library call must not fail on a service's variable)."""
     known = known_variables(roots)
     for var in env:
-        if strict and var.startswith(PREFIX) and var not in known:
+        if var.startswith(PREFIX) and var not in known and (strict or typo(var, known)):
             raise ConfigError(f"unknown variable {var}" + nearest(var, known))
     out: Values = {}
     for alias, name in aliases(cls).items():
@@ -408,7 +449,8 @@ def build(cls: type, *, roots: Mapping[str, type], argv: Sequence[str] | None = 
     < ``keywords``. ``sections``: the file tables that apply (e.g. worker, decode).
     Bad values raise ConfigError, unknown keywords TypeError; bad flags exit 2 (argparse).
     ``strict``: unknown variables and file keys are errors (entry points that know every
-    root); a library entry point that knows only its own root passes False."""
+    root); a library entry point that knows only its own root passes False, and then only
+    near-misses of its own names are errors (``PDSERVE_MAX_NUM_SEQ``)."""
     env = environ() if env is None else env
     values: Values = {k: (v, "default") for k, v in (defaults or {}).items()}
     ns = namespace
@@ -436,22 +478,39 @@ def flat(obj: Any) -> dict[str, Any]:
     return out
 
 
-_URL_PASSWORD = re.compile(r"(//[^/@:]*:)[^/@]+@")
 REDACTED = "<redacted>"
+# a query parameter that carries a credential (redis-py reads ?password=; others use these)
+_SECRET_PARAMS = re.compile(r"([?&;](?:password|passwd|pass|pwd|token|secret|api_key|"
+                            r"apikey|key|auth)=)[^&;#]*", re.I)
 
 
 def redact(spec: Spec, value: Any) -> Any:
     """``value`` as it may be shown: secrets hidden, passwords cut out of URLs."""
     if spec.meta.get("secret") and value:
         return REDACTED
-    if isinstance(value, str) and "@" in value:
-        return _URL_PASSWORD.sub(rf"\g<1>{REDACTED}@", value)
+    if isinstance(value, str) and "://" in value:
+        return redact_url(value)
     return value
 
 
 def redact_url(url: str) -> str:
-    """``url`` with a password in it replaced by ``<redacted>``."""
-    return _URL_PASSWORD.sub(rf"\g<1>{REDACTED}@", url) if "@" in url else url
+    """``url`` with its credentials replaced by ``<redacted>``: the password of its user
+    info (everything between the first ':' after '//' and the last '@' before the path, so a
+    password holding '@' or ':' is cut whole) and credential query parameters."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    end = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0),
+              default=len(rest))
+    authority, tail = rest[:end], rest[end:]
+    if "@" in authority:  # the last '@' of the authority ends the user info
+        userinfo, host = authority.rsplit("@", 1)
+        user = userinfo.split(":", 1)[0]
+        authority = f"{user}:{REDACTED}@{host}" if ":" in userinfo else f"{REDACTED}@{host}"
+    elif "@" in tail.split("?", 1)[0]:  # an unencoded '/' inside the password: all of it
+        return f"{scheme}://{REDACTED}"
+    tail = _SECRET_PARAMS.sub(rf"\g<1>{REDACTED}", tail)
+    return f"{scheme}{sep}{authority}{tail}"
 
 
 def show_value(spec: Spec, value: Any) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import field, fields
 import functools
+import math
+import re
 import types
 import typing
 from typing import Any
@@ -15,14 +17,23 @@ from typing import Any
 
 def setting(default: Any, help: str, *, ge: float | None = None, gt: float | None = None,
             le: float | None = None, choices: tuple[str, ...] | None = None,
-            secret: bool = False, aliases: tuple[str, ...] = (), unit: str | None = None) -> Any:
+            secret: bool = False, aliases: tuple[str, ...] = (), unit: str | None = None,
+            pattern: tuple[str, str] | None = None) -> Any:
     """A user-facing field: ``help`` is its one-line description (``--help``, the docs);
     ``ge`` / ``gt`` / ``le`` bound a number, ``choices`` a string; ``secret`` values are
     redacted wherever the configuration is shown; ``aliases`` are older names that still
-    work (as keyword, flag and variable); ``unit="bytes"`` accepts 16GiB-style strings."""
+    work (as keyword, flag and variable); ``unit="bytes"`` accepts 16GiB-style strings;
+    ``pattern`` is ``(regex, what it allows in words)``, a string's whole value must match."""
     return field(default=default, metadata={
         "help": help, "ge": ge, "gt": gt, "le": le, "choices": choices, "secret": secret,
-        "aliases": tuple(aliases), "unit": unit})
+        "aliases": tuple(aliases), "unit": unit, "pattern": pattern})
+
+
+# Patterns of string settings that name things other processes read (ids, keys, hosts)
+NAME = (r"[A-Za-z0-9_.:-]{1,64}", "1-64 letters, digits or _ . : -")
+ID_TEXT = (r"[!-~]{0,128}", "at most 128 printable ASCII characters, no spaces")
+HOST = (r"[A-Za-z0-9_.:%\[\]-]{0,253}", "a host name or IP address")
+LABEL = (r"[^\x00-\x1f\x7f]{0,256}", "at most 256 characters, no control characters")
 
 
 def section(cls: type, help: str) -> Any:
@@ -82,21 +93,56 @@ def check_value(name: str, kind: str, optional: bool, meta, value: Any) -> Any:
     if not ok[kind]:
         raise SettingError(name, f"{name} must be {_KIND_WORDS[kind]}, got {value!r}")
     if kind == "float":
-        value = float(value)
-        if value != value:
-            raise SettingError(name, f"{name} must be a number, got nan")
+        try:
+            value = float(value)
+        except OverflowError:
+            raise SettingError(name, f"{name} must be a finite number, got {_short(value)}") \
+                from None
+        if not math.isfinite(value):
+            raise SettingError(name, f"{name} must be a finite number, got {value!r}")
     elif kind == "tuple":
         value = tuple(value)
+    le = upper_bound(name, kind, meta)
     if meta.get("ge") is not None and value < meta["ge"]:
-        raise SettingError(name, f"{name} must be >= {meta['ge']:g}, got {value!r}")
+        raise SettingError(name, f"{name} must be >= {meta['ge']:g}, got {_short(value)}")
     if meta.get("gt") is not None and value <= meta["gt"]:
-        raise SettingError(name, f"{name} must be > {meta['gt']:g}, got {value!r}")
-    if meta.get("le") is not None and value > meta["le"]:
-        raise SettingError(name, f"{name} must be <= {meta['le']:g}, got {value!r}")
+        raise SettingError(name, f"{name} must be > {meta['gt']:g}, got {_short(value)}")
+    if le is not None and value > le:
+        raise SettingError(name, f"{name} must be <= {_bound(le)}, got {_short(value)}")
+    if meta.get("pattern") and value is not None and not re.fullmatch(meta["pattern"][0],
+                                                                      value):
+        raise SettingError(name, f"{name} must be {meta['pattern'][1]}, got {_short(value)}")
     if meta.get("choices") and value not in meta["choices"]:
         raise SettingError(name, f"{name} must be one of {', '.join(meta['choices'])}, "
                                  f"got {value!r}")
     return value
+
+
+# Upper bounds of settings that declare none (no value beyond them is meaningful, and huge
+# ones overflow the C types they end in: gRPC options, torch sizes, timers):
+MAX_INT = 2**31 - 1  # counts and sizes in units
+MAX_BYTES = 2**50  # byte sizes (unit="bytes"): 1 PiB
+MAX_SECONDS = 7 * 24 * 3600.0  # durations (names ending in _s): one week
+
+
+def upper_bound(name: str, kind: str, meta) -> float | None:
+    """The largest value of a setting: its declared ``le``, else the bound of its kind."""
+    if meta.get("le") is not None:
+        return meta["le"]
+    if kind == "int":
+        return MAX_BYTES if meta.get("unit") == "bytes" else MAX_INT
+    if kind == "float" and name.endswith("_s"):
+        return MAX_SECONDS
+    return None
+
+
+def _bound(v: float) -> str:
+    return str(v) if isinstance(v, int) else f"{v:g}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} characters)"
 
 
 def check_settings(obj: Any) -> None:

@@ -26,11 +26,11 @@ def _bounds(lo, hi) -> str:
     return f">= {_num(lo)}" if lo is not None else f"<= {_num(hi)}"
 
 
-def integer(lo: int | None = None, hi: int | None = None):
-    """An argparse ``type``: an integer within [lo, hi]."""
+def integer(lo: int | None = None, hi: int | None = 2**31 - 1):
+    """An argparse ``type``: an integer within [lo, hi] (no bound: pass hi=None)."""
     def parse(text: str) -> int:
         try:
-            v = int(text)
+            v = int(text) if len(text) <= 100 else int("x")  # no 10**6-digit parse
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if (lo is not None and v < lo) or (hi is not None and v > hi):
@@ -61,10 +61,22 @@ def number(lo: float | None = None, hi: float | None = None, *, gt: float | None
 
 
 def address(text: str) -> str:
-    """host:port."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected host:port, got {text!r}")
+    """host:port, an IPv6 host in brackets ([::1]:50051; pdcore/hostport.py)."""
+    from pdcore.hostport import split_host_port
+    try:
+        split_host_port(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def api_key(text: str) -> str:
+    """An API key: printable ASCII without whitespace (it travels in gRPC metadata and HTTP
+    headers); the error never shows it."""
+    from services.auth import api_key_problem
+    problem = api_key_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"the key {problem}")
     return text
 
 

@@ -16,6 +16,11 @@
     pdserve hash-key                                    (an API key read from stdin -> its hash)
 
 Every setting and its flag, variable and default: docs/configuration.md.
+
+A command that cannot start prints one line, "error: ...", and exits 2 when a value given to
+it is wrong (a flag, variable or config-file value; a file, model or host it names), 1 when
+the machine refuses (a port another process holds); pdserve up stops what it started and
+names the service that failed (services/startup.py).
 """
 from __future__ import annotations
 
@@ -38,9 +43,9 @@ def _up_args(argv):
     from services.config import backend_devices
     p = Parser(prog="pdserve up", description="start a whole local cluster")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--prefill", type=integer(0), default=1)
-    p.add_argument("--decode", type=integer(0), default=1)
-    p.add_argument("--colocated", type=integer(0), default=0)
+    p.add_argument("--prefill", type=integer(0, 64), default=1)
+    p.add_argument("--decode", type=integer(0, 64), default=1)
+    p.add_argument("--colocated", type=integer(0, 64), default=0)
     p.add_argument("--port", type=integer(0, 65535), default=50051, help="gateway port")
     p.add_argument("--http-port", type=integer(0, 65535), default=8000,
                    help="gateway's OpenAI-compatible HTTP port (0: off)")
@@ -68,8 +73,16 @@ def _up_args(argv):
 
 
 def _cmd_up(argv) -> int:
-    from pdserve.cluster import LocalCluster
+    from pdserve.cluster import LocalCluster, StartFailed
+    from services.startup import StartError, check_listen
     a = _up_args(argv)
+    try:  # the gateway's ports, before anything starts (workers take free ones)
+        check_listen("the gateway's gRPC port: --port", "127.0.0.1", a.port)
+        if a.http_port:
+            check_listen("the gateway's HTTP port: --http-port", "127.0.0.1", a.http_port)
+    except StartError as e:
+        print(f"pdserve up: error: {e}", file=sys.stderr)
+        return e.status
     print(f"starting redis, {a.prefill} prefill, {a.decode} decode, {a.colocated} colocated "
           f"worker(s) and a gateway on :{a.port} (model {a.model}) ...", flush=True)
     devices = None
@@ -90,6 +103,16 @@ def _cmd_up(argv) -> int:
     except KeyboardInterrupt:
         cluster.stop()
         return 130
+    except StartFailed as e:  # what started is stopped: one line, the service's own reason
+        cluster.stop()
+        what = "gateway" if e.kind == "gateway" else f"{e.kind} worker"
+        print(f"pdserve up: error: the {what} did not start: {e.reason}", file=sys.stderr)
+        return e.status
+    except (RuntimeError, TimeoutError, OSError) as e:  # redis-server, registration
+        cluster.stop()
+        print(f"pdserve up: error: the cluster did not start: {' '.join(str(e).split())}",
+              file=sys.stderr)
+        return 1
     from pdcore.config_tree import redact_url
     print(f"up in {time.monotonic() - t0:.1f}s: gateway {cluster.address}, redis "
           f"{redact_url(cluster.redis_url)}, "
@@ -128,7 +151,8 @@ def _cmd_up(argv) -> int:
 
 
 def _client_args(prog: str, argv, chat: bool):
-    from pdserve.argtypes import Parser, address, integer, number
+    from pdcore.settings import MAX_SECONDS
+    from pdserve.argtypes import Parser, address, api_key, integer, number
     p = Parser(prog=prog)
     p.add_argument("--address", type=address, default="127.0.0.1:50051")
     p.add_argument("--max-tokens", type=integer(1, 2**32 - 1), default=128)
@@ -136,9 +160,10 @@ def _client_args(prog: str, argv, chat: bool):
     p.add_argument("--top-p", type=number(gt=0.0, hi=1.0), default=None)
     p.add_argument("--top-k", type=integer(-1, 2**31 - 1), default=0, help="0 or -1: off")
     p.add_argument("--seed", type=integer(0, 2**64 - 1), default=None)
-    p.add_argument("--timeout", type=number(gt=0.0), default=300)
-    p.add_argument("--api-key", default=None,
-                   help="key for a gateway started with API keys [default: $PDSERVE_API_KEY]")
+    p.add_argument("--timeout", type=number(gt=0.0, hi=MAX_SECONDS), default=300)
+    p.add_argument("--api-key", type=api_key, default=None,
+                   help="key for a gateway started with API keys (printable ASCII, no "
+                   "whitespace) [default: $PDSERVE_API_KEY]")
     if not chat:
         p.add_argument("prompt")
     return p.parse_args(argv)
@@ -148,7 +173,15 @@ def _cmd_generate(argv, chat: bool = False) -> int:
     import grpc
     from pdserve import client
     from protos.pdserve.v1 import gateway_pb2_grpc
-    a = _client_args("pdserve chat" if chat else "pdserve generate", argv, chat)
+    prog = "pdserve chat" if chat else "pdserve generate"
+    a = _client_args(prog, argv, chat)
+    if a.api_key is None:  # $PDSERVE_API_KEY / the config file, checked like the flag
+        from services.config import ConfigError, client_settings
+        try:
+            a.api_key = client_settings().api_key
+        except ConfigError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
     kw = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
               seed=a.seed)
 
@@ -198,7 +231,13 @@ def _cmd_run(argv) -> int:
         return 2
     from engine import SamplingParams
     from engine.llm import LLM
-    llm = LLM.from_config(config)
+    from services.startup import StartError, engine_starting
+    try:
+        with engine_starting():  # the worker's rule: one line, exit 2
+            llm = LLM.from_config(config)
+    except StartError as e:
+        print(f"pdserve run: error: {e}", file=sys.stderr)
+        return e.status
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature)
     t0 = time.perf_counter()
     if a.chat:

@@ -205,6 +205,34 @@ def operator_channels(address: str) -> list:
     return makers
 
 
+class StartFailed(RuntimeError):
+    """A service of a cluster did not start. ``reason``: one line, the service's own
+    ``error: ...`` line when it printed one; ``status``: what a command reporting it should
+    exit with (the service's own 1 or 2; 1 otherwise). str(): the kind and the log's tail."""
+
+    def __init__(self, svc: "Service", returncode: int | None, timeout_s: float):
+        self.kind = svc.kind
+        self.returncode = returncode
+        self.log = list(svc.log)
+        self.status = returncode if returncode in (1, 2) else 1
+        self.reason = _reason(self.log, returncode, timeout_s)
+        tail = "\n".join(self.log[-30:])
+        super().__init__(f"{svc.kind} did not start:\n{tail}")
+
+
+def _reason(log: list[str], returncode: int | None, timeout_s: float) -> str:
+    """One line saying why a service did not start, from its output."""
+    for line in reversed(log):
+        if line.startswith("error: "):
+            return line[len("error: "):].strip()
+    if returncode is None:
+        return f"not ready after {timeout_s:g} s"
+    for line in reversed(log):  # a traceback's last line, a log line at ERROR
+        if line.strip() and not line.startswith((" ", "Traceback")):
+            return f"exited with status {returncode}: {' '.join(line.split())}"
+    return f"exited with status {returncode}"
+
+
 @dataclass(eq=False)  # a process: equal only to itself (hashable)
 class Service:
     kind: str  # gateway | prefill | decode | colocated
@@ -355,8 +383,10 @@ class LocalCluster:
                                 env=self.env, cwd=REPO, start_new_session=True)
         svc = Service(kind, proc, args=list(args))
         ready = threading.Event()
-        threading.Thread(target=_pump, args=(svc, ready, self.echo), daemon=True).start()
+        pump = threading.Thread(target=_pump, args=(svc, ready, self.echo), daemon=True)
+        pump.start()
         svc._ready = ready  # type: ignore[attr-defined]
+        svc._pump = pump  # type: ignore[attr-defined]
         return svc
 
     def _wait_ready(self, svcs: list[Service], stop_on_failure: bool = True) -> None:
@@ -364,12 +394,15 @@ class LocalCluster:
         for svc in svcs:
             while not svc._ready.wait(0.2):  # type: ignore[attr-defined]
                 if not svc.alive or time.monotonic() > deadline:
-                    tail = "\n".join(svc.log[-30:])
+                    timed_out = svc.alive
                     if stop_on_failure:
                         self.stop()
                     elif svc.alive:
                         os.killpg(svc.proc.pid, 9)
-                    raise RuntimeError(f"{svc.kind} did not start:\n{tail}")
+                    svc.proc.wait(10)
+                    svc._pump.join(2)  # type: ignore[attr-defined] # its last lines read
+                    raise StartFailed(svc, None if timed_out else svc.proc.returncode,
+                                      self.timeout)
 
     def device_for(self, role: str, index: int) -> str | None:
         """The ``--device`` of the ``index``-th worker of ``role`` (None: worker default)."""

@@ -32,12 +32,14 @@ def show(argv) -> int:
                               defaults={"role": a.role},
                               sections=config.worker_sections(a.role),
                               prog=f"pdserve config show --role {a.role}")
+            config.no_secret_flags(values)
             obj = config.resolve_worker(s, values)
         else:
             root = {"gateway": config.GatewaySettings, "engine": config.EngineConfig,
                     "client": config.ClientSettings}[a.role]
             obj, values = build(root, roots=config.ROOTS, argv=rest, sections=(a.role,),
                                 prog=f"pdserve config show --role {a.role}")
+            config.no_secret_flags(values)  # refused as flags here too (ps shows them)
             if a.role == "engine":  # what LLM(...) would run: the engine resolves the rest
                 from engine.engine import resolve_on_this_machine
                 obj = resolve_on_this_machine(obj)

@@ -46,11 +46,29 @@ def load_api_keys(keys: Iterable[str] = (), key_file: str = "") -> tuple[str, ..
         if not out:
             raise ValueError(f"api_key_file {key_file!r} holds no key")
     for k in out:
-        if any(c.isspace() for c in k):
-            raise ValueError("an API key must not contain whitespace")
+        problem = api_key_problem(k)
+        if problem:
+            where = f" in api_key_file {key_file!r}" if key_file else ""
+            raise ValueError(f"an API key{where} {problem}")
         if k.startswith(HASH_PREFIX) and not _HASH.fullmatch(k):
             raise ValueError("a stored key hash must be sha256: and 64 hex digits")
     return tuple(dict.fromkeys(out))
+
+
+def api_key_problem(key: str) -> str | None:
+    """What makes ``key`` unusable as an API key, or None: it travels as a gRPC metadata
+    value and an HTTP header, so printable ASCII without whitespace (33..126) only. The
+    message never shows the key."""
+    if not key:
+        return "is empty"
+    for i, c in enumerate(key):
+        if not 33 <= ord(c) <= 126:
+            what = ("whitespace" if c.isspace() else
+                    "a control character" if ord(c) < 32 or ord(c) == 127 else
+                    "a non-ASCII character")
+            return (f"must be printable ASCII without whitespace; character {i + 1} is "
+                    f"{what} (U+{ord(c):04X})")
+    return None
 
 
 HASH_PREFIX = "sha256:"

@@ -25,9 +25,11 @@ from dataclasses import dataclass, replace
 import socket
 from typing import Any
 
+from pdcore.hostport import bare_host, join_host_port, split_host_port
 from engine.config import (EngineConfig, SettingError, check_settings, resolve_engine_config,
                            section, setting)
 from pdcore.config_tree import ConfigError, build, tree  # noqa: F401 - ConfigError re-exported
+from pdcore.settings import HOST, ID_TEXT, LABEL, NAME
 from services.validation import RequestLimits
 
 ROLES = ("prefill", "decode", "colocated")
@@ -56,9 +58,23 @@ def default_kv_backend(role: str, device_kind: str) -> str:
 
 
 def _check_address(a: str) -> None:
-    host, sep, port = a.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"expected host:port, got {a!r}")
+    """host:port, an IPv6 host in brackets ([::1]:50051); ValueError saying what is wrong."""
+    split_host_port(a)
+
+
+def _check_peer(a: str) -> None:
+    """A peer_addrs entry: host:port, or a KV endpoint scheme://host:port (scheme://name
+    for a backend that listens on no TCP port, e.g. shm://)."""
+    scheme, sep, rest = a.partition("://")
+    if not sep:
+        split_host_port(a)
+    elif not scheme or not rest:
+        raise ValueError(f"expected host:port or scheme://host:port, got {a!r}")
+    elif ":" in rest:
+        try:
+            split_host_port(rest)
+        except ValueError as e:
+            raise ValueError(f"{e} (in {a!r})") from None
 
 
 def is_loopback(host: str) -> bool:
@@ -102,13 +118,13 @@ class ServiceSettings:
                                            "Secret)")
     redis_tls_ca_file: str = setting("", "rediss://: CA that signed the Redis server's "
                                          "certificate (default: the system's CAs)")
-    namespace: str = setting("pdserve", "Redis key prefix")
+    namespace: str = setting("pdserve", "Redis key prefix", pattern=NAME)
     redis_timeout_s: float = setting(0.25, "Redis connect/read timeout", gt=0.0)
     grace_s: float = setting(10.0, "shutdown: time in-flight requests get to finish", ge=0.0)
     drain_delay_s: float = setting(0.5, "shutdown: NOT_SERVING this long before refusing RPCs",
                                    ge=0.0)
     max_message_bytes: int = setting(64 * 1024 * 1024, "gRPC max message size", ge=1024,
-                                     unit="bytes")
+                                     le=2**31 - 1, unit="bytes")
     metrics_port: int = _port(0, "Prometheus /metrics port (0: off)")
     metrics_tls_cert_file: str = setting("", "TLS on the /metrics port: its certificate (PEM; "
                                              "read at start); empty: plaintext")
@@ -210,7 +226,8 @@ class GatewaySettings(ServiceSettings):
         2.0, "shedding: a request is refused RESOURCE_EXHAUSTED when the decode pool already "
              "has queue_factor x its summed capacity in flight", gt=0.0)
     block_size: int = setting(16, "KV block size in tokens (must match the workers)", ge=1)
-    hash_seed: str = setting("pdserve-v1", "block-hash seed (must match the workers)")
+    hash_seed: str = setting("pdserve-v1", "block-hash seed (must match the workers)",
+                             pattern=LABEL)
     prefix_weight: float = setting(1.0, "router: weight of cached prefix vs load", ge=0.0)
     local_prefill_max_tokens: int = setting(
         0, "router: a prompt with at most this many tokens uncached on the chosen decode "
@@ -245,7 +262,8 @@ class GatewaySettings(ServiceSettings):
                                           "certificate signed by this CA (beside API keys)")
     max_message_bytes: int = setting(
         4 * 1024 * 1024, "largest gRPC message a client may send (bigger: RESOURCE_EXHAUSTED "
-                         "before it is parsed); above max_prompt_bytes", ge=1024, unit="bytes")
+                         "before it is parsed); above max_prompt_bytes", ge=1024, le=2**31 - 1,
+        unit="bytes")
     max_migrations: int = setting(3, "times a request may move to another decode worker after "
                                      "the one streaming it failed (0: never)", ge=0)
     health_interval_s: float = setting(1.0, "how often each worker is probed (Stats, which "
@@ -273,7 +291,8 @@ class GatewaySettings(ServiceSettings):
     http_port: int = _port(8000, "OpenAI-compatible HTTP API port, bound on host like the "
                                  "gRPC port (0: off)")
     served_model_name: str = setting("", "model name the HTTP API lists and accepts besides "
-                                         "the model's own id (empty: the model's id only)")
+                                         "the model's own id (empty: the model's id only)",
+                                     pattern=LABEL)
     http_max_body_bytes: int = setting(
         8 * 1024 * 1024, "largest HTTP request body (bigger: 413 before it is parsed; JSON "
                          "escapes make it larger than the gRPC message)", ge=1024,
@@ -311,7 +330,11 @@ class GatewaySettings(ServiceSettings):
                 except ValueError as e:
                     raise SettingError(name, f"{name}: {e}") from None
         from services.auth import load_api_keys
-        load_api_keys(self.api_keys, self.api_key_file)  # readable, well-formed
+        try:
+            load_api_keys(self.api_keys, self.api_key_file)  # readable, well-formed
+        except ValueError as e:  # never shows a key
+            raise SettingError("api_key_file" if "api_key_file" in str(e) else "api_keys",
+                               str(e)) from None
         if bool(self.client_tls_cert_file) != bool(self.client_tls_key_file):
             raise SettingError("client_tls_cert_file", "client_tls_cert_file and "
                                                        "client_tls_key_file go together")
@@ -327,9 +350,10 @@ class WorkerSettings(ServiceSettings):
     role: str = setting("colocated", "prefill, decode or colocated", choices=ROLES)
     port: int = _port(50061, "gRPC port (0: any free port)")
     advertise_host: str = setting("", "host others dial (default: host, or the hostname if "
-                                      "host is a wildcard)")
+                                      "host is a wildcard)", pattern=HOST)
     advertise_port: int = _port(0, "port others dial (0: the bound port; e.g. a proxy's)")
-    worker_id: str = setting("", "unique id (default: advertise address + random suffix)")
+    worker_id: str = setting("", "unique id (default: advertise address + random suffix)",
+                             pattern=ID_TEXT)
     registry_ttl_s: float = setting(3.0, "registry key TTL", gt=0.0)
     heartbeat_s: float = setting(0.5, "registry heartbeat interval (shorter than "
                                       "registry_ttl_s); also how soon a worker is listed "
@@ -367,6 +391,11 @@ class WorkerSettings(ServiceSettings):
         if self.kv_host and not (self.tls or self.insecure or is_loopback(self.kv_host)):
             raise SettingError("kv_host", f"kv_host {self.kv_host!r} is not a loopback "
                                           f"address: give certificates or --insecure")
+        for a in self.peer_addrs:
+            try:
+                _check_peer(a)
+            except ValueError as e:
+                raise SettingError("peer_addrs", f"peer_addrs: {e}") from None
         if self.heartbeat_s >= self.registry_ttl_s:
             raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be shorter than "
                              f"registry_ttl_s ({self.registry_ttl_s})")
@@ -409,11 +438,16 @@ class WorkerSettings(ServiceSettings):
     def block_size(self) -> int:
         return self.engine.cache.block_size
 
+    def advertised_host(self) -> str:
+        """The host other processes dial (an IPv6 one without brackets)."""
+        return bare_host(self.advertise_host or (
+            socket.gethostname() if self.host in _WILDCARD_HOSTS else self.host))
+
     def advertise_address(self, bound_port: int | None = None) -> str:
-        """host:port that other processes dial (``bound_port`` when port was 0)."""
-        host = self.advertise_host or (socket.gethostname() if self.host in _WILDCARD_HOSTS
-                                       else self.host)
-        return f"{host}:{self.advertise_port or bound_port or self.port}"
+        """host:port that other processes dial (``bound_port`` when port was 0; an IPv6
+        host in brackets)."""
+        return join_host_port(self.advertised_host(),
+                              self.advertise_port or bound_port or self.port)
 
 
 @dataclass(frozen=True)
@@ -427,6 +461,11 @@ class ClientSettings:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.api_key:
+            from services.auth import api_key_problem
+            problem = api_key_problem(self.api_key)
+            if problem:
+                raise SettingError("api_key", f"api_key {problem}")
 
 
 ROOTS: dict[str, type] = {"engine": EngineConfig, "worker": WorkerSettings,
@@ -441,7 +480,7 @@ def gateway_settings(argv: Sequence[str] | None = None,
     argv = sys.argv[1:] if argv is None else argv
     s, values = build(GatewaySettings, roots=ROOTS, argv=argv, env=env, sections=("gateway",),
                       prog="pdserve gateway")
-    _no_secret_flags(values)
+    no_secret_flags(values)
     return s
 
 
@@ -449,11 +488,15 @@ def gateway_settings(argv: Sequence[str] | None = None,
 FLAG_REFUSED = ("redis_password",)
 
 
-def _no_secret_flags(values) -> None:
+def no_secret_flags(values) -> None:
+    """ConfigError when a :data:`FLAG_REFUSED` setting came from a flag (``--flag value``,
+    ``--flag=value`` or an alias: ``values`` are build()'s, each with the option used).
+    Every builder of a service's settings calls it (pdserve config show too)."""
     for name in FLAG_REFUSED:
-        if name in values and values[name][1].startswith("--"):
+        if name in values and values[name][1].startswith("-"):
             raise ConfigError(f"{name} is never taken from the command line (ps shows it): "
                               f"use PDSERVE_{name.upper()} or {name}_file")
+
 
 
 def worker_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None,
@@ -471,7 +514,7 @@ def worker_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | 
     s, values = one(role)
     if s.role != role:  # set by --role, PDSERVE_ROLE or the file: its table applies instead
         s, values = one(s.role)
-    _no_secret_flags(values)
+    no_secret_flags(values)
     return resolve_worker(s, values) if resolve else s
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from pdcore.config_tree import (CONFIG_VAR, FILE_SECTIONS, OTHER_VARIABLES,
                                   KVTRANSFER_VARIABLES, Spec, Values, flat, redact,
                                   show_value, tree)
+from pdcore.settings import upper_bound
 
 DOCS_PATH = "docs/configuration.md"
 
@@ -34,8 +35,12 @@ The config file is `--config FILE` or `{CONFIG_VAR}=FILE`, TOML (`.toml`) or YAM
 **Values.** Booleans `1/0, true/false, yes/no, on/off`; lists comma-separated (a list in a
 file); `auto` for a setting whose default is auto (resolved when the process starts: a worker
 logs its resolved configuration and exports it as the metric `pdserve_config_info`); byte
-sizes may carry a suffix (`16GiB`, `512MiB`). A value out of range is an error that names the
-setting and where it was set; a flag that exists nowhere is an error naming the nearest flag.
+sizes may carry a suffix (`16GiB`, `512MiB`). Numbers are finite; a setting with no upper
+bound of its own takes its kind's (counts 2^31-1, byte sizes 2^50, durations in seconds one
+week). A value out of range is an error that names the setting and where it was set; a flag
+that exists nowhere is an error naming the nearest flag; a key written twice in a file is an
+error. The offline `LLM` ignores variables and file keys of other entry points but refuses
+near-misses of its own names (`PDSERVE_MAX_NUM_SEQ`).
 
 **One environment or file for a whole deployment.** A variable or file key that names a
 setting of another entry point is left to it (the gateway ignores `PDSERVE_MAX_NUM_SEQS`); one
@@ -73,6 +78,14 @@ _TREES = (
 _GROUP_TITLES = {"cache": "KV cache", "scheduler": "Scheduler", "kernels": "Kernels"}
 
 
+def _bound_text(v: float) -> str:
+    if isinstance(v, int) and v >= 2**20:
+        for k in range(20, 64):
+            if v in (2**k, 2**k - 1):
+                return f"2^{k}" + ("" if v == 2**k else "-1")
+    return f"{v:g}"
+
+
 def type_text(spec: Spec) -> str:
     words = {"int": "integer", "float": "number", "bool": "boolean", "str": "string",
              "tuple": "list"}[spec.kind]
@@ -84,10 +97,13 @@ def type_text(spec: Spec) -> str:
         parts.append(f">= {m['ge']:g}")
     if m.get("gt") is not None:
         parts.append(f"> {m['gt']:g}")
-    if m.get("le") is not None:
-        parts.append(f"<= {m['le']:g}")
+    le = upper_bound(spec.name, spec.kind, m)
+    if le is not None:
+        parts.append(f"<= {_bound_text(le)}")
     if m.get("unit") == "bytes":
         parts.append("bytes")
+    if m.get("pattern"):
+        parts.append(m["pattern"][1])
     text = words + (f" ({', '.join(parts)})" if parts else "")
     return text + (" or `auto`" if spec.optional else "")
 

@@ -106,7 +106,10 @@ class GrpcServer:
         self.credentials = credentials
         # innermost: a malformed request is refused before any handler (or a refusing
         # interceptor's handler) sees it
-        self.server = grpc.aio.server(options=grpc_options(max_message_bytes),
+        # no SO_REUSEPORT: a second server on a port already served fails to bind, instead
+        # of both taking turns at its connections
+        self.server = grpc.aio.server(options=[*grpc_options(max_message_bytes),
+                                               ("grpc.so_reuseport", 0)],
                                       interceptors=[*interceptors, MalformedRequestInterceptor()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -122,7 +125,8 @@ class GrpcServer:
     def address(self) -> str:
         if self.port is None:
             raise RuntimeError("server not started")
-        return f"{self.host}:{self.port}"
+        from pdcore.hostport import join_host_port
+        return join_host_port(self.host, self.port)
 
     def add_shutdown_hook(self, fn: Callable[[], Awaitable[None] | None]) -> None:
         """``fn`` (sync or async) runs once during shutdown, after health turns NOT_SERVING."""
@@ -135,11 +139,15 @@ class GrpcServer:
 
     async def start(self) -> int:
         """Bind, start and mark every service SERVING. Returns the bound port."""
-        bind = f"{self.host}:{self.requested_port}"
-        if self.credentials is not None:
-            self.port = self.server.add_secure_port(bind, self.credentials)
-        else:
-            self.port = self.server.add_insecure_port(bind)
+        from pdcore.hostport import join_host_port
+        bind = join_host_port(self.host, self.requested_port)
+        try:
+            if self.credentials is not None:
+                self.port = self.server.add_secure_port(bind, self.credentials)
+            else:
+                self.port = self.server.add_insecure_port(bind)
+        except RuntimeError:  # gRPC says only "Failed to bind" (services.startup says why)
+            self.port = 0
         if not self.port:
             raise OSError(f"could not bind gRPC server to {bind}")
         await self.server.start()
@@ -185,6 +193,27 @@ class GrpcServer:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    async def abort(self) -> None:
+        """Stop at once (a start that failed before it served): the shutdown hooks run
+        (deregister, ...), no drain, no grace; idempotent."""
+        if self._stopped.is_set():
+            return
+        if self._stop_task is not None:  # a shutdown under way: let it end, at once
+            await self.server.stop(0)
+            await self._stop_task
+            return
+        try:
+            await self.health.enter_graceful_shutdown()
+            await _run_hooks(self._hooks)
+            await self.server.stop(0)
+        finally:
+            self._remove_signal_handlers()
+            self._stopped.set()
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT: graceful stop; a second one: stop now (grace 0)."""

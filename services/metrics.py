@@ -32,6 +32,8 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0",
     ``metrics_tls_ca_file`` only a scraper with a client certificate of that CA gets in."""
     if not port:
         return None
+    from pdcore.hostport import bare_host
+    host = bare_host(host)  # [::1] -> ::1: what sockets take
     cert = getattr(settings, "metrics_tls_cert_file", "")
     if cert:
         ca = settings.metrics_tls_ca_file

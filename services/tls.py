@@ -296,6 +296,52 @@ def entry_payload(fields: dict[str, str]) -> bytes:
                       separators=(",", ":")).encode()
 
 
+def check_key_pair(cert_file: str, key_file: str, ca_file: str = "",
+                   prefix: str = "client_tls") -> None:
+    """TlsError (a ValueError, one line) unless ``cert_file`` holds a PEM certificate,
+    ``key_file`` its unencrypted PEM private key and ``ca_file`` (when given) PEM
+    certificates: what a TLS port (the client port, /metrics) loads when it starts.
+    ``prefix`` names the settings: ``<prefix>_cert_file`` ..."""
+    from cryptography import x509
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+    names = {"cert": f"{prefix}_cert_file", "key": f"{prefix}_key_file",
+             "ca": f"{prefix}_ca_file"}
+    paths = {"cert": cert_file, "key": key_file, "ca": ca_file}
+    data = {}
+    for which, path in paths.items():
+        if not path:
+            continue
+        try:
+            data[which] = Path(path).read_bytes()
+        except OSError as e:
+            raise TlsError(f"cannot read {names[which]} {path!r}: {e.strerror}") from None
+    if "key" not in data:
+        raise TlsError(f"{names['cert']} needs {names['key']}")
+    for which in ("cert", "ca"):
+        if which in data:
+            try:
+                certs = x509.load_pem_x509_certificates(data[which])
+            except ValueError:
+                certs = []
+            if not certs:
+                raise TlsError(f"{names[which]} {paths[which]!r} holds no PEM certificate")
+            if which == "cert":
+                cert = certs[0]
+    try:
+        key = serialization.load_pem_private_key(data["key"], None)
+    except TypeError:  # encrypted: nothing here could give its passphrase
+        raise TlsError(f"{names['key']} {key_file!r} is encrypted: a service needs an "
+                       f"unencrypted key") from None
+    except (ValueError, UnsupportedAlgorithm):
+        raise TlsError(f"{names['key']} {key_file!r} holds no PEM private key") from None
+    spki = serialization.PublicFormat.SubjectPublicKeyInfo
+    if (key.public_key().public_bytes(serialization.Encoding.DER, spki)
+            != cert.public_key().public_bytes(serialization.Encoding.DER, spki)):
+        raise TlsError(f"{names['key']} {key_file!r} is not the key of {names['cert']} "
+                       f"{cert_file!r}")
+
+
 def client_port_credentials(cert_file: str, key_file: str, ca_file: str = ""
                             ) -> grpc.ServerCredentials:
     """The gateway's client port: TLS with its certificate (and, with ``ca_file``, client

@@ -106,8 +106,8 @@ class HttpServer:
         try:
             sock = socket.create_server((host, self.port), family=family, backlog=2048)
         except OSError as e:
-            raise OSError(f"could not bind the HTTP API to {self.host}:{self.port}: "
-                          f"{e.strerror}") from None
+            raise OSError(e.errno, f"could not bind the HTTP API to {self.host}:{self.port}: "
+                                   f"{e.strerror}") from None
         port = sock.getsockname()[1]
         self._task = asyncio.create_task(self.server.serve(sockets=[sock]))
         while not self.server.started and not self._task.done():

@@ -58,8 +58,9 @@ class _Conn:
 
 class OpenAIClient:
     def __init__(self, address: str, api_key: str = "") -> None:
-        self.host, _, port = address.rpartition(":")
-        self.port = int(port)
+        from pdcore.hostport import split_host_port
+        self.host, self.port = split_host_port(address)  # [::1]:8000 -> ::1, 8000
+        self._host_header = f"[{self.host}]" if ":" in self.host else self.host
         self.api_key = api_key
         self._idle: list[_Conn] = []
 
@@ -76,8 +77,9 @@ class OpenAIClient:
     def _request(self, path: str, body: dict) -> bytes:
         data = json.dumps(body).encode()
         auth = f"Authorization: Bearer {self.api_key}\r\n" if self.api_key else ""
-        return (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json"
-                f"\r\nContent-Length: {len(data)}\r\n{auth}\r\n").encode() + data
+        return (f"POST {path} HTTP/1.1\r\nHost: {self._host_header}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+                f"{auth}\r\n").encode() + data
 
     async def stream(self, item, temperature: float, model: str = "") -> Streamed:
         """Send ``item`` (a workload Item) streamed; what came back, timed from the send."""

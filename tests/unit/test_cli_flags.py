@@ -2,6 +2,7 @@
 status 2, never a traceback."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -37,6 +38,36 @@ def test_a_worker_that_cannot_load_its_files_exits_2_with_one_error_line(flag, m
     assert f"error: the engine cannot start: {message}" in r.stderr
 
 
+@pytest.mark.parametrize("flag, message", [
+    (["--kv-dtype", "float16"], "kv_dtype float16 with the model in float32"),
+    (["--attention-backend", "triton"], "attention_backend triton needs a GPU")])
+def test_choices_that_cannot_run_together_on_this_device_exit_2(flag, message):
+    """Each value is valid alone; together, on the CPU, they cannot run: the engine says so
+    when it starts (these used to crash the first request)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "colocated", "--port", "0",
+                        "--log-format", "text", "--model", "dummy:tiny", *flag],
+                       capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert f"error: the engine cannot start: {message}" in r.stderr
+
+
+def test_check_runnable_names_each_conflict():
+    from engine.config import EngineConfig, SettingError, check_runnable, resolve_engine_config
+    c = resolve_engine_config(EngineConfig(model="dummy:tiny"), cuda_available=False)
+    check_runnable(c)
+    with pytest.raises(SettingError, match="kv_dtype bfloat16 with the model in float32"):
+        check_runnable(dataclasses.replace(c, cache=dataclasses.replace(c.cache,
+                                                                        kv_dtype="bfloat16")))
+    for kv in ("float32", "int8", "fp8"):  # the model's own dtype and the quantized ones run
+        check_runnable(dataclasses.replace(c, cache=dataclasses.replace(c.cache, kv_dtype=kv)))
+    triton = dataclasses.replace(c, attention_backend="triton")
+    with pytest.raises(SettingError, match="attention_backend triton needs a GPU"):
+        check_runnable(triton)
+    check_runnable(triton, triton_interpreted=True)  # the kernel tests' interpreter
+
+
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--max-tokens", "ten", "x"], "--max-tokens: expected an integer, got 'ten'"),
     (["generate", "--temperature", "-0.5", "x"], "--temperature: must be >= 0, got -0.5"),
@@ -48,7 +79,7 @@ def test_a_worker_that_cannot_load_its_files_exits_2_with_one_error_line(flag, m
     (["generate", "--timeout", "0", "x"], "--timeout: must be > 0, got 0"),
     (["generate", "--address", "localhost", "x"], "expected host:port, got 'localhost'"),
     (["chat", "--max-tokens", "0"], "--max-tokens: must be in 1.."),
-    (["up", "--prefill", "-1"], "--prefill: must be >= 0, got -1"),
+    (["up", "--prefill", "-1"], "--prefill: must be in 0..64, got -1"),
     (["up", "--port", "65536"], "--port: must be in 0..65535, got 65536"),
     (["up", "--http-port", "70000"], "--http-port: must be in 0..65535, got 70000"),
     (["gateway", "--decode-addrs", "h:1", "--http-port", "-1"], "http_port must be >= 0"),
@@ -59,11 +90,11 @@ def test_a_worker_that_cannot_load_its_files_exits_2_with_one_error_line(flag, m
     (["up", "--device", "gpu0"], "device must be auto, cpu, cuda or cuda:N"),
     (["up", "--kv-backend", "carrier-pigeon"], "--kv-backend: invalid choice"),
     (["up", "--prefill", "1", "--decode", "0"], "need --decode >= 1 with --prefill"),
-    (["run", "--max-tokens", "0", "x"], "--max-tokens: must be >= 1, got 0"),
+    (["run", "--max-tokens", "0", "x"], "--max-tokens: must be in 1..2147483647, got 0"),
     (["run", "--max-num-seq", "2", "x"], "did you mean --max-num-seqs?"),
     (["bench", "--rate", "-1", "--address", "h:1"], "--rate: must be > 0, got -1"),
     (["bench", "--rates", "1,x", "--address", "h:1"], "--rates: expected a number, got 'x'"),
-    (["bench", "--concurrency", "0", "--address", "h:1"], "--concurrency: must be >= 1"),
+    (["bench", "--concurrency", "0", "--address", "h:1"], "--concurrency: must be in 1.."),
     (["bench", "--num-requests", "many", "--address", "h:1"], "expected an integer"),
     (["bench", "--input-len", "9:3", "--address", "h:1"], "expected 1 <= LO <= HI, got '9:3'"),
     (["bench", "--long-frac", "2", "--address", "h:1"], "--long-frac: must be in 0..1"),
@@ -75,6 +106,14 @@ def test_a_worker_that_cannot_load_its_files_exits_2_with_one_error_line(flag, m
     (["decode", "--kv-backend", "nccl"], "nccl cannot move a KV cache on device 'cpu'"),
     (["prefill", "--gpu-memory-utilization", "2"], "gpu_memory_utilization must be <= 1"),
     (["colocated", "--enforce-eager=yes"], "ignored explicit argument 'yes'"),
+    (["up", "--prefill", "100000"], "--prefill: must be in 0..64, got 100000"),
+    (["generate", "--timeout", "1e9", "x"], "--timeout: must be <= 604800, got 1e+09"),
+    (["generate", "--max-tokens", "9" * 5000, "x"], "--max-tokens: expected an integer"),
+    (["decode", "--num-threads", "5000"], "num_threads must be <= 1024, got 5000"),
+    (["decode", "--registry-ttl-s", "inf"], "registry_ttl_s must be a finite number"),
+    (["decode", "--tensor-parallel-size", "1000"], "tensor_parallel_size must be <= 64"),
+    (["gateway", "--decode-addrs", "h:1", "--health-timeout-s", "1e400"],
+     "health_timeout_s must be a finite number, got inf"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("PDSERVE_CONFIG", raising=False)

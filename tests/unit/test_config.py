@@ -104,12 +104,23 @@ def test_a_setting_of_another_entry_point_is_left_to_it(tmp_path):
     ("file", "max_num_seqs = 'many'\n", "max_num_seqs: expected an integer, got 'many'"),
     ("file", "block_size = 24\n", "block_size must be a power of two, got 24"),
     ("file", "max_num_seqs = [\n", "does not parse"),
+    ("yaml", "max_num_seqs: 8\nblock_size: 16\nmax_num_seqs: 9\n",
+     "does not parse: key 'max_num_seqs' written twice (line 3, column 1)"),
+    ("yaml", "a: " + "[" * 5000 + "]" * 5000 + "\n", "is nested too deeply"),
+    ("yaml", "max_num_seqs: [1, 2]\n", "max_num_seqs: expected an integer, got the list"),
+    ("yaml", "kv_backend: [1, 2]\n", "kv_backend: expected a string, got the list [1, 2]"),
+    ("yaml", "max_num_seqs: {a: 1}\n", "max_num_seqs: expected an integer, got a table"),
+    ("yaml", "gpu_memory_utilization: 1" + "0" * 400 + "\n",
+     "gpu_memory_utilization must be a finite number"),
+    ("yaml", "transfer_timeout_s: .inf\n", "transfer_timeout_s must be a finite number"),
+    ("yaml", "kv_cache_memory_bytes: 1e400\n", "expected a byte count"),
 ])
 def test_unknown_and_bad_names_in_files_and_env(tmp_path, where, text, message):
     if where == "env":
         argv, env = [], text
     else:
-        argv, env = ["--config", _write(tmp_path, "c.toml", text)], {}
+        name = "c.yaml" if where == "yaml" else "c.toml"
+        argv, env = ["--config", _write(tmp_path, name, text)], {}
     with pytest.raises(ConfigError) as e:
         worker_settings(argv, env=env, role="decode")
     assert message in str(e.value)
@@ -139,6 +150,23 @@ def test_unknown_and_bad_names_in_files_and_env(tmp_path, where, text, message):
     (["--mixed-graph-tokens", "-1"], "mixed_graph_tokens must be >= 0, got -1"),
     (["--cuda-graph-max-len", "0"], "cuda_graph_max_len must be >= 1, got 0"),
     (["--num-threads", "-2"], "num_threads must be >= 0, got -2"),
+    (["--num-threads", "5000"], "num_threads must be <= 1024, got 5000"),
+    (["--seed", "-1"], "seed must be >= 0, got -1"),
+    (["--seed", str(2**70)], "seed must be <= 9223372036854775807, got 1180591620717411303424"),
+    (["--seed", "9" * 400], "seed must be <= 9223372036854775807, got 999999999999... (400 "
+                            "characters)"),
+    (["--tensor-parallel-size", "1000"], "tensor_parallel_size must be <= 64, got 1000"),
+    (["--block-size", "4096"], "block_size must be <= 1024, got 4096"),
+    (["--num-blocks", str(2**40)], "num_blocks must be <= 2147483647"),
+    (["--max-num-seqs", str(2**40)], "max_num_seqs must be <= 2147483647"),
+    (["--kv-cache-memory-bytes", "1e400"], "expected a byte count"),
+    (["--kv-cache-memory-bytes", "2PiB"], "expected a byte count"),
+    (["--kv-cache-memory-bytes", "5e15"], "kv_cache_memory_bytes must be <= 1125899906842624"),
+    (["--registry-ttl-s", "inf"], "registry_ttl_s must be a finite number, got inf"),
+    (["--registry-ttl-s", "1e9"], "registry_ttl_s must be <= 604800, got 1000000000.0"),
+    (["--transfer-timeout-s", "nan"], "transfer_timeout_s must be a finite number, got nan"),
+    (["--drain-delay-s", "1e400"], "drain_delay_s must be a finite number, got inf"),
+    (["--max-message-bytes", "4GiB"], "max_message_bytes must be <= 2147483647"),
     (["--gemv", "always"], "gemv must be one of auto, off, force, got 'always'"),
     (["--model", ""], "model must not be empty"),
     (["--port", "70000"], "port must be <= 65535, got 70000"),
@@ -161,6 +189,75 @@ def test_each_validation_message(argv, message):
     with pytest.raises(ConfigError) as e:
         worker_settings(argv, env={}, role="decode")
     assert message in str(e.value)
+
+
+def test_auto_and_lists_in_a_file_read_as_in_flags(tmp_path):
+    """A file's "auto" is a flag's auto (None), for string settings too; lists of strings."""
+    path = _write(tmp_path, "c.yaml", "kv_dtype: auto\nquantization_plan: auto\n"
+                                      "async_decode: auto\npeer_addrs: [a:1, 'b:2']\n")
+    s = worker_settings(["--config", path], env={}, role="decode", resolve=False)
+    assert s.engine.cache.kv_dtype is None and s.engine.quantization_plan is None
+    assert s.engine.async_decode is None and s.peer_addrs == ("a:1", "b:2")
+
+
+def test_gateway_durations_and_sizes_are_bounded():
+    for flag, value, message in [
+            ("--health-timeout-s", "inf", "health_timeout_s must be a finite number"),
+            ("--health-timeout-s", "1e400", "health_timeout_s must be a finite number"),
+            ("--request-timeout-s", "1e7", "request_timeout_s must be <= 604800"),
+            ("--queue-factor", "1" + "0" * 400, "queue_factor must be a finite number"),
+            ("--max-message-bytes", "1e400", "expected a byte count")]:
+        with pytest.raises(ConfigError, match=message):
+            gateway_settings(["--decode-addrs", "h:1", flag, value], env={})
+
+
+def test_every_number_setting_is_bounded_above():
+    """No setting takes a value that overflows what it ends in (a gRPC option, a timer, a
+    torch size): each int and each duration has an upper bound, declared or its kind's."""
+    from pdcore.settings import upper_bound
+    for root in ROOTS.values():
+        for spec in tree(root).values():
+            if spec.kind == "int" or (spec.kind == "float" and spec.name.endswith("_s")):
+                assert upper_bound(spec.name, spec.kind, spec.meta) is not None, spec.name
+
+
+def test_llm_refuses_near_misses_of_its_own_names_and_leaves_other_services_names(tmp_path):
+    from engine.llm import engine_config
+    with pytest.raises(ConfigError, match=r"unknown variable PDSERVE_MAX_NUM_SEQ \(did you "
+                                          r"mean PDSERVE_MAX_NUM_SEQS\?\)"):
+        engine_config(model="dummy:tiny", env={"PDSERVE_MAX_NUM_SEQ": "4"})
+    with pytest.raises(ConfigError, match=r"unknown setting max_num_seq \(did you mean "
+                                          r"max_num_seqs\?\)"):
+        engine_config(config_file=_write(tmp_path, "c.toml", "max_num_seq = 4\n"))
+    # a whole deployment's environment and file: the services' settings are not the LLM's
+    c = engine_config(env={"PDSERVE_API_KEYS": "k", "PDSERVE_DECODE_ADDRS": "h:1",
+                           "PDSERVE_MAX_NUM_SEQS": "4"},
+                      config_file=_write(tmp_path, "d.toml", "queue_factor = 3\n"
+                                         "[gateway]\nstatic_capacity = 9\n"))
+    assert c.scheduler.max_num_seqs == 4
+    # and no service setting reads as a misspelt engine one
+    from pdcore.config_tree import PREFIX, aliases, known_variables, typo
+    engine_names = set(aliases(EngineConfig))
+    engine_vars = known_variables({"engine": EngineConfig})
+    for root in ROOTS.values():
+        for name in set(aliases(root)) - engine_names:
+            assert not typo(name, engine_names), name
+            assert not typo(PREFIX + name.upper(), engine_vars), name
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://u:p@ss@host:6379/0", "redis://u:<redacted>@host:6379/0"),
+    ("redis://:pw:with:colons@h:1", "redis://:<redacted>@h:1"),
+    ("rediss://h:6379/0?password=hunter2&db=1", "rediss://h:6379/0?password=<redacted>&db=1"),
+    ("redis://u:pa/ss@h:1/0", "redis://<redacted>"),
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+    ("unix:///run/redis.sock?db=0&password=x", "unix:///run/redis.sock?db=0&password=<redacted>"),
+])
+def test_redis_urls_are_shown_without_their_passwords(url, shown):
+    from pdcore.config_tree import redact_url, redacted_flat
+    assert redact_url(url) == shown
+    s = gateway_settings(["--decode-addrs", "h:1", "--redis-url", url], env={})
+    assert redacted_flat(s)["redis_url"] == shown
 
 
 def test_env_values_are_parsed_and_checked_with_their_variable_named():

@@ -133,9 +133,14 @@ def test_tp2_from_safetensors_equals_tp1(tmp_path):
     _assert_tp_matches(str(tmp_path / "m"))
 
 
-def test_rejects_a_model_the_ranks_cannot_split():
+def test_rejects_a_model_the_ranks_cannot_split_before_any_rank_starts(monkeypatch):
+    from engine.parallel import driver
+    started = []
+    real = driver._start_rank
+    monkeypatch.setattr(driver, "_start_rank", lambda: started.append(1) or real())
     with pytest.raises(ValueError, match="does not divide"):
         LLM("dummy:tiny", device="cpu", tensor_parallel_size=3)
+    assert started == []  # the model's config is read first; no process to clean up
 
 
 def test_a_killed_rank_fails_the_engine_within_seconds_and_leaves_nothing_behind():
