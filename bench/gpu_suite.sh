@@ -44,6 +44,8 @@
 #                dummy:llama-3-8b, concurrency 64 and 256 (1 GPU)                          ~6
 #   structured   bench/structured_gpu.py: the structured-output mask per decode step, batch
 #                64 and 1, sampled then greedy (1 GPU; needs the llguidance wheel)          ~3
+#   seeded       bench/seeded_batch_gpu.py: how often batch composition changes a seeded
+#                sample (and a greedy one), dummy:llama-3-8b bf16 (1 GPU)                  ~3
 #   disagg       bench/disagg_gpu.py nccl 1P1D vs colocated, rates 4,8,...,32 (2 GPUs)    ~8
 #   ttft         bench/ttft_breakdown.py: where a 1P1D request's TTFT goes (2 GPUs)         ~1
 #   ipc16        bench/disagg_gpu.py 1P1D only, 16 req/s, cuda_ipc then nccl (2 GPUs)      ~4
@@ -76,6 +78,7 @@ for step in "$@"; do
       run python3 -m bench.structured_gpu --model "$m" --out "$OUT/structured_gpu_h200.json"
       run python3 -m bench.structured_gpu --model "$m" --temperature 0 --batches 64 \
         --out "$OUT/structured_gpu_h200_greedy.json" ;;
+    seeded) run python3 -m bench.seeded_batch_gpu --out "$OUT/seeded_batch_gpu.json" ;;
     kvcopy) run python3 -m bench.kv_copy_gpu --out "$OUT/kv_copy_gpu_h200.json" ;;
     attn) run python3 -m bench.attention_prefill_gpu --out "$OUT/attention_prefill_gpu_h200.json" ;;
     mixed) run python3 -m bench.mixed_step_gpu ${MIXED_ARGS:-} \

@@ -349,3 +349,17 @@ def test_request_limits(field, value, words):
     assert (ok.n, ok.top_logprobs) == (16, 20)
     with pytest.raises(validation.InvalidRequest, match="outside the vocabulary"):
         validation.check_sampling_vocab(SamplingParams(logit_bias={100: 1.0}), 100)
+
+
+def test_seeded_batch_bench_on_the_cpu_finds_every_sample_batch_independent(tmp_path):
+    """bench/seeded_batch_gpu.py's comparison, run on the CPU where the answer is known
+    (fp32, a generator per seeded request): every composition gives batch 1's tokens."""
+    from bench import seeded_batch_gpu
+    doc = seeded_batch_gpu.main(["--model", "dummy:tiny", "--device", "cpu", "--requests", "4",
+                                 "--fillers", "8", "--max-tokens", "8", "--prompt-len", "8:24",
+                                 "--out", str(tmp_path / "sb.json")])
+    for run in doc["runs"]:
+        for comp in run["compositions"]:
+            assert comp["identical"] == comp["requests"] == 4, (run["mode"], comp)
+    fillers = next(c for c in doc["runs"][0]["compositions"] if c["name"] == "with_fillers")
+    assert fillers["batch"] == 12
