@@ -52,7 +52,11 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
     settings = replace(settings, engine=engine.config)
     shown = redacted_flat(settings)
     logger.info("%s worker configuration: %s", role, json.dumps(shown))
-    _check_parallel_kv(engine, settings)
+    try:
+        _check_parallel_kv(engine, settings)
+    except ValueError as e:
+        engine.close()  # its tensor-parallel ranks too
+        raise StartError(str(e), BAD_VALUE) from None
     aengine = AsyncEngine(engine)
     await aengine.start()
     cache = engine.runner.kv_cache
