@@ -202,7 +202,7 @@ def _file_value(spec: Spec, value: Any) -> Any:
         return parse_text(spec, value)
     if isinstance(value, list):
         if spec.kind != "tuple" or not all(isinstance(v, str) for v in value):
-            raise ValueError(f"expected {_KIND_TEXT[spec.kind]}, got the list {value!r}"[:200])
+            raise ValueError(f"expected {_KIND_TEXT[spec.kind]}, got a list of {len(value)}")
         return tuple(value)
     if isinstance(value, dict):
         raise ValueError(f"expected {_KIND_TEXT[spec.kind]}, got a table")
@@ -229,6 +229,14 @@ def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool 
     return loader.construct_mapping(node, deep=deep)
 
 
+def _no_alias(self, parent, index):
+    if self.check_event(yaml.events.AliasEvent):  # anchors expand: a few lines, gigabytes
+        raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a "
+                                          "config file", self.peek_event().start_mark)
+    return yaml.composer.Composer.compose_node(self, parent, index)
+
+
+_UniqueKeyLoader.compose_node = _no_alias
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
                                  _unique_mapping)
 
@@ -239,11 +247,11 @@ Values = dict[str, tuple[Any, str]]  # flat name -> (value, where it came from)
 
 def read_file(path: str) -> dict:
     """A config file's top-level mapping (TOML or YAML by extension)."""
+    from pdcore.files import read_small_file
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
+        data = read_small_file(path, "config file")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         if path.endswith(".toml"):
             loaded = tomllib.loads(data.decode())
@@ -282,7 +290,7 @@ def file_values(path: str, cls: type, sections: Sequence[str],
 
     def walk(d: Mapping, where: str, own: bool, allowed: set[str], allowed_groups: set[str]):
         for key, value in d.items():
-            key = str(key)
+            key = str(key) if str(key).isprintable() else repr(str(key))[:80]
             if isinstance(value, dict) and key in allowed_groups:
                 # a group of another tree (the engine's [cache] for the gateway) is not ours
                 walk(value, f"{where}{key}.", own and key in own_groups, allowed,

@@ -91,7 +91,7 @@ def check_value(name: str, kind: str, optional: bool, meta, value: Any) -> Any:
           "str": isinstance(value, str),
           "tuple": isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)}
     if not ok[kind]:
-        raise SettingError(name, f"{name} must be {_KIND_WORDS[kind]}, got {value!r}")
+        raise SettingError(name, f"{name} must be {_KIND_WORDS[kind]}, got {_short(value)}")
     if kind == "float":
         try:
             value = float(value)
@@ -114,7 +114,7 @@ def check_value(name: str, kind: str, optional: bool, meta, value: Any) -> Any:
         raise SettingError(name, f"{name} must be {meta['pattern'][1]}, got {_short(value)}")
     if meta.get("choices") and value not in meta["choices"]:
         raise SettingError(name, f"{name} must be one of {', '.join(meta['choices'])}, "
-                                 f"got {value!r}")
+                                 f"got {_short(value)}")
     return value
 
 
@@ -141,6 +141,8 @@ def _bound(v: float) -> str:
 
 
 def _short(value: Any) -> str:
+    if isinstance(value, (list, tuple, dict, set)):  # never the repr of a whole structure
+        return f"a {type(value).__name__} of {len(value)}"
     text = repr(value)
     return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} characters)"
 

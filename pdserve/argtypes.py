@@ -89,4 +89,6 @@ def int_range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected LO:HI integers, got {text!r}") from None
     if not 1 <= a <= b:
         raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    if b > 10_000_000:
+        raise argparse.ArgumentTypeError(f"expected HI <= 10000000, got {text!r}")
     return a, b

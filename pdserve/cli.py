@@ -285,7 +285,32 @@ def _cmd_certs(argv) -> int:
 
 
 def main(argv=None) -> int:
+    """Every command, with the last word on what escapes one: Ctrl-C is exit 130 without a
+    traceback; a file it could not read or write, text it could not encode, a cluster that
+    did not start: one line, exit 2 (1 when the machine refused)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv[0] if argv else ""
+    from pdserve.cluster import StartFailed
+    try:
+        return _dispatch(argv)
+    except KeyboardInterrupt:
+        print(f"pdserve {cmd}: interrupted", file=sys.stderr)
+        return 130
+    except StartFailed as e:
+        what = "gateway" if e.kind == "gateway" else f"{e.kind} worker"
+        print(f"pdserve {cmd}: error: the {what} did not start: {e.reason}", file=sys.stderr)
+        return e.status
+    except OSError as e:  # a path given to it: --out, --workload, ...
+        where = f": {e.filename!r}" if getattr(e, "filename", None) else ""
+        print(f"pdserve {cmd}: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
+    except UnicodeError as e:  # a prompt or key that is not valid text
+        print(f"pdserve {cmd}: error: input is not valid UTF-8 text ({e.reason})",
+              file=sys.stderr)
+        return 2
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
@@ -322,10 +347,19 @@ def main(argv=None) -> int:
     if cmd == "certs":
         return _cmd_certs(rest)
     if cmd == "hash-key":
+        from services.auth import api_key_problem
         from services.tls import api_key_hash
+        if rest:
+            print("pdserve hash-key: reads one API key from stdin and prints its hash (for "
+                  "api_key_file); it takes no arguments", file=sys.stderr)
+            return 0 if rest in (["-h"], ["--help"]) else 2
         key = sys.stdin.readline().strip()
         if not key:
             print("error: no key on stdin", file=sys.stderr)
+            return 2
+        problem = api_key_problem(key)
+        if problem:
+            print(f"pdserve hash-key: error: the key {problem}", file=sys.stderr)
             return 2
         print(api_key_hash(key))
         return 0

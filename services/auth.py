@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable, Iterable
 import hashlib
 import hmac
 import logging
-from pathlib import Path
 import re
 
 import grpc
@@ -37,10 +36,8 @@ def load_api_keys(keys: Iterable[str] = (), key_file: str = "") -> tuple[str, ..
     Raises ValueError for an unreadable file or a key with whitespace inside."""
     out = [k.strip() for k in keys if k.strip()]
     if key_file:
-        try:
-            text = Path(key_file).read_text()
-        except OSError as e:
-            raise ValueError(f"cannot read api_key_file {key_file!r}: {e.strerror}") from None
+        from pdcore.files import read_small_text
+        text = read_small_text(key_file, "api_key_file")  # regular, small, UTF-8
         out += [ln.strip() for ln in text.splitlines()
                 if ln.strip() and not ln.strip().startswith("#")]
         if not out:

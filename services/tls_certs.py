@@ -11,7 +11,6 @@ import datetime as dt
 import functools
 import ipaddress
 import os
-from pathlib import Path
 import secrets
 
 ROLES = ("gateway", "prefill", "decode", "colocated", "operator", "redis")
@@ -139,10 +138,8 @@ def write_cluster_files(directory: str, roles: Iterable[str] = ROLES,
 
 def read_secret_file(path: str, what: str) -> str:
     """A secret kept in a file (a Kubernetes Secret, a compose secret): its first line."""
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ValueError(f"cannot read {what} {path!r}: {e.strerror}") from None
+    from pdcore.files import read_small_text
+    text = read_small_text(path, what)  # a regular file, small, UTF-8 (else ValueError)
     value = text.strip().splitlines()[0].strip() if text.strip() else ""
     if not value:
         raise ValueError(f"{what} {path!r} is empty")

@@ -53,7 +53,8 @@ def up_label(cfg: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.argtypes import Parser, address, int_range, integer, number
     from services.config import backend_devices
-    pos, nonneg = integer(1), integer(0)
+    from pdcore.settings import MAX_SECONDS
+    pos, nonneg, workers = integer(1, 10_000_000), integer(0), integer(0, 64)
     p = Parser(prog="pdserve bench", description="serving benchmark",
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = p.add_argument_group("deployment (one of)")
@@ -65,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="two gateways, same workload")
     d.add_argument("--compare-up", nargs=2, metavar="CFG",
                    help="two local clusters, e.g. 'prefill=1,decode=1' 'colocated=2'")
-    d.add_argument("--prefill", type=nonneg, default=1)
-    d.add_argument("--decode", type=nonneg, default=1)
-    d.add_argument("--colocated", type=nonneg, default=0)
+    d.add_argument("--prefill", type=workers, default=1)
+    d.add_argument("--decode", type=workers, default=1)
+    d.add_argument("--colocated", type=workers, default=0)
     d.add_argument("--model", default="smollm2-135m")
     d.add_argument("--kv-backend", default=None, choices=sorted(backend_devices()),
                    help="default: the workers' (tcp on the CPU)")
@@ -81,10 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--concurrency", type=pos, default=None,
                     help="max in flight (alone: closed loop with this many clients)")
     lo.add_argument("--num-requests", type=pos, default=None, help="measured requests [100]")
-    lo.add_argument("--duration", type=number(gt=0.0), default=None,
+    lo.add_argument("--duration", type=number(gt=0.0, hi=MAX_SECONDS), default=None,
                     help="stop sending after S seconds")
     lo.add_argument("--warmup", type=nonneg, default=0, help="requests excluded from stats")
-    lo.add_argument("--timeout", type=number(gt=0.0), default=300.0, help="per request (s)")
+    lo.add_argument("--timeout", type=number(gt=0.0, hi=MAX_SECONDS), default=300.0,
+                    help="per request (s)")
     lo.add_argument("--temperature", type=number(0.0), default=0.0)
     lo.add_argument("--api", default="grpc", choices=["grpc", "openai"],
                     help="the gateway's gRPC API or its OpenAI-compatible HTTP API")
@@ -158,6 +160,14 @@ def make_items(a) -> tuple[list[workload.Item], dict]:
     return workload.generate(spec), {k: v for k, v in spec.__dict__.items()}
 
 
+class UsageError(SystemExit):
+    """Flags that do not make a run: one line, exit status 2 (argparse's rule)."""
+
+    def __init__(self, message: str):
+        print(f"pdserve bench: error: {message} (see --help)", file=sys.stderr)
+        super().__init__(2)
+
+
 def apis(a) -> tuple[str, ...]:
     return getattr(a, "apis", None) or (getattr(a, "api", "grpc"),)
 
@@ -168,7 +178,7 @@ def loads(a, api: str = "grpc") -> list[LoadSpec]:
     if a.rates:
         return [LoadSpec(rate=float(x), **common) for x in a.rates.split(",")]
     if a.rate is None and a.concurrency is None:
-        raise SystemExit("pdserve bench: give --rate, --rates or --concurrency")
+        raise UsageError("give --rate, --rates or --concurrency")
     return [LoadSpec(rate=a.rate, **common)]
 
 
@@ -183,7 +193,7 @@ def deployments(a) -> list[tuple[str, str | None, dict | None]]:
         cfg = parse_up(f"prefill={a.prefill},decode={a.decode},colocated={a.colocated}")
         return [(up_label(cfg), None, cfg)]
     if not a.address:
-        raise SystemExit("pdserve bench: give --address, --up, --compare or --compare-up")
+        raise UsageError("give --address, --up, --compare or --compare-up")
     return [(a.address, a.address, None)]
 
 

@@ -114,6 +114,28 @@ def test_check_runnable_names_each_conflict():
     (["decode", "--tensor-parallel-size", "1000"], "tensor_parallel_size must be <= 64"),
     (["gateway", "--decode-addrs", "h:1", "--health-timeout-s", "1e400"],
      "health_timeout_s must be a finite number, got inf"),
+    (["bench", "--address", "h:1", "--rate", "2", "--duration", "1e308"],
+     "--duration: must be <= 604800"),
+    (["bench", "--address", "h:1", "--rate", "1", "--input-len", "9" * 20],
+     "--input-len: expected HI <= 10000000"),
+    (["bench", "--address", "h:1", "--rate", "1", "--num-requests", "2147483647"],
+     "--num-requests: must be in 1..10000000"),
+    (["bench", "--up", "--prefill", "100000"], "--prefill: must be in 0..64"),
+    (["bench", "--http-address", "h:1", "--rate", "1"],
+     "pdserve bench: error: give --address, --up, --compare or --compare-up"),
+    (["bench", "--address", "127.0.0.1:1", "--workload", "/nonexistent/w.jsonl", "--rate", "1"],
+     "pdserve bench: error: No such file or directory: '/nonexistent/w.jsonl'"),
+    (["config", "docs", "--out", "/"], "pdserve config: error: Is a directory: '/'"),
+    (["generate", "--address", "127.0.0.1:1", "a\udcff"],
+     "pdserve generate: error: input is not valid UTF-8 text"),
+    (["decode", "--redis-url", "redis://127.0.0.1:99999"],
+     "redis_url: port out of range 0-65535"),
+    (["gateway", "--redis-url", "redis://127.0.0.1:abc"], "redis_url: port is not a number"),
+    (["decode", "--redis-url", "redis://127.0.0.1:6379/abc"],
+     "redis_url: database 'abc' is not a number"),
+    (["decode", "--redis-url", "unix://"], "redis_url: unix:// needs the socket's path"),
+    (["decode", "--redis-url", "redis://h:1/0?socket_timeout=x"],
+     "redis_url: socket_timeout='x' is not a number"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("PDSERVE_CONFIG", raising=False)
@@ -142,3 +164,23 @@ def test_run_takes_engine_settings_as_flags(capsys):
                  "hello", "world"]) == 0
     out = capsys.readouterr().out
     assert out.count("[3 tokens, length]") == 2 and "tok/s" in out
+
+
+@pytest.mark.parametrize("stdin, argv, code, message", [
+    ("a b\n", [], 2, "the key must be printable ASCII without whitespace; character 2 is "
+                     "whitespace"),
+    ("\u043a\u043b\n", [], 2, "a non-ASCII character"),
+    ("", [], 2, "no key on stdin"),
+    ("abc\n", ["--help"], 0, "reads one API key from stdin"),
+    ("abc\n", ["extra"], 2, "it takes no arguments")])
+def test_hash_key_takes_only_a_usable_key(stdin, argv, code, message):
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "hash-key", *argv], input=stdin,
+                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == code and message in r.stderr, r.stderr
+    assert r.stdout == "" and "Traceback" not in r.stderr
+
+
+def test_hash_key_hashes_a_good_key():
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "hash-key"], input="k-1\n",
+                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 0 and len(r.stdout.strip()) > 20, r.stderr

@@ -107,13 +107,15 @@ def test_a_setting_of_another_entry_point_is_left_to_it(tmp_path):
     ("yaml", "max_num_seqs: 8\nblock_size: 16\nmax_num_seqs: 9\n",
      "does not parse: key 'max_num_seqs' written twice (line 3, column 1)"),
     ("yaml", "a: " + "[" * 5000 + "]" * 5000 + "\n", "is nested too deeply"),
-    ("yaml", "max_num_seqs: [1, 2]\n", "max_num_seqs: expected an integer, got the list"),
-    ("yaml", "kv_backend: [1, 2]\n", "kv_backend: expected a string, got the list [1, 2]"),
+    ("yaml", "max_num_seqs: [1, 2]\n", "max_num_seqs: expected an integer, got a list of 2"),
+    ("yaml", "kv_backend: [1, 2]\n", "kv_backend: expected a string, got a list of 2"),
     ("yaml", "max_num_seqs: {a: 1}\n", "max_num_seqs: expected an integer, got a table"),
     ("yaml", "gpu_memory_utilization: 1" + "0" * 400 + "\n",
      "gpu_memory_utilization must be a finite number"),
     ("yaml", "transfer_timeout_s: .inf\n", "transfer_timeout_s must be a finite number"),
     ("yaml", "kv_cache_memory_bytes: 1e400\n", "expected a byte count"),
+    ("yaml", "a: &a [x, x]\nb: [*a, *a]\n", "aliases (*name) are not allowed in a config file"),
+    ("yaml", "\"max_num_seqs\\nerror: x\": 3\n", "unknown setting 'max_num_seqs\\nerror: x'"),
 ])
 def test_unknown_and_bad_names_in_files_and_env(tmp_path, where, text, message):
     if where == "env":
@@ -255,7 +257,13 @@ def test_llm_refuses_near_misses_of_its_own_names_and_leaves_other_services_name
 ])
 def test_redis_urls_are_shown_without_their_passwords(url, shown):
     from pdcore.config_tree import redact_url, redacted_flat
+    from services.config import redis_url_problem
     assert redact_url(url) == shown
+    if redis_url_problem(url):  # refused as a setting, and the refusal shows no password
+        with pytest.raises(ConfigError) as e:
+            gateway_settings(["--decode-addrs", "h:1", "--redis-url", url], env={})
+        assert "pa" not in str(e.value).replace("parse", "") and "hunter2" not in str(e.value)
+        return
     s = gateway_settings(["--decode-addrs", "h:1", "--redis-url", url], env={})
     assert redacted_flat(s)["redis_url"] == shown
 
@@ -518,3 +526,24 @@ def test_every_process_takes_the_gil_switch_interval_from_one_setting():
     assert gateway_settings(gw, env={}).gil_switch_interval_us == 100.0
     with pytest.raises(ConfigError, match="gil_switch_interval_us must be > 0"):
         worker_settings(["--gil-switch-interval-us", "0"], env={})
+
+
+def test_only_small_regular_files_are_read_as_config(tmp_path):
+    """A FIFO would block forever, /dev/zero or a huge file exhaust memory: refused first."""
+    import os
+    fifo = tmp_path / "c.toml"
+    os.mkfifo(fifo)
+    zero = tmp_path / "z.yaml"
+    zero.symlink_to("/dev/zero")
+    big = tmp_path / "big.yaml"
+    big.write_text("#" * (2 << 20))
+    for path, message in ((fifo, "is not a regular file"), (zero, "is not a regular file"),
+                          (big, "is larger than 1048576 bytes"),
+                          (tmp_path, "is not a regular file")):
+        with pytest.raises(ConfigError, match=message):
+            worker_settings(["--config", str(path)], env={}, role="decode")
+    with pytest.raises(ConfigError, match="api_key_file .* is not a regular file"):
+        gateway_settings(["--decode-addrs", "h:1", "--api-key-file", str(fifo)], env={})
+    s = worker_settings(["--redis-password-file", str(zero)], env={}, role="decode")
+    with pytest.raises(ValueError, match="is not a regular file"):
+        s.redis_auth()  # read when the worker starts
