@@ -40,7 +40,14 @@ bound of its own takes its kind's (counts 2^31-1, byte sizes 2^50, durations in 
 week). A value out of range is an error that names the setting and where it was set; a flag
 that exists nowhere is an error naming the nearest flag; a key written twice in a file is an
 error. The offline `LLM` ignores variables and file keys of other entry points but refuses
-near-misses of its own names (`PDSERVE_MAX_NUM_SEQ`).
+near-misses of its own names (`PDSERVE_MAX_NUM_SEQ`). A file a setting names (the config file,
+an API key file, a password file) must be a regular file of at most 1 MiB; YAML aliases are
+refused.
+
+**Errors.** A command that cannot start prints one line, `error: ...`, and exits 2 when a
+value given to it is wrong (a flag, variable or file value; a file, model or host it names;
+values that cannot run together on this device, such as a float `kv_dtype` other than the
+model's), 1 when the machine refuses (a port another process holds); never a traceback.
 
 **One environment or file for a whole deployment.** A variable or file key that names a
 setting of another entry point is left to it (the gateway ignores `PDSERVE_MAX_NUM_SEQS`); one
