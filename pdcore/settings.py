@@ -131,7 +131,7 @@ def upper_bound(name: str, kind: str, meta) -> float | None:
         return meta["le"]
     if kind == "int":
         return MAX_BYTES if meta.get("unit") == "bytes" else MAX_INT
-    if kind == "float" and name.endswith("_s"):
+    if kind == "float" and name.endswith("_s") and not name.endswith("_per_s"):
         return MAX_SECONDS
     return None
 

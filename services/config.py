@@ -259,11 +259,13 @@ class GatewaySettings(ServiceSettings):
             "hold at once; registered workers report their own (max_num_seqs)", ge=1)
     queue_factor: float = setting(
         2.0, "shedding: a request is refused RESOURCE_EXHAUSTED when the decode pool already "
-             "has queue_factor x its summed capacity in flight", gt=0.0)
-    block_size: int = setting(16, "KV block size in tokens (must match the workers)", ge=1)
+             "has queue_factor x its summed capacity in flight", gt=0.0, le=1000.0)
+    block_size: int = setting(16, "KV block size in tokens (must match the workers)", ge=1,
+                              le=1024)
     hash_seed: str = setting("pdserve-v1", "block-hash seed (must match the workers)",
                              pattern=LABEL)
-    prefix_weight: float = setting(1.0, "router: weight of cached prefix vs load", ge=0.0)
+    prefix_weight: float = setting(1.0, "router: weight of cached prefix vs load", ge=0.0,
+                                   le=1000.0)
     local_prefill_max_tokens: int = setting(
         0, "router: a prompt with at most this many tokens uncached on the chosen decode "
            "worker is prefilled there, not on a prefill worker, while that prefill worker is "
@@ -322,7 +324,7 @@ class GatewaySettings(ServiceSettings):
                                              "limit)", gt=0.0, le=1.0)
     key_max_tokens_per_s: float = setting(0.0, "prompt + completion tokens per second one API "
                                                "key may use, averaged over 10 s (0: no limit)",
-                                          ge=0.0)
+                                          ge=0.0, le=1e9)  # a rate, not a duration
     http_port: int = _port(8000, "OpenAI-compatible HTTP API port, bound on host like the "
                                  "gRPC port (0: off)")
     served_model_name: str = setting("", "model name the HTTP API lists and accepts besides "
@@ -412,7 +414,7 @@ class WorkerSettings(ServiceSettings):
                                              "prefill_timeout_per_token_ms per prompt token "
                                              "(never past the request's deadline)", gt=0.0)
     prefill_timeout_per_token_ms: float = setting(1.0, "decode role: see prefill_timeout_s",
-                                                  ge=0.0)
+                                                  ge=0.0, le=60_000.0)
     grace_s: float = setting(30.0, "shutdown: time in-flight requests get to finish", ge=0.0)
     limits: RequestLimits = section(RequestLimits, "request limits")
     engine: EngineConfig = section(EngineConfig, "engine")
