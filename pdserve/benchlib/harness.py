@@ -179,9 +179,17 @@ def add_output_args(p: argparse.ArgumentParser, benchmark: str) -> None:
     g.add_argument("--out", default=None,
                    help=f"result file; default bench/results/{benchmark}/<--set>/"
                         f"{benchmark}.json")
-    g.add_argument("--set", default=None, dest="result_set",
+    g.add_argument("--set", default=None, dest="result_set", type=set_name,
                    help="result set (folder) name under bench/results/" + benchmark +
                         "/ [<date>-<commit>]")
+
+
+def set_name(text: str) -> str:
+    """``--set``: one folder name under bench/results/<benchmark>/ (never a path out of it)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", text):
+        raise argparse.ArgumentTypeError(f"expected a folder name (letters, digits, _ . -), "
+                                         f"got {text!r}")
+    return text
 
 
 def output_path(args: argparse.Namespace, benchmark: str, filename: str | None = None) -> Path:

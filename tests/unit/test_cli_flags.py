@@ -126,6 +126,8 @@ def test_check_runnable_names_each_conflict():
     (["bench", "--address", "127.0.0.1:1", "--workload", "/nonexistent/w.jsonl", "--rate", "1"],
      "pdserve bench: error: No such file or directory: '/nonexistent/w.jsonl'"),
     (["config", "docs", "--out", "/"], "pdserve config: error: Is a directory: '/'"),
+    (["eval", "--set", "../../x", "--candidate", "a=seed=1"],
+     "--set: expected a folder name (letters, digits, _ . -), got '../../x'"),
     (["generate", "--address", "127.0.0.1:1", "a\udcff"],
      "pdserve generate: error: input is not valid UTF-8 text"),
     (["decode", "--redis-url", "redis://127.0.0.1:99999"],
