@@ -106,7 +106,13 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
         with binding(*LISTENS["port"](settings)):
             port = await srv.start()
         address = settings.advertise_address(port)
-        await runtime.start(address, tuple(r.endpoint for _, r in receivers))
+        try:
+            await runtime.start(address, tuple(r.endpoint for _, r in receivers))
+        except Exception as e:
+            if not getattr(e, "credentials_refused", False):
+                raise
+            raise StartError(f"{e} (check redis_url, redis_username, redis_password_file)",
+                             BAD_VALUE) from None
         srv.add_shutdown_hook(runtime.stop)
         srv.install_signal_handlers()
         watchdog = asyncio.ensure_future(_watch_engine(engine, aengine, srv))

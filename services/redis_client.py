@@ -92,8 +92,10 @@ class RedisConn:
                 logger.error("%s: Redis at %s refused our credentials: %s", self.name,
                              self.url, e)
                 self._down_logged = True
-            raise self.error_cls(f"{self.name}: Redis at {self.url} refused our "
-                                 f"credentials: {e}") from e
+            err = self.error_cls(f"{self.name}: Redis at {self.url} refused our "
+                                 f"credentials: {e}")
+            err.credentials_refused = True  # a configuration error, where a start can say so
+            raise err from e
         except (rexc.ConnectionError, rexc.TimeoutError, rexc.ReadOnlyError, OSError) as e:
             task = asyncio.current_task()
             if task is not None and task.cancelling():

@@ -274,12 +274,16 @@ class Heartbeat:
                 logger.exception("heartbeat of %s failed", self.info.worker_id)
 
     async def start(self) -> None:
-        """Register now (best effort: Redis down is tolerated) and keep beating."""
+        """Register now and keep beating. Redis down is tolerated (registered when it is
+        back); Redis refusing our credentials raises RegistryUnavailable (with
+        ``credentials_refused``): the settings are wrong."""
         if self._task is not None:
             return
         try:
             await self.beat()
-        except RegistryUnavailable:
+        except RegistryUnavailable as e:
+            if getattr(e, "credentials_refused", False):
+                raise  # a wrong or missing password is the worker's settings, not an outage
             logger.warning("registry unavailable at start; %s will register when it is back",
                            self.info.worker_id)
         self._task = asyncio.create_task(self._run(), name=f"heartbeat-{self.info.worker_id}")

@@ -327,3 +327,22 @@ def test_gateway_refuses_an_api_key_file_with_a_key_clients_cannot_send(tmp_path
     r = cli(*GATEWAY, "--api-key-file", str(keys))
     last = assert_one_error(r, 2, f"an API key in api_key_file '{keys}' must be printable ASCII")
     assert line not in last
+
+
+def test_a_worker_whose_redis_password_is_refused_exits_2():
+    """Redis down at start is an outage (the worker serves and registers later); Redis
+    refusing the worker's credentials is its configuration: one line, exit 2."""
+    from pdserve.cluster import RedisProcess
+    redis = RedisProcess(password="right-one")
+    redis.start()
+    try:
+        r = subprocess.run([sys.executable, "-m", "pdserve.cli", "colocated", "--model",
+                            "dummy:tiny", "--port", "0", "--log-format", "text", "--insecure",
+                            "--redis-url", f"redis://127.0.0.1:{redis.port}/0"],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    finally:
+        redis.stop()
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "right-one" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "refused our credentials" in last, last
