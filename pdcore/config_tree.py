@@ -200,6 +200,8 @@ def _file_value(spec: Spec, value: Any) -> Any:
     list of strings becomes a tuple, the rest is checked by the dataclass."""
     if isinstance(value, str):
         return parse_text(spec, value)
+    if isinstance(value, float) and spec.meta.get("unit") == "bytes":
+        return parse_text(spec, repr(value))  # 1e9 or 1.5e9 bytes, as the text would be
     if isinstance(value, list):
         if spec.kind != "tuple" or not all(isinstance(v, str) for v in value):
             raise ValueError(f"expected {_KIND_TEXT[spec.kind]}, got a list of {len(value)}")
@@ -237,6 +239,28 @@ def _no_alias(self, parent, index):
 
 
 _UniqueKeyLoader.compose_node = _no_alias
+
+# Numbers as YAML 1.2 (the core schema) reads them, not YAML 1.1: 0777 is 777, not octal
+# 511; 1:30 is text, not the sexagesimal 90; 0x / 0o prefixes stay.
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in rules if tag not in (_INT, _FLOAT)]
+    for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_UniqueKeyLoader.add_implicit_resolver(
+    _INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
+_UniqueKeyLoader.add_implicit_resolver(
+    _FLOAT, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+.0123456789"))
+
+
+def _core_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)
+
+
+_UniqueKeyLoader.add_constructor(_INT, _core_int)
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
                                  _unique_mapping)
 

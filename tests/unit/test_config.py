@@ -547,3 +547,15 @@ def test_only_small_regular_files_are_read_as_config(tmp_path):
     s = worker_settings(["--redis-password-file", str(zero)], env={}, role="decode")
     with pytest.raises(ValueError, match="is not a regular file"):
         s.redis_auth()  # read when the worker starts
+
+
+def test_yaml_numbers_read_as_yaml_1_2(tmp_path):
+    """YAML 1.1 would read 0777 as octal 511 and 1:30 as 90 without a word."""
+    path = _write(tmp_path, "c.yaml", "port: 0777\nkv_cache_memory_bytes: 1.5e9\n"
+                                      "grace_s: 0x10\n")
+    s = worker_settings(["--config", path], env={}, role="decode", resolve=False)
+    assert (s.port, s.engine.cache.kv_cache_memory_bytes, s.grace_s) == (777, 1_500_000_000,
+                                                                          16.0)
+    with pytest.raises(ConfigError, match="schedule_max_wait_s: expected a number, got '1:30'"):
+        worker_settings(["--config", _write(tmp_path, "d.yaml", "schedule_max_wait_s: 1:30\n")],
+                        env={}, role="decode")
