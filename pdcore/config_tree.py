@@ -316,8 +316,11 @@ def file_values(path: str, cls: type, sections: Sequence[str],
         for key, value in d.items():
             key = str(key) if str(key).isprintable() else repr(str(key))[:80]
             if isinstance(value, dict) and key in allowed_groups:
-                # a group of another tree (the engine's [cache] for the gateway) is not ours
-                walk(value, f"{where}{key}.", own and key in own_groups, allowed,
+                # a group of another tree (the engine's [cache] for the gateway) is not ours;
+                # only that group's settings go in it (cache: {port: 5} is a mistake)
+                members = {a for r in roots.values() for a, n in aliases(r).items()
+                           if tree(r)[n].group == key} & allowed
+                walk(value, f"{where}{key}.", own and key in own_groups, members,
                      allowed_groups)
                 continue
             if key not in allowed:

@@ -115,6 +115,8 @@ def test_a_setting_of_another_entry_point_is_left_to_it(tmp_path):
     ("yaml", "transfer_timeout_s: .inf\n", "transfer_timeout_s must be a finite number"),
     ("yaml", "kv_cache_memory_bytes: 1e400\n", "expected a byte count"),
     ("yaml", "a: &a [x, x]\nb: [*a, *a]\n", "aliases (*name) are not allowed in a config file"),
+    ("yaml", "cache:\n  port: 5\n", "unknown setting cache.port"),
+    ("yaml", "scheduler:\n  block_size: 32\n", "unknown setting scheduler.block_size"),
     ("yaml", "\"max_num_seqs\\nerror: x\": 3\n", "unknown setting 'max_num_seqs\\nerror: x'"),
 ])
 def test_unknown_and_bad_names_in_files_and_env(tmp_path, where, text, message):
