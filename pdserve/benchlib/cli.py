@@ -321,6 +321,8 @@ def print_summary(desc: str, s: dict) -> None:
                                                  for q in ("mean", "p50", "p90", "p99")))
     if s["errors_by_code"]:
         print(f"   errors: {s['errors_by_code']}")
+        for code, msg in s.get("first_error_by_code", {}).items():
+            print(f"     {code}, first: {msg or '(no message)'}")
 
 
 def print_compare(names, c: dict) -> None:

@@ -75,8 +75,10 @@ def git_state(repo: Path = REPO) -> dict:
     commit = _run(["git", "rev-parse", "HEAD"], repo)
     if commit is None:
         return {"commit": None, "dirty": None}
-    changed = _run(["git", "status", "--porcelain", "--untracked-files=no"], repo) or ""
-    files = [line[3:] for line in changed.splitlines() if line.strip()]
+    # tracked files that differ from HEAD, staged or not (not `status --porcelain`, whose
+    # lines start with a status column that the output's strip() ate on the first line)
+    changed = _run(["git", "diff", "--name-only", "HEAD"], repo) or ""
+    files = [line for line in changed.splitlines() if line.strip()]
     out: dict = {"commit": commit, "dirty": bool(files)}
     if files:
         diff = _run(["git", "diff", "HEAD"], repo) or ""

@@ -86,6 +86,10 @@ def summarize(results: list[RequestResult], slo_ttft_s: float | None = None,
               slo_tpot_s: float | None = None) -> dict:
     ok = [r for r in results if r.ok]
     errors = Counter(r.code for r in results if not r.ok)
+    first_error: dict[str, str] = {}  # per code, the first request's message: what to fix
+    for r in results:
+        if not r.ok and r.code not in first_error:
+            first_error[r.code] = r.error
     if results:
         t0 = min(r.start_s for r in results)
         t1 = max(r.end_s for r in results)
@@ -105,6 +109,7 @@ def summarize(results: list[RequestResult], slo_ttft_s: float | None = None,
         "num_ok": len(ok),
         "num_errors": len(results) - len(ok),
         "errors_by_code": dict(sorted(errors.items())),
+        "first_error_by_code": dict(sorted(first_error.items())),
         "duration_s": round(window, 4),
         "request_throughput": rate(len(ok)),
         "output_token_throughput": rate(out_tokens),

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.benchlib import metrics, workload
-from pdserve.benchlib.cli import main as bench_main, parse_up
+from pdserve.benchlib.cli import main as bench_main, parse_up, print_summary
 from pdserve.benchlib.metrics import RequestResult
 from pdserve.benchlib.runner import LoadSpec, poisson_times, run_load
 from pdserve.benchlib.workload import Item, WorkloadSpec
@@ -154,6 +154,19 @@ def test_summary_exact_values():
     assert s["itl_ms"]["n"] == 6 and s["itl_ms"]["p99"] == pytest.approx(100.0)
     assert s["prefix_cache_hit_rate"] == 0.2
     assert s["errors_by_code"] == {"RESOURCE_EXHAUSTED": 1}
+
+
+def test_summary_keeps_each_error_codes_first_message(capsys):
+    """A run that failed says why, once per status code: the first request's message."""
+    rs = [RequestResult(str(i), 0.1 * i, code="INVALID_ARGUMENT", error=f"unknown model {i}")
+          for i in range(3)] + [RequestResult("x", 0.5, code="UNAVAILABLE")]
+    s = metrics.summarize(rs)
+    assert s["first_error_by_code"] == {"INVALID_ARGUMENT": "unknown model 0",
+                                        "UNAVAILABLE": ""}
+    print_summary("run", s)
+    out = capsys.readouterr().out
+    assert "INVALID_ARGUMENT, first: unknown model 0" in out
+    assert "UNAVAILABLE, first: (no message)" in out
 
 
 def test_percentile_matches_numpy_linear():

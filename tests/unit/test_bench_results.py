@@ -133,3 +133,23 @@ def test_cpu_drivers_run_briefly(tmp_path):
                            cwd=REPO, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, (name, r.stderr[-2000:])
         assert json.loads(out.read_text())["benchmark"] == name
+
+
+def test_git_state_names_each_changed_file_whole(tmp_path):
+    """A result's header names the files that differ from HEAD, every path complete (the
+    first one lost its first letter when the status lines were stripped)."""
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+    git("init", "-q")
+    for name in ("pdserve.py", "zz.py"):
+        (tmp_path / name).write_text("a\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    assert harness.git_state(tmp_path)["dirty"] is False
+    (tmp_path / "pdserve.py").write_text("b\n")
+    (tmp_path / "zz.py").write_text("b\n")
+    git("add", "zz.py")  # staged counts too
+    (tmp_path / "untracked.py").write_text("c\n")  # not tracked: not named
+    state = harness.git_state(tmp_path)
+    assert state["dirty"] is True
+    assert state["changed_files"] == ["pdserve.py", "zz.py"]
