@@ -290,6 +290,9 @@ def main(argv=None) -> int:
     did not start: one line, exit 2 (1 when the machine refused)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv[0] if argv else ""
+    if cmd in ("gateway", "prefill", "decode", "colocated"):
+        from services.startup import catch_interrupts
+        catch_interrupts()  # before the heavy imports: a Ctrl-C among them is not lost
     from pdserve.cluster import StartFailed
     try:
         return _dispatch(argv)

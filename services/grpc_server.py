@@ -216,7 +216,11 @@ class GrpcServer:
             self._stopped.set()
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM/SIGINT: graceful stop; a second one: stop now (grace 0)."""
+        """SIGTERM/SIGINT: graceful stop; a second one: stop now (grace 0). A Ctrl-C that
+        came while the service started (and that something on the way swallowed) stops it
+        here, before it serves."""
+        from services.startup import check_interrupted
+        check_interrupted()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
@@ -255,12 +259,28 @@ async def _run_hooks(hooks) -> None:
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """Run a service's main coroutine on uvloop (falling back to asyncio's loop)."""
+    """Run a service's main coroutine on uvloop (falling back to asyncio's loop).
+
+    Ctrl-C while the service starts stops the start where it is (KeyboardInterrupt: the
+    command exits 130; what started is closed by the ``finally`` blocks on the way out);
+    once the service installed its own handlers (:meth:`GrpcServer.install_signal_handlers`)
+    it drains instead. asyncio.Runner's own handler is kept out
+    (services.startup.catch_interrupts): it turned the first Ctrl-C into a cancellation that
+    the start's next await received wherever it was, in the middle of the gRPC server's
+    start (an InvalidStateError traceback) or in a call that swallowed it (the worker went
+    on to serve)."""
+    from services.startup import catch_interrupts, check_interrupted
     try:
         import uvloop
         factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
     except ImportError:  # pragma: no cover - uvloop is a dependency; kept for odd platforms
         factory = None
+    catch_interrupts()
+    try:
+        check_interrupted()
+    except KeyboardInterrupt:
+        main.close()  # never started: no "was never awaited" warning
+        raise
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
 

@@ -11,6 +11,7 @@ port). Either way one line ``error: ...`` on stderr, never a traceback.
     check_service(settings, role, who, listens)   files and addresses, before anything starts
     binding(what, host, port)                     around a bind at serve time: StartError
     engine_starting()                             around an engine's construction: StartError
+    catch_interrupts() / check_interrupted()      Ctrl-C while it starts: exit 130, never ignored
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import contextlib
 import errno
 import logging
 import os
+import signal
 import socket
+import threading
 
 from pdcore.hostport import bare_host, join_host_port
 
@@ -151,3 +154,32 @@ def check_service(settings, role: str, who: str,
     settings.redis_auth()  # the password file is readable
     for what, host, port in listens:
         check_listen(what, host, port)
+
+
+# ------------------------------------------------------------------ Ctrl-C while starting
+_interrupted = False
+
+
+def _on_interrupt(signum, frame) -> None:
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+def catch_interrupts() -> None:
+    """From now until a service installs its own handlers (a drain:
+    services.grpc_server.GrpcServer.install_signal_handlers), Ctrl-C raises KeyboardInterrupt
+    where the start is, as Python's default handler does, and is remembered: third-party
+    code that catches everything (an import inside torch did) cannot make the start go on
+    to serve; :func:`check_interrupted` raises it again. Replaces only Python's default
+    handler, in the main thread (a caller's own handler stays)."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+        signal.signal(signal.SIGINT, _on_interrupt)
+
+
+def check_interrupted() -> None:
+    """KeyboardInterrupt if Ctrl-C came since :func:`catch_interrupts` (even if whatever it
+    interrupted swallowed it)."""
+    if _interrupted:
+        raise KeyboardInterrupt

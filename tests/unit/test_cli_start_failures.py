@@ -346,3 +346,86 @@ def test_a_worker_whose_redis_password_is_refused_exits_2():
     assert "Traceback" not in r.stderr and "right-one" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "refused our credentials" in last, last
+
+
+# ------------------------------------------------------------------ 7. Ctrl-C while starting
+_SWALLOWED = """
+import os, signal, sys, time
+from services.startup import catch_interrupts
+from services.grpc_server import run
+catch_interrupts()  # what pdserve's main does first
+try:  # a library that catches everything (an import inside torch did) takes the Ctrl-C
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(2)
+except BaseException:
+    pass
+async def main():
+    print("SERVING", flush=True)
+try:
+    run(main())
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+_DURING_BLOCKING_START = """
+import asyncio, os, signal, sys, time
+from services.grpc_server import run  # run() alone: no catch_interrupts() before it
+async def main():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(2)  # blocking start work (an engine loading): the Ctrl-C lands in it
+    try:  # an await that swallows a cancellation (asyncio.Runner turned Ctrl-C into one)
+        await asyncio.sleep(0.1)
+    except asyncio.CancelledError:
+        pass
+    print("SERVING", flush=True)
+try:
+    run(main())
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("code", [_SWALLOWED, _DURING_BLOCKING_START],
+                         ids=["swallowed-before-the-loop", "during-a-blocking-start"])
+def test_ctrl_c_while_a_service_starts_is_never_lost(code):
+    r = cli(code=code, env={"PYTHONPATH": REPO}, timeout=30)
+    assert r.returncode == 130, r.stderr
+    assert "SERVING" not in r.stdout
+    assert r.stderr == ""  # no traceback, no "never awaited" warning
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals")
+def test_ctrl_c_at_any_point_of_a_workers_start_ends_it_cleanly():
+    """Ctrl-C at several points of a real worker's start: it exits (130, or killed by
+    SIGINT, which is how Python reports an interrupt it could not finish cleanly) and never
+    serves on; after READY it drains (0). Once it went on to serve, once it printed
+    grpc's InvalidStateError traceback."""
+    import signal
+
+    def start():
+        return subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "colocated", *WORKER, "--insecure"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+            env={k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")})
+
+    p = start()
+    t0 = time.monotonic()
+    assert p.stdout.readline().startswith("READY"), p.stderr.read()
+    ready_s = time.monotonic() - t0
+    p.send_signal(signal.SIGINT)
+    assert p.wait(15) == 0
+    p.stderr.close()
+    p.stdout.close()
+    for frac in (0.1, 0.25, 0.4, 0.55, 0.7, 0.85):
+        p = start()
+        time.sleep(frac * ready_s)
+        p.send_signal(signal.SIGINT)
+        try:
+            out, err = p.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            pytest.fail(f"Ctrl-C at {frac:.0%} of the start was ignored: {out[-300:]}")
+        assert p.returncode in (130, -signal.SIGINT) or (
+            p.returncode == 0 and out.startswith("READY")), (frac, p.returncode, err[-2000:])
+        assert "Traceback" not in err, (frac, err[-2000:])
