@@ -83,6 +83,25 @@ def _server(settings: GatewaySettings, keys, metrics):
                       credentials=credentials)
 
 
+async def _check_redis_credentials(router) -> None:
+    """A Redis that refuses the gateway's credentials at start: services.startup.StartError
+    (exit 2), as a worker does; Redis down at start stays an outage it rides out (it
+    routes to --decode-addrs, and to the registry's workers once Redis is back)."""
+    from services.registry import RegistryUnavailable
+    from services.startup import BAD_VALUE, StartError
+    if router.registry is None:
+        return
+    try:
+        await router.registry.list_workers(model=router.model)
+    except RegistryUnavailable as e:
+        if getattr(e, "credentials_refused", False):
+            await router.registry.close()
+            if router.index is not None:
+                await router.index.close()
+            raise StartError(f"{e} (check redis_url, redis_username, redis_password_file)",
+                             BAD_VALUE) from None
+
+
 async def serve_gateway(settings: GatewaySettings) -> None:
     from gateway.health import HealthProber
     from gateway.server import GatewayServicer
@@ -94,6 +113,7 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     tls = cluster_tls(settings)
     model_id, mc, tokenizer = _model(settings)
     router = _router(settings, model_id, mc.max_position, tls)
+    await _check_redis_credentials(router)
     await router.refresh()
     prober = HealthProber(router, interval_s=settings.health_interval_s,
                           timeout_s=settings.health_timeout_s, failures=settings.health_failures,

@@ -329,15 +329,16 @@ def test_gateway_refuses_an_api_key_file_with_a_key_clients_cannot_send(tmp_path
     assert line not in last
 
 
-def test_a_worker_whose_redis_password_is_refused_exits_2():
-    """Redis down at start is an outage (the worker serves and registers later); Redis
-    refusing the worker's credentials is its configuration: one line, exit 2."""
+@pytest.mark.parametrize("argv", [["colocated", *WORKER], GATEWAY], ids=["worker", "gateway"])
+def test_a_service_whose_redis_password_is_refused_exits_2(argv):
+    """Redis down at start is an outage (a worker serves and registers later, a gateway
+    routes and discovers later); Redis refusing the service's credentials is its
+    configuration: one line, exit 2. The gateway used to log it and serve on."""
     from pdserve.cluster import RedisProcess
     redis = RedisProcess(password="right-one")
     redis.start()
     try:
-        r = subprocess.run([sys.executable, "-m", "pdserve.cli", "colocated", "--model",
-                            "dummy:tiny", "--port", "0", "--log-format", "text", "--insecure",
+        r = subprocess.run([sys.executable, "-m", "pdserve.cli", *argv, "--insecure",
                             "--redis-url", f"redis://127.0.0.1:{redis.port}/0"],
                            capture_output=True, text=True, cwd=REPO, timeout=120)
     finally:
