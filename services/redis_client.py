@@ -74,6 +74,7 @@ class RedisConn:
         )
         self._down_until = 0.0
         self._down_logged = False
+        self._has_password = bool((auth or {}).get("password")) or "@" in url.split("//", 1)[-1]
 
     @property
     def available(self) -> bool:
@@ -88,12 +89,15 @@ class RedisConn:
             result = await fn(self.client)
         except rexc.AuthenticationError as e:  # wrong or missing password: say so, degrade
             self._down_until = time.monotonic() + self.cooldown_s
+            # Redis's own words for a missing password ("HELLO must be called with the
+            # client already authenticated ...") do not say what to set
+            why = e if self._has_password else "it requires a password and none is set"
             if not self._down_logged:
                 logger.error("%s: Redis at %s refused our credentials: %s", self.name,
-                             self.url, e)
+                             self.url, why)
                 self._down_logged = True
             err = self.error_cls(f"{self.name}: Redis at {self.url} refused our "
-                                 f"credentials: {e}")
+                                 f"credentials: {why}")
             err.credentials_refused = True  # a configuration error, where a start can say so
             raise err from e
         except (rexc.ConnectionError, rexc.TimeoutError, rexc.ReadOnlyError, OSError) as e:

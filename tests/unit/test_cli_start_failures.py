@@ -346,7 +346,8 @@ def test_a_service_whose_redis_password_is_refused_exits_2(argv):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "right-one" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "refused our credentials" in last, last
+    assert last.startswith("error: ") and "refused our credentials: it requires a password " \
+        "and none is set" in last, last
 
 
 # ------------------------------------------------------------------ 7. Ctrl-C while starting
