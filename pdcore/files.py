@@ -32,3 +32,32 @@ def read_small_text(path: str, what: str, limit: int = MAX_BYTES) -> str:
         return data.decode()
     except UnicodeDecodeError as e:
         raise ValueError(f"{what} {path!r} is not UTF-8 text (byte {e.start})") from None
+
+
+def output_file_problem(path: str) -> str | None:
+    """Why a command could not write its result to ``path`` when it is done (None: it
+    can): a folder, something that is not a regular file (a FIFO would block the write),
+    or a parent that is not a writable folder. Checked before a long run, so the run's work
+    is not lost at its end; missing parent folders are fine (the writer creates them)."""
+    if not path:
+        return "the path is empty"
+    if os.path.isdir(path):
+        return "it is a folder (name a file in it)"
+    if os.path.lexists(path):
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            return e.strerror or str(e)
+        if not stat.S_ISREG(st.st_mode):
+            return "it is not a regular file"
+        if not os.access(path, os.W_OK):
+            return "it is not writable"
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # the first folder that exists: the writer makes the rest
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent!r} is not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"the folder {parent!r} is not writable"
+    return None

@@ -60,6 +60,16 @@ def number(lo: float | None = None, hi: float | None = None, *, gt: float | None
     return parse
 
 
+def output_file(text: str) -> str:
+    """An argparse ``type``: a file the command can write its result to when it is done
+    (pdcore.files.output_file_problem), checked before the run."""
+    from pdcore.files import output_file_problem
+    problem = output_file_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {problem}")
+    return text
+
+
 def address(text: str) -> str:
     """host:port, an IPv6 host in brackets ([::1]:50051; pdcore/hostport.py)."""
     from pdcore.hostport import split_host_port

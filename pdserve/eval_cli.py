@@ -49,8 +49,14 @@ def engine_config_of(model: str, pairs: dict[str, str], env=None):
 def _candidate(text: str) -> tuple[str, dict[str, str]]:
     head, sep, rest = text.partition("=")
     if sep and "=" in rest and "," not in head:  # NAME=k=v,...
-        return head.strip(), parse_pairs(rest)
-    return text.strip(), parse_pairs(text)
+        name, pairs = head.strip(), parse_pairs(rest)
+        if not name:
+            raise ValueError(f"--candidate {text!r}: the name before the first '=' is empty")
+    else:
+        name, pairs = text.strip(), parse_pairs(text)
+    if not pairs:  # the baseline again, under no name: nothing to compare
+        raise ValueError(f"--candidate {text!r} sets nothing: give k=v,... (or NAME=k=v,...)")
+    return name, pairs
 
 
 def _args(argv):

@@ -23,7 +23,7 @@ import sys
 
 
 def main(argv=None) -> int:
-    from pdserve.argtypes import Parser, integer, number
+    from pdserve.argtypes import Parser, integer, number, output_file
     p = Parser(prog="pdserve quantize", description=__doc__.split("\n\n")[0])
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--plan", action="store_true",
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     mode.add_argument("--kv-scales", action="store_true",
                       help="calibrate static KV cache scales (per layer and KV head) and "
                            "write them")
-    p.add_argument("--out", required=True,
+    p.add_argument("--out", required=True, type=output_file,
                    help="the plan (--plan), weights (--gptq) or scales (--kv-scales) file")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--base", default="", help="engine settings k=v,... of the float model")

@@ -51,7 +51,7 @@ def up_label(cfg: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdserve.argtypes import Parser, address, int_range, integer, number
+    from pdserve.argtypes import Parser, address, int_range, integer, number, output_file
     from services.config import backend_devices
     from pdcore.settings import MAX_SECONDS
     pos, nonneg, workers = integer(1, 10_000_000), integer(0), integer(0, 64)
@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("report")
     r.add_argument("--slo-ttft-ms", type=number(gt=0.0), default=None)
     r.add_argument("--slo-tpot-ms", type=number(gt=0.0), default=None)
-    r.add_argument("--out", default=None, help="JSON report; PNG plots are written beside it")
+    r.add_argument("--out", default=None, type=output_file,
+                   help="JSON report; PNG plots are written beside it")
     r.add_argument("--no-plots", action="store_true")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--note", default="", help="free text stored in the JSON (machine load, ...)")

@@ -178,7 +178,8 @@ def _jsonable(obj):
 def add_output_args(p: argparse.ArgumentParser, benchmark: str) -> None:
     """``--out FILE`` and ``--set NAME`` (bench/results/<benchmark>/<NAME>/)."""
     g = p.add_argument_group("output")
-    g.add_argument("--out", default=None,
+    from pdserve.argtypes import output_file
+    g.add_argument("--out", default=None, type=output_file,
                    help=f"result file; default bench/results/{benchmark}/<--set>/"
                         f"{benchmark}.json")
     g.add_argument("--set", default=None, dest="result_set", type=set_name,
