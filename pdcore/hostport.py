@@ -15,6 +15,36 @@ def _is_ipv6(text: str) -> bool:
         return False
 
 
+def host_problem(host: str) -> str | None:
+    """Why ``host`` (no brackets, no port) is neither an IP address nor a host name (None:
+    it is one): empty labels (``a..b``), labels over 63 characters or starting or ending
+    with '-', characters a name cannot hold, or dotted numbers that are no IPv4 address
+    (``999.1.1.1``). Underscores are allowed (container and service names use them)."""
+    if _is_ipv6(host):
+        return None
+    try:
+        ipaddress.IPv4Address(host)
+        return None
+    except ValueError:
+        pass
+    name = host[:-1] if host.endswith(".") else host  # a fully qualified name's root dot
+    if not name or len(name) > 253:
+        return "a host name has 1 to 253 characters"
+    labels = name.split(".")
+    for label in labels:
+        if not label:
+            return "a host name has no empty part between dots"
+        if len(label) > 63:
+            return "each dot-separated part of a host name has at most 63 characters"
+        if label[0] == "-" or label[-1] == "-":
+            return "a part of a host name neither starts nor ends with '-'"
+        if not all(c.isascii() and (c.isalnum() or c in "-_") for c in label):
+            return "a host name holds letters, digits, '-' and '_' between dots"
+    if all(label.isdigit() for label in labels):
+        return "dotted numbers that are not an IPv4 address"
+    return None
+
+
 def split_host_port(text: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port``) -> (host without brackets, port in 1..65535); ValueError
     saying what is wrong (the caller adds which setting)."""
@@ -42,6 +72,9 @@ def split_host_port(text: str) -> tuple[str, int]:
             raise ValueError(f"expected host:port, got {text!r}")
     if not port.isascii() or not port.isdigit() or not 0 < int(port) <= 65535:
         raise ValueError(f"expected host:port with a port in 1..65535, got {text!r}")
+    problem = host_problem(host)
+    if problem:
+        raise ValueError(f"{host!r} in {text!r} is not a host: {problem}")
     return host, int(port)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import socket
 from typing import Any
 
-from pdcore.hostport import bare_host, join_host_port, split_host_port
+from pdcore.hostport import bare_host, host_problem, join_host_port, split_host_port
 from engine.config import (EngineConfig, SettingError, check_settings, resolve_engine_config,
                            section, setting)
 from pdcore.config_tree import ConfigError, build, tree  # noqa: F401 - re-exported
@@ -330,11 +330,15 @@ class GatewaySettings(ServiceSettings):
         if not self.redis_url and not self.decode_addrs:
             raise ValueError("need redis_url or decode_addrs (where do workers come from?)")
         for name in ("prefill_addrs", "decode_addrs"):
+            seen = set()
             for a in getattr(self, name):
                 try:
                     _check_address(a)
                 except ValueError as e:
                     raise SettingError(name, f"{name}: {e}") from None
+                if a in seen:  # one worker listed twice would count its seats twice
+                    raise SettingError(name, f"{name}: {a!r} is listed twice")
+                seen.add(a)
         from services.auth import load_api_keys
         try:
             load_api_keys(self.api_keys, self.api_key_file)  # readable, well-formed
@@ -394,6 +398,11 @@ class WorkerSettings(ServiceSettings):
             raise SettingError("engine", "engine must be an EngineConfig")
         if not isinstance(self.limits, RequestLimits):
             raise SettingError("limits", "limits must be a RequestLimits")
+        if self.advertise_host:
+            problem = host_problem(bare_host(self.advertise_host))
+            if problem:
+                raise SettingError("advertise_host", f"advertise_host "
+                                                     f"{self.advertise_host!r}: {problem}")
         if self.kv_host and not (self.tls or self.insecure or is_loopback(self.kv_host)):
             raise SettingError("kv_host", f"kv_host {self.kv_host!r} is not a loopback "
                                           f"address: give certificates or --insecure")
