@@ -24,6 +24,7 @@ import threading
 import time
 
 from pdcore.config_tree import child_environ
+from services.startup import start_failure_reason
 
 logger = logging.getLogger(__name__)
 
@@ -215,22 +216,9 @@ class StartFailed(RuntimeError):
         self.returncode = returncode
         self.log = list(svc.log)
         self.status = returncode if returncode in (1, 2) else 1
-        self.reason = _reason(self.log, returncode, timeout_s)
+        self.reason = start_failure_reason(self.log, returncode, timeout_s)
         tail = "\n".join(self.log[-30:])
         super().__init__(f"{svc.kind} did not start:\n{tail}")
-
-
-def _reason(log: list[str], returncode: int | None, timeout_s: float) -> str:
-    """One line saying why a service did not start, from its output."""
-    for line in reversed(log):
-        if line.startswith("error: "):
-            return line[len("error: "):].strip()
-    if returncode is None:
-        return f"not ready after {timeout_s:g} s"
-    for line in reversed(log):  # a traceback's last line, a log line at ERROR
-        if line.strip() and not line.startswith((" ", "Traceback")):
-            return f"exited with status {returncode}: {' '.join(line.split())}"
-    return f"exited with status {returncode}"
 
 
 @dataclass(eq=False)  # a process: equal only to itself (hashable)

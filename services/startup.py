@@ -12,6 +12,8 @@ port). Either way one line ``error: ...`` on stderr, never a traceback.
     binding(what, host, port)                     around a bind at serve time: StartError
     engine_starting()                             around an engine's construction: StartError
     catch_interrupts() / check_interrupted()      Ctrl-C while it starts: exit 130, never ignored
+    start_failure_reason(output, status, timeout_s)  a started process's one line, from its
+                                                  output (pdserve up and bench --up)
 """
 from __future__ import annotations
 
@@ -154,6 +156,20 @@ def check_service(settings, role: str, who: str,
     settings.redis_auth()  # the password file is readable
     for what, host, port in listens:
         check_listen(what, host, port)
+
+
+def start_failure_reason(log: list[str], returncode: int | None, timeout_s: float) -> str:
+    """One line saying why a service process did not start, from its output lines: its own
+    ``error: ...`` line (the rule above), else a timeout or the last line it printed."""
+    for line in reversed(log):
+        if line.startswith("error: "):
+            return line[len("error: "):].strip()
+    if returncode is None:
+        return f"not ready after {timeout_s:g} s"
+    for line in reversed(log):  # a traceback's last line, a log line at ERROR
+        if line.strip() and not line.startswith((" ", "Traceback")):
+            return f"exited with status {returncode}: {' '.join(line.split())}"
+    return f"exited with status {returncode}"
 
 
 # ------------------------------------------------------------------ Ctrl-C while starting
