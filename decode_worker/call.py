@@ -128,6 +128,14 @@ class DecodeCall:
     def transfer_timeout_s(self) -> float:
         return self._bounded(self.env.settings.transfer_timeout_s)
 
+    def kv_blocks_wait_s(self) -> float:
+        """How long this request's prompt may wait for free KV blocks: the transfer's
+        timeout runs meanwhile (a sender may connect first), so at most half of it."""
+        s = self.env.settings
+        if s.kv_blocks_wait_s <= 0:
+            return 0.0
+        return self._bounded(min(s.kv_blocks_wait_s, s.transfer_timeout_s / 2))
+
     # ------------------------------------------------------------------- run
     async def run(self):
         # logs carry the caller's id for the request (the gateway's, on every hop)

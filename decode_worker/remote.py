@@ -68,9 +68,10 @@ class RemotePrefill:
                                     {"pdserve.prefill_address": self.call.req.prefill_address})
             rpc = self._prefill_rpc(transfer_s, pspan)
             # the call runs while the blocks are reserved (under load the engine thread takes
-            # them between two steps)
+            # them between two steps; with the cache full, running requests free them)
             blocks = await self.env.aengine.preallocate(
-                self.call.rid, self.call.req.ids, self.call.req.sp, self.call.req.output_ids)
+                self.call.rid, self.call.req.ids, self.call.req.sp, self.call.req.output_ids,
+                wait_s=self.call.kv_blocks_wait_s())
             if blocks is None:
                 telemetry.end_with_status(pspan, "CANCELLED", "no free KV blocks")
                 raise NoFreeBlocks("decode worker has no free KV blocks for this prompt")

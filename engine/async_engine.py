@@ -8,6 +8,7 @@ The torch forward pass releases the GIL, so the event loop keeps serving gRPC me
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 import concurrent.futures
 import logging
@@ -57,6 +58,11 @@ class AsyncEngine:
         # request id -> None while a caller owns the request (it will end, release or abort
         # it), else the monotonic time its owner let go; see stranded()
         self._owners: dict[str, float | None] = {}
+        # decode role: pre-allocations waiting for free KV blocks, in arrival order (event
+        # loop); ``_kv_need``: the first one's block count, which the engine thread compares
+        # with the free blocks after each step and command (0: no one waits)
+        self._kv_waiters: deque[_KvWaiter] = deque()
+        self._kv_need = 0
 
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -133,6 +139,7 @@ class AsyncEngine:
                     self.snapshot = eng.stats()  # before the caller hears: it may read it
                     if wanted:
                         fut.set_result(res)
+            self._check_kv_waiters(eng)
             if not eng.has_work:
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -146,6 +153,7 @@ class AsyncEngine:
                 self._fail_all(e)
                 return
             self.snapshot = eng.stats()
+            self._check_kv_waiters(eng)
             if eng.stalled:  # nothing could be scheduled: wait for a command (a release)
                 self._wake.wait(STALL_WAIT_S)
                 self._wake.clear()
@@ -153,6 +161,23 @@ class AsyncEngine:
                 fn(outs)
             if outs:  # one wake-up of the event loop per step, not one per request
                 self._loop.call_soon_threadsafe(self._deliver_all, outs)
+
+    def _check_kv_waiters(self, eng: LLMEngine) -> None:
+        """Engine thread: wake the first waiting pre-allocation once its blocks are free."""
+        need = self._kv_need
+        if need and eng.block_manager.num_free_blocks >= need:
+            self._kv_need = 0  # woken once; it arms again if it still cannot have them
+            self._loop.call_soon_threadsafe(self._wake_first_kv_waiter)
+
+    def _wake_first_kv_waiter(self) -> None:
+        if self._kv_waiters and not self._kv_waiters[0].woken.done():
+            self._kv_waiters[0].woken.set_result(None)
+
+    def _arm_kv_waiters(self) -> None:
+        """Event loop: tell the engine thread what the first waiter needs (and look now)."""
+        self._kv_need = self._kv_waiters[0].need if self._kv_waiters else 0
+        if self._kv_need:
+            self._wake.set()
 
     def _send_progress(self, items: list[PrefillProgress]) -> None:
         """Engine thread (``LLMEngine.progress_sink``): a request's progress reaches its
@@ -344,7 +369,47 @@ class AsyncEngine:
         return found
 
     async def preallocate(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
-                          output_token_ids: list[int] = ()) -> list[int] | None:
+                          output_token_ids: list[int] = (), wait_s: float = 0.0
+                          ) -> list[int] | None:
+        """Decode role: reserve the blocks a prompt's KV will land in (LLMEngine.preallocate);
+        None when there are not enough free ones. With ``wait_s`` > 0 a cache too full
+        right now is waited on, up to ``wait_s``, in arrival order behind earlier waiters
+        (their blocks come first, as a colocated engine admits its queue in order): running
+        requests finish and free theirs."""
+        need = -(-(len(prompt_ids) + len(output_token_ids))
+                 // self.engine.block_manager.block_size)
+        deadline = time.monotonic() + wait_s
+        waiter = None
+        try:
+            while True:
+                if waiter is not None or not self._kv_waiters:  # never ahead of a waiter
+                    blocks = await self._preallocate(rid, prompt_ids, sampling,
+                                                     output_token_ids)
+                    if blocks is not None:
+                        return blocks
+                left = deadline - time.monotonic()
+                if left <= 0 or need > self.engine.block_manager.num_blocks:
+                    return None
+                if waiter is None:
+                    waiter = _KvWaiter(need, self._loop.create_future())
+                    self._kv_waiters.append(waiter)
+                else:
+                    waiter.woken = self._loop.create_future()
+                if self._kv_waiters[0] is waiter:
+                    self._arm_kv_waiters()
+                try:
+                    await asyncio.wait_for(waiter.woken, left)
+                except asyncio.TimeoutError:
+                    return None
+        finally:
+            if waiter is not None:
+                first = self._kv_waiters and self._kv_waiters[0] is waiter
+                self._kv_waiters.remove(waiter)
+                if first:  # the next one's turn (the engine thread checks its need)
+                    self._arm_kv_waiters()
+
+    async def _preallocate(self, rid: str, prompt_ids: list[int], sampling: SamplingParams,
+                           output_token_ids: list[int] = ()) -> list[int] | None:
         self._own(rid)
         try:
             blocks = await self.call(lambda e: e.preallocate(rid, prompt_ids, sampling,
@@ -394,6 +459,16 @@ class AsyncEngine:
     async def stats(self):
         """The engine's counters as of its latest step or command (no wait for a step)."""
         return self.snapshot
+
+
+class _KvWaiter:
+    """A pre-allocation waiting for ``need`` free KV blocks; ``woken`` resolves when the
+    engine thread saw them free (another may still take them first: it checks again)."""
+
+    __slots__ = ("need", "woken")
+
+    def __init__(self, need: int, woken: asyncio.Future) -> None:
+        self.need, self.woken = need, woken
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:

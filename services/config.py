@@ -383,6 +383,12 @@ class WorkerSettings(ServiceSettings):
                                       "proxy's; several backends count up)")
     transfer_timeout_s: float = setting(30.0, "KV transfer timeout (never past the request's "
                                               "deadline)", gt=0.0)
+    kv_blocks_wait_s: float = setting(15.0, "decode role: how long a request whose prompt finds "
+                                     "the KV cache full waits, in arrival order, for "
+                                     "running requests to free blocks before "
+                                     "RESOURCE_EXHAUSTED (at most half of "
+                                     "transfer_timeout_s, never past the request's "
+                                     "deadline; 0: refuse at once)", ge=0.0)
     prefill_timeout_s: float = setting(30.0, "decode role: a Prefill call's deadline, plus "
                                              "prefill_timeout_per_token_ms per prompt token "
                                              "(never past the request's deadline)", gt=0.0)
