@@ -456,6 +456,11 @@ class AsyncEngine:
         async for out in self._stream(rid, q, samples):
             yield out
 
+    @property
+    def kv_block_waiters(self) -> int:
+        """Decode role: pre-allocations waiting for free KV blocks (preallocate's wait)."""
+        return len(self._kv_waiters)
+
     async def stats(self):
         """The engine's counters as of its latest step or command (no wait for a step)."""
         return self.snapshot

@@ -194,8 +194,11 @@ class WorkerMetrics:
     def __init__(self, role: str, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
         self.role = role
-        self.queue_depth = Gauge("pdserve_queue_depth", "Requests waiting: for the scheduler "
-                                 "or for their KV to arrive", registry=r)
+        self.queue_depth = Gauge("pdserve_queue_depth", "Requests waiting: for the scheduler, "
+                                 "for their KV to arrive or for KV blocks to free", registry=r)
+        self.kv_block_waiters = Gauge("pdserve_kv_block_waiters", "Decode role: requests "
+                                      "waiting for KV blocks to free before their prompt's KV "
+                                      "can be received", registry=r)
         self.running = Gauge("pdserve_running_requests", "Requests in the running batch",
                              registry=r)
         self.waiting = Gauge("pdserve_waiting_requests", "Requests waiting for the scheduler",
@@ -250,10 +253,12 @@ class WorkerMetrics:
     def export_config(self, settings: dict[str, str]) -> None:
         export_config(self.registry, settings)
 
-    def observe_engine(self, st) -> None:
-        """Update gauges and counters from an ``EngineStats`` snapshot (cumulative fields)."""
+    def observe_engine(self, st, kv_block_waiters: int = 0) -> None:
+        """Update gauges and counters from an ``EngineStats`` snapshot (cumulative fields)
+        and the decode role's requests waiting for KV blocks."""
         used = st.kv_blocks_total - st.kv_blocks_free
-        self.queue_depth.set(st.num_waiting + st.num_awaiting_kv)
+        self.queue_depth.set(st.num_waiting + st.num_awaiting_kv + kv_block_waiters)
+        self.kv_block_waiters.set(kv_block_waiters)
         self.running.set(st.num_running)
         self.waiting.set(st.num_waiting)
         self.kv_used.set(used)

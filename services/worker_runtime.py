@@ -116,9 +116,11 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ load
     async def _refresh_load(self) -> None:
         st = await self.aengine.stats()
+        kv_waiters = self.aengine.kv_block_waiters
         if self.metrics is not None:
-            self.metrics.observe_engine(st)
-        self._load = WorkerLoad(running=st.num_running, waiting=st.num_waiting + st.num_awaiting_kv,
+            self.metrics.observe_engine(st, kv_waiters)
+        self._load = WorkerLoad(running=st.num_running,
+                                waiting=st.num_waiting + st.num_awaiting_kv + kv_waiters,
                                 kv_free_blocks=st.kv_blocks_free, kv_total_blocks=st.kv_blocks_total)
 
     async def _load_loop(self) -> None:

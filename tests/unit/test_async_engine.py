@@ -244,6 +244,7 @@ def test_a_preallocation_waits_for_free_kv_blocks_in_arrival_order():
             c = asyncio.create_task(wait("c", 4, 10))  # 1 block is free, but b came first
             await asyncio.sleep(0.3)
             assert not b.done() and not c.done()
+            assert ae.kv_block_waiters == 2  # counted as waiting (queue depth, load)
             # a full cache that stays full: None after wait_s; more than the cache: at once
             assert await ae.preallocate("d", list(range(3, 31)), sp, wait_s=0.2) is None
             assert await ae.preallocate("e", list(range(3, 60)), sp, wait_s=10) is None

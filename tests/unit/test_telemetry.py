@@ -179,7 +179,9 @@ def _stats(**kw):
 def test_worker_metrics_follow_engine_stats():
     m = WorkerMetrics("decode")
     m.observe_engine(_stats(num_running=3, num_waiting=2, num_awaiting_kv=1, kv_blocks_free=60,
-                            prefix_query_tokens=64, prefix_hit_tokens=32))
+                            prefix_query_tokens=64, prefix_hit_tokens=32), kv_block_waiters=4)
+    assert _sample(m, "pdserve_queue_depth") == 7  # waiting for blocks counts as waiting
+    assert _sample(m, "pdserve_kv_block_waiters") == 4
     m.observe_engine(_stats(num_running=1, kv_blocks_free=90, prefix_query_tokens=96,
                             prefix_hit_tokens=48, num_preemptions=2, graph_steps=7,
                             mixed_graph_steps=3, eager_steps=2))
