@@ -96,7 +96,10 @@ def test_decode_worker_without_room_refuses_and_calls_off_the_prefill():
     """The decode worker asks for the prefill while it reserves the blocks: when the
     reservation fails, the caller gets RESOURCE_EXHAUSTED and the prefill already started
     is called off (its compute and transfer end, nothing stays held on either side); a
-    request that fits still works afterwards."""
+    request that fits still works afterwards. kv_blocks_wait_s 0: refused at once, not
+    after waiting for the holder to free its blocks (that wait, and its timeout, are
+    tests/integration/test_kv_pressure.py and tests/unit/test_async_engine.py; the refusal
+    after it takes this same path)."""
     sp_long = common_pb2.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     sp = common_pb2.SamplingParams(max_tokens=4, temperature=0.0)
     prompt = list(range(3, 3 + 16 * 5))  # 5 blocks of a 8-block cache
@@ -134,7 +137,7 @@ def test_decode_worker_without_room_refuses_and_calls_off_the_prefill():
             return refused, via_gateway, ok
 
     with LocalCluster("dummy:tiny", prefill=1, decode=1, secure=False,
-                      worker_args=("--num-blocks", "8")) as c:
+                      worker_args=("--num-blocks", "8", "--kv-blocks-wait-s", "0")) as c:
         pre = next(w for w in c.workers if w.kind == "prefill")
         dec = next(w for w in c.workers if w.kind == "decode")
         gw_address = c.address
