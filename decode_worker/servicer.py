@@ -1,7 +1,7 @@
 """DecodeWorker servicer: the engine in decode role (continuous batching) plus KV receivers.
 
 Thin: each Generate call is a :class:`decode_worker.call.DecodeCall` (its steps are written
-out there); Stats answers from the engine's latest counters without waiting for a step;
+out there); GenerateMany carries many such calls on one stream (decode_worker.many); Stats answers from the engine's latest counters without waiting for a step;
 Abort ends every call of a request_id with finish_reason "abort". A colocated worker (or a
 request without a prefill address) prefills locally.
 """
@@ -16,6 +16,7 @@ from services.grpc_server import ChannelPool
 from services.metrics import WorkerMetrics
 
 from decode_worker.call import DecodeCall, DecodeEnv
+from decode_worker.many import ManyCalls
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                              ChannelPool(worker_pb2_grpc.PrefillWorkerStub, tls=tls),
                              allow_local_prefill)
         self.calls: CallRegistry[DecodeCall] = CallRegistry()
+        self.streams: set[ManyCalls] = set()  # open GenerateMany streams
+        self.closing = False  # shutting down: GenerateMany refuses new calls
 
     async def close(self) -> None:
         await self.env.peers.close()
@@ -41,6 +44,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         with self.calls.track(request.request_id, call):
             async for resp in call.run():
                 yield resp
+
+    async def GenerateMany(self, request_iterator, context):
+        many = ManyCalls(self, context)
+        self.streams.add(many)
+        try:
+            async for resp in many.run(request_iterator):
+                yield resp
+        finally:
+            self.streams.discard(many)
+
+    def stop_accepting(self) -> None:
+        """Shutdown began: GenerateMany streams refuse new calls (UNAVAILABLE), as the server
+        refuses new Generate calls, and end once their calls are done."""
+        self.closing = True
+        for many in list(self.streams):
+            many.close_when_idle()
 
     async def Stats(self, request, context):
         return await self.env.runtime.stats_proto([r for _, r in self.env.receivers])

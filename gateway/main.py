@@ -39,6 +39,7 @@ def _router(settings: GatewaySettings, model_id: str, model_max_len: int, tls=No
 def _env(settings: GatewaySettings, router, tokenizer, model_id: str, vocab_size: int,
          num_keys: int, metrics, tls=None):
     from gateway.admission import Admission
+    from gateway.decode_calls import DecodeCalls
     from gateway.pipeline import GatewayEnv
     from gateway.tokenize import PromptTokenizer
     from protos.pdserve.v1 import worker_pb2_grpc
@@ -55,7 +56,8 @@ def _env(settings: GatewaySettings, router, tokenizer, model_id: str, vocab_size
         hasher=BlockHasher(settings.hash_seed, model_id, settings.block_size),
         metrics=metrics, limits=settings.limits, model=model_id, vocab_size=vocab_size,
         max_migrations=settings.max_migrations,
-        peers=ChannelPool(worker_pb2_grpc.DecodeWorkerStub, tls=tls))
+        decode=DecodeCalls(ChannelPool(worker_pb2_grpc.DecodeWorkerStub, tls=tls),
+                           settings.decode_stream))
 
 
 def _server(settings: GatewaySettings, keys, metrics):

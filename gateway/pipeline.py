@@ -28,12 +28,12 @@ import uuid
 import grpc
 
 from gateway.admission import Admission, OverLimit, Ticket
+from gateway.decode_calls import DecodeCalls
 from gateway.router import NoWorkers, OverCapacity, Route, Router
 from gateway.tokenize import PromptTokenizer, TokenizerBusy
 from protos.pdserve.v1 import common_pb2, worker_pb2
 from services import telemetry, validation
 from pdcore.block_hash import BlockHasher
-from services.grpc_server import ChannelPool
 from services.logging_setup import request_context
 from services.metrics import GatewayMetrics, route_mode
 from services.protocol import sampling_to_proto
@@ -81,7 +81,7 @@ class GatewayEnv:
     model: str
     vocab_size: int
     max_migrations: int
-    peers: ChannelPool
+    decode: DecodeCalls  # the calls to decode workers
     active: set = field(default_factory=set)  # GatewayRequests streaming
     shutting_down: bool = False
 
@@ -301,8 +301,8 @@ class GatewayRequest:
             sampling=sampling_to_proto(sp), model=env.router.model,
             prefill_address=route.prefill.info.address if route.prefill else "")
         env.router.begin(route)
-        self._call = call = env.peers.stub(route.decode.info.address).Generate(
-            dreq, timeout=max(deadline - loop.time(), 0.001),
+        self._call = call = env.decode.generate(
+            route.decode.info.address, dreq, timeout=max(deadline - loop.time(), 0.001),
             metadata=telemetry.outgoing_metadata(self.span, self.ctx))
         route.decode.watchers.add(self.cut)
         try:

@@ -16,7 +16,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.request_timeout_s = request_timeout_s
 
     async def close(self) -> None:
-        await self.env.peers.close()
+        await self.env.decode.close()
         self.env.tokenizer.close()
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context):

@@ -99,6 +99,7 @@ async def serve_worker(settings: WorkerSettings, kv_options=None) -> None:
         if decode is not None:
             worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, srv.server)
             srv.add_grace_end_hook(decode.evict_all)  # the gateways resume them elsewhere
+            srv.add_shutdown_hook(decode.stop_accepting)
         if senders:
             prefill = PrefillServicer(aengine, runtime, senders, layout, settings,
                                       metrics=metrics)

@@ -270,6 +270,11 @@ class GatewaySettings(ServiceSettings):
         4 * 1024 * 1024, "largest gRPC message a client may send (bigger: RESOURCE_EXHAUSTED "
                          "before it is parsed); above max_prompt_bytes", ge=1024, le=2**31 - 1,
         unit="bytes")
+    decode_stream: str = setting(
+        "many", "how requests travel to a decode worker: many (all of them on one "
+                "GenerateMany stream per worker, one message per engine step) or per_request "
+                "(one Generate call each; workers without GenerateMany get these anyway)",
+        choices=("many", "per_request"))
     max_migrations: int = setting(3, "times a request may move to another decode worker after "
                                      "the one streaming it failed (0: never)", ge=0)
     health_interval_s: float = setting(1.0, "how often each worker is probed (Stats, which "

@@ -9,12 +9,12 @@ address from the registry proves nothing until its peer shows a cluster certific
 
 Which role may call what (:data:`RPC_ROLES`; anything else is PERMISSION_DENIED):
 
-    DecodeWorker/Generate, Abort    gateway
-    DecodeWorker/Stats              gateway, operator
-    PrefillWorker/Prefill, Abort    decode, colocated
-    PrefillWorker/Stats             gateway, operator, decode, colocated
-    KV receiver (a connection)      prefill, colocated senders; a sender admits decode and
-                                    colocated receivers only
+    DecodeWorker/Generate, GenerateMany, Abort    gateway
+    DecodeWorker/Stats                            gateway, operator
+    PrefillWorker/Prefill, Abort                  decode, colocated
+    PrefillWorker/Stats                           gateway, operator, decode, colocated
+    KV receiver (a connection)                    prefill, colocated senders; a sender
+                                                  admits decode and colocated receivers only
 
 Files: ``tls_ca_file`` (the cluster CA certificate), ``tls_cert_file`` / ``tls_key_file``
 (this service's certificate and key, PEM). They are re-read when they change (checked at

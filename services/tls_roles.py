@@ -18,6 +18,7 @@ _DECODE = "/pdserve.v1.DecodeWorker/"
 _PREFILL = "/pdserve.v1.PrefillWorker/"
 RPC_ROLES: dict[str, tuple[str, ...]] = {
     _DECODE + "Generate": ("gateway",),
+    _DECODE + "GenerateMany": ("gateway",),
     _DECODE + "Abort": ("gateway",),
     _DECODE + "Stats": ("gateway", "operator"),
     _PREFILL + "Prefill": ("decode", "colocated"),
@@ -92,7 +93,16 @@ def _checked(handler: grpc.RpcMethodHandler, method: str, roles: tuple[str, ...]
                 await context.abort(code, msg)
             return await inner_u(request, context)
         return grpc.unary_unary_rpc_method_handler(unary, **kw)
-    # streaming requests: no pdserve RPC has one; refuse rather than pass unchecked
+    if handler.stream_stream is not None:  # DecodeWorker.GenerateMany
+        inner_s = handler.stream_stream
+
+        async def both(request_iterator, context):
+            if (msg := why(context)) is not None:
+                await context.abort(code, msg)
+            async for item in inner_s(request_iterator, context):
+                yield item
+        return grpc.stream_stream_rpc_method_handler(both, **kw)
+    # streaming requests only: no pdserve RPC has one; refuse rather than pass unchecked
     async def refuse(request_iterator, context):
         await context.abort(code, f"{method}: streaming requests are not served here")
     if handler.stream_unary is not None:

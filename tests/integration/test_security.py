@@ -24,8 +24,8 @@ from services.tls import CLUSTER_NAME, write_cluster_files
 from tests.integration.helpers import gen_many, run
 
 SP = common_pb2.SamplingParams(max_tokens=4, temperature=0.0)
-RPC_NAMES = ("Decode.Generate", "Decode.Stats", "Decode.Abort", "Prefill.Prefill",
-             "Prefill.Stats", "Prefill.Abort")
+RPC_NAMES = ("Decode.Generate", "Decode.GenerateMany", "Decode.Stats", "Decode.Abort",
+             "Prefill.Prefill", "Prefill.Stats", "Prefill.Abort")
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,9 @@ def _rpcs(ch):
     return {
         "Decode.Generate": lambda: _drain(dec.Generate(worker_pb2.DecodeRequest(
             request_id="x", prompt_token_ids=[5, 6, 7], sampling=SP), timeout=10)),
+        "Decode.GenerateMany": lambda: _drain(dec.GenerateMany(iter([
+            worker_pb2.DecodeStreamRequest(call_id=1, start=worker_pb2.DecodeRequest(
+                request_id="x", prompt_token_ids=[5, 6, 7], sampling=SP))]), timeout=10)),
         "Decode.Stats": lambda: dec.Stats(common_pb2.StatsRequest(), timeout=10),
         "Decode.Abort": lambda: dec.Abort(common_pb2.AbortRequest(request_id="x"), timeout=10),
         "Prefill.Prefill": lambda: pre.Prefill(worker_pb2.PrefillRequest(
@@ -110,14 +113,15 @@ def test_every_worker_rpc_refuses_a_client_without_a_cluster_certificate(cluster
 
 def test_each_rpc_admits_only_its_roles(cluster):
     dec, pre = _worker(cluster, "decode"), _worker(cluster, "prefill")
-    decode_rpcs = ["Decode.Generate", "Decode.Stats", "Decode.Abort"]
+    decode_rpcs = ["Decode.Generate", "Decode.GenerateMany", "Decode.Stats", "Decode.Abort"]
     prefill_rpcs = ["Prefill.Prefill", "Prefill.Stats", "Prefill.Abort"]
     by_role = {r: run(_codes(lambda: cluster.worker_channel(dec.address, r), decode_rpcs))
                for r in ("gateway", "operator", "prefill", "decode")}
-    assert by_role["gateway"] == {"Decode.Generate": "OK", "Decode.Stats": "OK",
-                                  "Decode.Abort": "OK"}
-    assert by_role["operator"] == {"Decode.Generate": "PERMISSION_DENIED", "Decode.Stats": "OK",
-                                   "Decode.Abort": "PERMISSION_DENIED"}
+    assert by_role["gateway"] == {"Decode.Generate": "OK", "Decode.GenerateMany": "OK",
+                                  "Decode.Stats": "OK", "Decode.Abort": "OK"}
+    assert by_role["operator"] == {"Decode.Generate": "PERMISSION_DENIED",
+                                   "Decode.GenerateMany": "PERMISSION_DENIED",
+                                   "Decode.Stats": "OK", "Decode.Abort": "PERMISSION_DENIED"}
     for role in ("prefill", "decode"):
         assert set(by_role[role].values()) == {"PERMISSION_DENIED"}, by_role[role]
     as_gateway = run(_codes(lambda: cluster.worker_channel(pre.address, "gateway"),

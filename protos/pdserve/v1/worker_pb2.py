@@ -25,21 +25,31 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import common_pb2 as protos_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\xad\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\"\xc8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\x12\x31\n\x0bkv_transfer\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferParams\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\"\x93\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x1a\n\rfirst_logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12.\n\x08transfer\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferResult\x12\x17\n\nfirst_text\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\x33\n\x12\x66irst_top_logprobs\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.TopLogprobsB\x10\n\x0e_first_logprobB\r\n\x0b_first_text2\xcf\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse2\xd1\x01\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\xad\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\"\xf3\x01\n\x13\x44\x65\x63odeStreamRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12*\n\x05start\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12?\n\x08metadata\x18\x05 \x03(\x0b\x32-.pdserve.v1.DecodeStreamRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06\x61\x63tion\"\x8e\x01\n\x11\x44\x65\x63odeStreamEntry\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1c.pdserve.v1.GenerateResponse\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x08\x12\x13\n\x0bstatus_code\x18\x04 \x01(\r\x12\x16\n\x0estatus_message\x18\x05 \x01(\t\"F\n\x14\x44\x65\x63odeStreamResponse\x12.\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1d.pdserve.v1.DecodeStreamEntry\"\xc8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\x12\x31\n\x0bkv_transfer\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferParams\x12\x18\n\x10output_token_ids\x18\x06 \x03(\r\"\x93\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x1a\n\rfirst_logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12.\n\x08transfer\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferResult\x12\x17\n\nfirst_text\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\x33\n\x12\x66irst_top_logprobs\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.TopLogprobsB\x10\n\x0e_first_logprobB\r\n\x0b_first_text2\xcf\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse2\xa8\x02\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12U\n\x0cGenerateMany\x12\x1f.pdserve.v1.DecodeStreamRequest\x1a .pdserve.v1.DecodeStreamResponse(\x01\x30\x01\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_DECODESTREAMREQUEST_METADATAENTRY']._loaded_options = None
+  _globals['_DECODESTREAMREQUEST_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_DECODEREQUEST']._serialized_start=79
   _globals['_DECODEREQUEST']._serialized_end=252
-  _globals['_PREFILLREQUEST']._serialized_start=255
-  _globals['_PREFILLREQUEST']._serialized_end=455
-  _globals['_PREFILLRESPONSE']._serialized_start=458
-  _globals['_PREFILLRESPONSE']._serialized_end=733
-  _globals['_PREFILLWORKER']._serialized_start=736
-  _globals['_PREFILLWORKER']._serialized_end=943
-  _globals['_DECODEWORKER']._serialized_start=946
-  _globals['_DECODEWORKER']._serialized_end=1155
+  _globals['_DECODESTREAMREQUEST']._serialized_start=255
+  _globals['_DECODESTREAMREQUEST']._serialized_end=498
+  _globals['_DECODESTREAMREQUEST_METADATAENTRY']._serialized_start=441
+  _globals['_DECODESTREAMREQUEST_METADATAENTRY']._serialized_end=488
+  _globals['_DECODESTREAMENTRY']._serialized_start=501
+  _globals['_DECODESTREAMENTRY']._serialized_end=643
+  _globals['_DECODESTREAMRESPONSE']._serialized_start=645
+  _globals['_DECODESTREAMRESPONSE']._serialized_end=715
+  _globals['_PREFILLREQUEST']._serialized_start=718
+  _globals['_PREFILLREQUEST']._serialized_end=918
+  _globals['_PREFILLRESPONSE']._serialized_start=921
+  _globals['_PREFILLRESPONSE']._serialized_end=1196
+  _globals['_PREFILLWORKER']._serialized_start=1199
+  _globals['_PREFILLWORKER']._serialized_end=1406
+  _globals['_DECODEWORKER']._serialized_start=1409
+  _globals['_DECODEWORKER']._serialized_end=1705
 # @@protoc_insertion_point(module_scope)

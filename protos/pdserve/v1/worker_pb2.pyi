@@ -23,6 +23,47 @@ class DecodeRequest(_message.Message):
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., prefill_address: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class DecodeStreamRequest(_message.Message):
+    __slots__ = ("call_id", "start", "cancel", "timeout_s", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    start: DecodeRequest
+    cancel: bool
+    timeout_s: float
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, call_id: _Optional[int] = ..., start: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class DecodeStreamEntry(_message.Message):
+    __slots__ = ("call_id", "response", "end", "status_code", "status_message")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    response: _common_pb2.GenerateResponse
+    end: bool
+    status_code: int
+    status_message: str
+    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ..., end: _Optional[bool] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
+
+class DecodeStreamResponse(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[DecodeStreamEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[DecodeStreamEntry, _Mapping]]] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "model", "kv_transfer", "output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

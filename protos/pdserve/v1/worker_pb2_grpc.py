@@ -204,6 +204,11 @@ class DecodeWorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_common__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/pdserve.v1.DecodeWorker/GenerateMany',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeStreamRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeStreamResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/Stats',
                 request_serializer=protos_dot_pdserve_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
@@ -220,6 +225,12 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -244,6 +255,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_common__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeStreamRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeStreamResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -283,6 +299,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Generate',
             protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_common__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.DecodeWorker/GenerateMany',
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeStreamRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,191 @@
+"""DecodeWorker.GenerateMany: many Generate calls on one stream.
+
+A gateway keeps one such stream per decode worker. Each call on it is a
+:class:`decode_worker.call.DecodeCall`, exactly as a Generate call is; what differs is the
+transport. A Generate call costs the worker's event loop one gRPC message per engine step;
+on a busy worker (hundreds of streams, a step every ~20 ms) that per-message work was most of
+the loop's time, and the loop shares the interpreter lock with the engine thread. Here every
+call's output of one step leaves in one message.
+
+  * a ``start`` entry opens a call (its deadline and trace headers travel with it); a
+    ``cancel`` entry ends it as a cancelled RPC would (its blocks are freed);
+  * each call's responses go out in order, tagged with its ``call_id``; its last entry says
+    how it ended: OK, or the status code and message its Generate call would have ended with
+    (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, UNAVAILABLE at shutdown ...);
+  * a stream that breaks (the gateway left) ends every call on it, as cancelled RPCs;
+  * a worker shutting down refuses new calls (UNAVAILABLE) and ends the stream once its
+    calls are done.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from protos.pdserve.v1 import worker_pb2
+
+logger = logging.getLogger(__name__)
+
+MAX_ENTRIES_PER_MESSAGE = 4096  # a message stays far below the message size limit
+MAX_OPEN_CALLS = 65536  # per stream: a caller that never ends its calls is refused more
+
+
+class CallEnded(Exception):
+    """A call's context.abort(): the call ends with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class CallContext:
+    """What a DecodeCall needs of a ServicerContext, for one call on a GenerateMany stream:
+    its deadline, its trace headers, abort, and done callbacks (run when the call ends)."""
+
+    def __init__(self, stream_context, metadata, timeout_s: float) -> None:
+        self._stream = stream_context
+        self._metadata = tuple(metadata.items())
+        loop = asyncio.get_running_loop()
+        self.deadline = loop.time() + timeout_s if timeout_s > 0 else None
+        self._callbacks: list = []
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+    async def abort(self, code: grpc.StatusCode, details: str = ""):
+        raise CallEnded(code, details)
+
+    def add_done_callback(self, callback) -> None:
+        self._callbacks.append(callback)
+
+    def peer(self) -> str:
+        return self._stream.peer()
+
+    def auth_context(self):
+        return self._stream.auth_context()
+
+    def done(self) -> None:
+        callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            try:
+                cb(self)
+            except Exception:  # noqa: BLE001 - one callback's failure ends no other's
+                logger.exception("done callback failed")
+
+
+class ManyCalls:
+    """One GenerateMany stream: its calls, and the messages that carry their outputs."""
+
+    def __init__(self, servicer, context) -> None:
+        self.servicer, self.context = servicer, context
+        self.tasks: dict[int, asyncio.Task] = {}
+        self._out: list[worker_pb2.DecodeStreamEntry] = []
+        self._ready = asyncio.Event()
+        self._reader_done = False
+
+    async def run(self, requests):
+        """The handler: read the caller's entries in a task, answer with batched entries."""
+        reader = asyncio.ensure_future(self._read(requests))
+        try:
+            while True:
+                await self._ready.wait()
+                self._ready.clear()
+                if self._out:
+                    batch = self._out[:MAX_ENTRIES_PER_MESSAGE]
+                    del self._out[:MAX_ENTRIES_PER_MESSAGE]
+                    if self._out:
+                        self._ready.set()
+                    yield worker_pb2.DecodeStreamResponse(entries=batch)
+                elif self._reader_done and not self.tasks:
+                    return
+        finally:
+            reader.cancel()
+            tasks = list(self.tasks.values())
+            for t in tasks:
+                t.cancel()
+            if tasks:  # each call frees what it holds (its DecodeCall cleans up)
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _emit(self, entry: worker_pb2.DecodeStreamEntry) -> None:
+        self._out.append(entry)
+        self._ready.set()
+
+    def _end(self, call_id: int, code: grpc.StatusCode = grpc.StatusCode.OK,
+             message: str = "") -> None:
+        self._emit(worker_pb2.DecodeStreamEntry(call_id=call_id, end=True,
+                                                status_code=code.value[0],
+                                                status_message=message))
+
+    async def _read(self, requests) -> None:
+        try:
+            async for msg in requests:
+                action = msg.WhichOneof("action")
+                if action == "start":
+                    self._start(msg)
+                elif action == "cancel":
+                    task = self.tasks.get(msg.call_id)
+                    if task is not None:
+                        task.cancel()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the stream broke: its calls end with it
+            logger.debug("GenerateMany stream from %s ended: %r", self.context.peer(), e)
+            for task in list(self.tasks.values()):
+                task.cancel()
+        finally:
+            self._reader_done = True
+            self._ready.set()
+
+    def _start(self, msg) -> None:
+        cid = msg.call_id
+        if cid in self.tasks:
+            self._end(cid, grpc.StatusCode.INVALID_ARGUMENT,
+                      f"call_id {cid} is already open on this stream")
+            return
+        if self.servicer.closing:
+            self._end(cid, grpc.StatusCode.UNAVAILABLE,
+                      "decode worker is shutting down: resume the request elsewhere")
+            return
+        if len(self.tasks) >= MAX_OPEN_CALLS:
+            self._end(cid, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"more than {MAX_OPEN_CALLS} calls open on one stream")
+            return
+        ctx = CallContext(self.context, msg.metadata, msg.timeout_s)
+        self.tasks[cid] = asyncio.ensure_future(self._serve(cid, msg.start, ctx))
+
+    async def _serve(self, cid: int, request, ctx: CallContext) -> None:
+        from decode_worker.call import DecodeCall
+        call = DecodeCall(self.servicer.env, request, ctx)
+        try:
+            with self.servicer.calls.track(request.request_id, call):
+                async with asyncio.timeout_at(ctx.deadline):
+                    async for resp in call.run():
+                        self._emit(worker_pb2.DecodeStreamEntry(call_id=cid, response=resp))
+            self._end(cid)
+        except CallEnded as e:
+            self._end(cid, e.code, e.details)
+        except TimeoutError:
+            if ctx.time_remaining() != 0:
+                raise
+            self._end(cid, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        except asyncio.CancelledError:
+            self._end(cid, grpc.StatusCode.CANCELLED, "cancelled by the caller")
+        except Exception:  # noqa: BLE001 - as grpc would: this call fails, no other does
+            logger.exception("request %s failed", request.request_id[:64])
+            self._end(cid, grpc.StatusCode.INTERNAL, "internal error")
+        finally:
+            self.tasks.pop(cid, None)
+            ctx.done()
+            if self._reader_done and not self.tasks:
+                self._ready.set()
+
+    def close_when_idle(self) -> None:
+        """Shutdown: the stream ends once its calls are done (new ones are refused)."""
+        self._reader_done = True
+        self._ready.set()

@@ -1,0 +1,128 @@
+"""DecodeWorker.GenerateMany (many calls on one stream, the gateway's default) against a real
+worker process: the same tokens as Generate calls, in fewer messages; one call's error,
+cancellation, deadline or abort ends that call only; a worker that dies fails every call on
+the stream with UNAVAILABLE; every KV block is free afterwards."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from gateway.decode_calls import DecodeCalls
+from pdserve.cluster import LocalCluster
+from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.grpc_server import ChannelPool
+from tests.integration.helpers import run, wait_all_free
+
+
+def _req(rid: str, ids, max_tokens: int, **sp) -> worker_pb2.DecodeRequest:
+    return worker_pb2.DecodeRequest(
+        request_id=rid, prompt_token_ids=ids, model="dummy:tiny",
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0,
+                                           ignore_eos=True, **sp))
+
+
+async def _collect(call):
+    """(tokens, finish_reason, status name, message)."""
+    tokens, finish = [], ""
+    try:
+        async for resp in call:
+            tokens.extend(resp.token_ids)
+            finish = resp.finish_reason or finish
+        return tokens, finish, "OK", ""
+    except grpc.aio.AioRpcError as e:
+        return tokens, finish, e.code().name, e.details()
+
+
+def _calls(mode: str) -> DecodeCalls:
+    return DecodeCalls(ChannelPool(worker_pb2_grpc.DecodeWorkerStub), mode)
+
+
+def test_many_calls_on_one_stream():
+    prompts = [[5 + i, 17, 33 + 3 * i, 40, 41 + i] * (1 + i % 3) for i in range(8)]
+
+    async def same_tokens(address):
+        many, single = _calls("many"), _calls("per_request")
+        try:
+            got = await asyncio.gather(*(
+                _collect(many.generate(address, _req(f"m{i}", p, 12), 30))
+                for i, p in enumerate(prompts)))
+            want = await asyncio.gather(*(
+                _collect(single.generate(address, _req(f"s{i}", p, 12), 30))
+                for i, p in enumerate(prompts)))
+            stream = many._streams[address]
+            return got, want, stream.messages, len(many._streams)
+        finally:
+            await many.close()
+            await single.close()
+
+    async def one_call_ends_alone(address):
+        many = _calls("many")
+        try:
+            ok = many.generate(address, _req("ok", [9, 8, 7, 6], 40), 30)
+            bad = many.generate(address, _req("bad", [10**6, 3], 4), 30)
+            late = many.generate(address, _req("late", [4, 5, 6], 2000), 0.3)
+            left = many.generate(address, _req("left", [4, 5, 6, 7], 2000), 30)
+            it = left.__aiter__()
+            first = [await it.__anext__(), await it.__anext__()]
+            assert left.cancel()
+            try:
+                await it.__anext__()
+                cancelled = "no"
+            except asyncio.CancelledError:
+                cancelled = "CancelledError"
+            aborted = many.generate(address, _req("ab", [4, 5, 6, 8], 2000), 30)
+            ait = aborted.__aiter__()
+            await ait.__anext__()
+            async with grpc.aio.insecure_channel(address) as ch:
+                found = await worker_pb2_grpc.DecodeWorkerStub(ch).Abort(
+                    common_pb2.AbortRequest(request_id="ab"), timeout=5)
+            rest = await _collect(ait)
+            results = await asyncio.gather(_collect(ok), _collect(bad), _collect(late))
+            return results, first, cancelled, found.found, rest
+        finally:
+            await many.close()
+
+    with LocalCluster("dummy:tiny", prefill=0, decode=0, colocated=1, secure=False,
+                      redis=False) as c:
+        address = c.workers[0].address
+        got, want, messages, streams = run(same_tokens(address))
+        assert got == want
+        assert all(len(t) == 12 and f == "length" for t, f, _, _ in got), got
+        # one stream; its messages carry several calls' steps (8 calls x 12 tokens, one
+        # response each per step, would be 96+ messages on Generate calls)
+        assert streams == 1
+        assert messages < 8 * 12, messages
+
+        (ok, bad, late), first, cancelled, found, rest = run(one_call_ends_alone(address))
+        assert ok[1:3] == ("length", "OK") and len(ok[0]) == 40
+        assert bad[2] == "INVALID_ARGUMENT" and "vocabulary" in bad[3], bad
+        assert late[2] == "DEADLINE_EXCEEDED", late[1:]
+        assert all(r.token_ids for r in first) and cancelled == "CancelledError"
+        assert found and rest[1:3] == ("abort", "OK"), rest[1:]
+        for stats in run(wait_all_free([address], timeout_s=15)):
+            assert (stats.kv_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0)
+
+
+def test_a_worker_that_dies_fails_every_call_on_its_stream():
+    async def main(c, worker):
+        many = _calls("many")
+        try:
+            calls = [many.generate(worker.address, _req(f"k{i}", [3 + i, 4, 5], 2000), 60)
+                     for i in range(4)]
+            its = [call.__aiter__() for call in calls]
+            for it in its:
+                await it.__anext__()
+            t0 = time.monotonic()
+            await asyncio.get_running_loop().run_in_executor(None, c.kill, worker)
+            ends = await asyncio.wait_for(asyncio.gather(*(_collect(it) for it in its)), 10)
+            return ends, time.monotonic() - t0, many._streams
+        finally:
+            await many.close()
+
+    with LocalCluster("dummy:tiny", prefill=0, decode=0, colocated=1, secure=False,
+                      redis=False) as c:
+        ends, took, streams = run(main(c, c.workers[0]))
+        assert [e[2] for e in ends] == ["UNAVAILABLE"] * 4, ends
+        assert took < 10 and not streams  # the next call opens a new stream
