@@ -42,7 +42,7 @@ def test_generated_modules_import_and_name_the_wire_api():
     assert services == {
         "pdserve.v1.Gateway": ["Generate"],
         "pdserve.v1.PrefillWorker": ["Prefill", "Stats", "Abort"],
-        "pdserve.v1.DecodeWorker": ["Generate", "Stats", "Abort"],
+        "pdserve.v1.DecodeWorker": ["Generate", "GenerateMany", "Stats", "Abort"],
     }
     assert gateway_pb2_grpc.GatewayStub and worker_pb2_grpc.DecodeWorkerStub
     req = gateway_pb2.GenerateRequest(
