@@ -94,16 +94,15 @@ class ManyCalls:
         reader = asyncio.ensure_future(self._read(requests))
         try:
             while True:
-                await self._ready.wait()
-                self._ready.clear()
                 if self._out:
                     batch = self._out[:MAX_ENTRIES_PER_MESSAGE]
                     del self._out[:MAX_ENTRIES_PER_MESSAGE]
-                    if self._out:
-                        self._ready.set()
                     yield worker_pb2.DecodeStreamResponse(entries=batch)
-                elif self._reader_done and not self.tasks:
-                    return
+                    continue
+                if self._reader_done and not self.tasks:
+                    return  # the caller half-closed (or shutdown) and every call has ended
+                self._ready.clear()
+                await self._ready.wait()
         finally:
             reader.cancel()
             tasks = list(self.tasks.values())

@@ -84,9 +84,25 @@ def test_many_calls_on_one_stream():
         finally:
             await many.close()
 
+    async def half_closed(address):
+        """A caller that sends its calls and half-closes: the stream ends (OK) once the
+        calls have ended, each with its end entry."""
+        async with grpc.aio.insecure_channel(address) as ch:
+            stream = worker_pb2_grpc.DecodeWorkerStub(ch).GenerateMany(iter([
+                worker_pb2.DecodeStreamRequest(call_id=i, start=_req(f"h{i}", [6, 7, i], 5))
+                for i in (1, 2)]), timeout=20)
+            entries = [e async for msg in stream for e in msg.entries]
+            return entries, await stream.code()
+
     with LocalCluster("dummy:tiny", prefill=0, decode=0, colocated=1, secure=False,
                       redis=False) as c:
         address = c.workers[0].address
+        entries, code = run(half_closed(address))
+        assert code == grpc.StatusCode.OK
+        assert sorted(e.call_id for e in entries if e.end) == [1, 2]
+        assert all(e.status_code == 0 for e in entries if e.end)
+        assert {i: sum(len(e.response.token_ids) for e in entries if e.call_id == i)
+                for i in (1, 2)} == {1: 5, 2: 5}
         got, want, messages, streams = run(same_tokens(address))
         assert got == want
         assert all(len(t) == 12 and f == "length" for t, f, _, _ in got), got
