@@ -34,6 +34,10 @@
 #   closed-loop  bench/closed_loop_engine.py: the engine alone at concurrency 512, all at once
 #                vs closed loop (waves), then closed loop with spread arrivals (1500 x
 #                (200 + 100..300)) in lockstep and launched ahead (1 GPU)                 ~3
+#   served-gap   issue 22's served / offline ratio: bench/closed_loop_engine.py offline, then
+#                pdserve bench --up per gateway transport (GAP_MODES: many per_request),
+#                then offline again, per concurrency (GAP_C: 512), one colocated worker with
+#                no flag but --device cuda (GAP_DEPLOY=1p1d: pdserve up's pair) (1 GPU)  ~2/run
 #   serve-defaults  pdserve bench --up: one colocated worker with no flag but --device cuda
 #                (Redis: the gateway learns its capacity), 1000 x (200+200) at concurrency
 #                256 and 512; then 1P1D on the one GPU (pdserve up --device cuda)           ~8
@@ -172,6 +176,31 @@ PY
         ${WORKER_ARGS:+--worker-args "$WORKER_ARGS"} ${GATEWAY_ARGS:+--gateway-args "$GATEWAY_ARGS"} \
         ${DECODE_ARGS:+--decode-worker-args "$DECODE_ARGS"} ${P1D_EXTRA:-} \
         --out "$OUT/disagg_gpu_h200_${DEPLOY:-1p1d}_${P1D_NAME:-p1d}.json" ;;
+    served-gap)  # issue 22: LLM.generate and served runs alternating on one warm GPU, per
+                 # concurrency in GAP_C; served runs per gateway transport in GAP_MODES
+                 # (many: GenerateMany, one stream per worker; per_request: one Generate call
+                 # each); GAP_DEPLOY colocated or 1p1d (1p1d skips the offline runs)
+      dep_flags="--colocated 1 --prefill 0 --decode 0"
+      [ "${GAP_DEPLOY:-colocated}" = 1p1d ] && dep_flags="--prefill 1 --decode 1"
+      for c in ${GAP_C:-512}; do
+        i=0
+        offline() {
+          [ "${GAP_DEPLOY:-colocated}" = 1p1d ] && return
+          i=$((i + 1))
+          run python3 -m bench.closed_loop_engine --model dummy:llama-3-8b --device cuda \
+            --concurrency $c --modes offline --out "$OUT/offline_c${c}_$i.json"
+        }
+        offline
+        for mode in ${GAP_MODES:-many per_request}; do
+          i=$((i + 1))
+          PDSERVE_DECODE_STREAM=$mode run python3 -m pdserve.cli bench --up $dep_flags \
+            --model dummy:llama-3-8b --device cuda --prompt-format tokens --vocab-size 128000 \
+            --input-len 200:200 --output-len 200:200 --num-requests 1000 --warmup 64 \
+            --concurrency $c --no-plots --no-progress \
+            --out "$OUT/served_${GAP_DEPLOY:-colocated}_c${c}_${mode}_$i.json"
+        done
+        offline
+      done ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
