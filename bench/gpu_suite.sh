@@ -187,13 +187,13 @@ PY
         offline() {
           [ "${GAP_DEPLOY:-colocated}" = 1p1d ] && return
           i=$((i + 1))
-          run python3 -m bench.closed_loop_engine --model dummy:llama-3-8b --device cuda \
-            --concurrency $c --modes offline --out "$OUT/offline_c${c}_$i.json"
+          run timeout 120 python3 -m bench.closed_loop_engine --model dummy:llama-3-8b \
+            --device cuda --concurrency $c --modes offline --out "$OUT/offline_c${c}_$i.json"
         }
         offline
         for mode in ${GAP_MODES:-many per_request}; do
           i=$((i + 1))
-          PDSERVE_DECODE_STREAM=$mode run python3 -m pdserve.cli bench --up $dep_flags \
+          run env PDSERVE_DECODE_STREAM=$mode timeout 200 python3 -m pdserve.cli bench --up $dep_flags \
             --model dummy:llama-3-8b --device cuda --prompt-format tokens --vocab-size 128000 \
             --input-len 200:200 --output-len 200:200 --num-requests 1000 --warmup 64 \
             --concurrency $c --no-plots --no-progress \
