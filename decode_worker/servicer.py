@@ -1,9 +1,10 @@
 """DecodeWorker servicer: the engine in decode role (continuous batching) plus KV receivers.
 
 Thin: each Generate call is a :class:`decode_worker.call.DecodeCall` (its steps are written
-out there); GenerateMany carries many such calls on one stream (decode_worker.many); Stats answers from the engine's latest counters without waiting for a step;
-Abort ends every call of a request_id with finish_reason "abort". A colocated worker (or a
-request without a prefill address) prefills locally.
+out there); GenerateMany carries many such calls on one stream (decode_worker.many); Stats
+answers from the engine's latest counters without waiting for a step; Abort ends every call
+of a request_id with finish_reason "abort". A colocated worker (or a request without a
+prefill address) prefills locally.
 """
 from __future__ import annotations
 

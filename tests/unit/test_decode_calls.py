@@ -1,0 +1,110 @@
+"""gateway/decode_calls.py against real gRPC servers on loopback: a worker that does not
+serve GenerateMany (one built before it) gets Generate calls instead, with the same
+responses; a worker that never answers a call on the stream still ends it at its deadline;
+cancel() reaches the worker as a cancel entry and ends the caller's iteration."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from gateway.decode_calls import DecodeCalls
+from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.grpc_server import ChannelPool
+
+
+def _req(rid: str) -> worker_pb2.DecodeRequest:
+    return worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=[1, 2, 3],
+                                    sampling=common_pb2.SamplingParams(max_tokens=3))
+
+
+class OlderWorker(worker_pb2_grpc.DecodeWorkerServicer):
+    """Serves Generate only (GenerateMany: the generated base answers UNIMPLEMENTED)."""
+
+    def __init__(self):
+        self.generate_calls = 0
+
+    async def Generate(self, request, context):
+        self.generate_calls += 1
+        for t in (7, 8, 9):
+            yield common_pb2.GenerateResponse(request_id=request.request_id, token_ids=[t])
+
+
+class SilentWorker(worker_pb2_grpc.DecodeWorkerServicer):
+    """Takes GenerateMany calls and never answers them; records what the gateway sent."""
+
+    def __init__(self):
+        self.received: list[worker_pb2.DecodeStreamRequest] = []
+
+    async def GenerateMany(self, request_iterator, context):
+        async for msg in request_iterator:
+            self.received.append(msg)
+        return
+        yield  # noqa: unreachable - makes this an async generator
+
+
+async def _serve(servicer):
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def _tokens(call) -> list[int]:
+    return [t async for resp in call for t in resp.token_ids]
+
+
+def _calls() -> DecodeCalls:
+    return DecodeCalls(ChannelPool(worker_pb2_grpc.DecodeWorkerStub), "many")
+
+
+def test_a_worker_without_generate_many_gets_generate_calls(caplog):
+    async def main():
+        worker = OlderWorker()
+        server, address = await _serve(worker)
+        calls = _calls()
+        try:
+            first = await _tokens(calls.generate(address, _req("a"), 5))
+            second = await _tokens(calls.generate(address, _req("b"), 5))
+            return first, second, worker.generate_calls, calls._per_request == {address}
+        finally:
+            await calls.close()
+            await server.stop(None)
+
+    first, second, n, fell_back = asyncio.run(main())
+    assert first == second == [7, 8, 9]
+    assert n == 2 and fell_back  # the second call went straight to Generate
+    assert "does not serve GenerateMany" in caplog.text
+
+
+def test_a_silent_worker_ends_the_call_at_its_deadline_and_cancel_reaches_it():
+    async def main():
+        worker = SilentWorker()
+        server, address = await _serve(worker)
+        calls = _calls()
+        try:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(_tokens(calls.generate(address, _req("late"), 0.2)), 5)
+            took = loop.time() - t0
+            left = calls.generate(address, _req("left"), 30)
+            assert left.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await _tokens(left)
+            for _ in range(50):  # the cancel entry is on its way
+                if any(m.cancel for m in worker.received):
+                    break
+                await asyncio.sleep(0.05)
+            return err.value.code(), took, [m.WhichOneof("action") for m in worker.received]
+        finally:
+            await calls.close()
+            await server.stop(None)
+
+    code, took, actions = asyncio.run(main())
+    assert code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert 0.2 <= took < 3.0  # the worker's own deadline plus the gateway's 1 s slack
+    # "late" started, then cancelled when it expired; "left" started, then cancelled
+    assert actions == ["start", "cancel", "start", "cancel"]
