@@ -8,11 +8,15 @@ the loop's time, and the loop shares the interpreter lock with the engine thread
 call's output of one step leaves in one message.
 
   * a ``start`` entry opens a call (its deadline and trace headers travel with it); a
-    ``cancel`` entry ends it as a cancelled RPC would (its blocks are freed);
+    ``cancel`` entry ends it as a cancelled RPC would (its blocks are freed); a second
+    ``start`` with the id of an open call ends that call with INVALID_ARGUMENT (every call
+    gets exactly one end entry, and nothing after it);
   * each call's responses go out in order, tagged with its ``call_id``; its last entry says
     how it ended: OK, or the status code and message its Generate call would have ended with
     (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, UNAVAILABLE at shutdown ...);
-  * a stream that breaks (the gateway left) ends every call on it, as cancelled RPCs;
+  * a stream that breaks (the gateway left, or sent a message over the size limit, which
+    grpc refuses for the whole stream: the gateway fails such a request alone before
+    sending it) ends every call on it, as cancelled RPCs;
   * a worker shutting down refuses new calls (UNAVAILABLE) and ends the stream once its
     calls are done.
 """
@@ -49,6 +53,7 @@ class CallContext:
         loop = asyncio.get_running_loop()
         self.deadline = loop.time() + timeout_s if timeout_s > 0 else None
         self._callbacks: list = []
+        self.finished = False  # its end entry went out
 
     def invocation_metadata(self):
         return self._metadata
@@ -88,6 +93,7 @@ class ManyCalls:
         self._out: list[worker_pb2.DecodeStreamEntry] = []
         self._ready = asyncio.Event()
         self._reader_done = False
+        self._refused: dict[int, str] = {}  # open calls ended by a caller's protocol error
 
     async def run(self, requests):
         """The handler: read the caller's entries in a task, answer with batched entries."""
@@ -143,9 +149,13 @@ class ManyCalls:
 
     def _start(self, msg) -> None:
         cid = msg.call_id
-        if cid in self.tasks:
+        if cid in self.tasks:  # a caller's error: the call it names ends, once, with this
+            self._refused[cid] = f"call_id {cid} was started again while open on this stream"
+            self.tasks[cid].cancel()
+            return
+        if not msg.timeout_s >= 0:  # negative, or NaN
             self._end(cid, grpc.StatusCode.INVALID_ARGUMENT,
-                      f"call_id {cid} is already open on this stream")
+                      f"timeout_s {msg.timeout_s} is invalid (seconds >= 0; 0: none)")
             return
         if self.servicer.closing:
             self._end(cid, grpc.StatusCode.UNAVAILABLE,
@@ -156,33 +166,50 @@ class ManyCalls:
                       f"more than {MAX_OPEN_CALLS} calls open on one stream")
             return
         ctx = CallContext(self.context, msg.metadata, msg.timeout_s)
-        self.tasks[cid] = asyncio.ensure_future(self._serve(cid, msg.start, ctx))
+        task = self.tasks[cid] = asyncio.ensure_future(self._serve(cid, msg.start, ctx))
+        # a task cancelled before it first ran never enters _serve: end its call here
+        task.add_done_callback(lambda _t: self._finish(cid, ctx, *self._cancelled(cid)))
+
+    def _cancelled(self, cid: int) -> tuple[grpc.StatusCode, str]:
+        refused = self._refused.pop(cid, None)
+        if refused is not None:
+            return grpc.StatusCode.INVALID_ARGUMENT, refused
+        return grpc.StatusCode.CANCELLED, "cancelled by the caller"
 
     async def _serve(self, cid: int, request, ctx: CallContext) -> None:
         from decode_worker.call import DecodeCall
-        call = DecodeCall(self.servicer.env, request, ctx)
+        code, message = grpc.StatusCode.INTERNAL, "internal error"
         try:
+            call = DecodeCall(self.servicer.env, request, ctx)
             with self.servicer.calls.track(request.request_id, call):
                 async with asyncio.timeout_at(ctx.deadline):
                     async for resp in call.run():
                         self._emit(worker_pb2.DecodeStreamEntry(call_id=cid, response=resp))
-            self._end(cid)
+            code, message = grpc.StatusCode.OK, ""
         except CallEnded as e:
-            self._end(cid, e.code, e.details)
+            code, message = e.code, e.details
         except TimeoutError:
-            if ctx.time_remaining() != 0:
-                raise
-            self._end(cid, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            if ctx.time_remaining() == 0:
+                code, message = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
+            else:  # a timeout inside the call that it did not turn into a status
+                logger.exception("request %s failed", request.request_id[:64])
         except asyncio.CancelledError:
-            self._end(cid, grpc.StatusCode.CANCELLED, "cancelled by the caller")
+            code, message = self._cancelled(cid)
         except Exception:  # noqa: BLE001 - as grpc would: this call fails, no other does
             logger.exception("request %s failed", request.request_id[:64])
-            self._end(cid, grpc.StatusCode.INTERNAL, "internal error")
         finally:
-            self.tasks.pop(cid, None)
-            ctx.done()
-            if self._reader_done and not self.tasks:
-                self._ready.set()
+            self._finish(cid, ctx, code, message)
+
+    def _finish(self, cid: int, ctx: CallContext, code: grpc.StatusCode, message: str) -> None:
+        """A call's one end entry (a second call of this for the same call does nothing)."""
+        if ctx.finished:
+            return
+        ctx.finished = True
+        self.tasks.pop(cid, None)
+        self._end(cid, code, message)
+        ctx.done()
+        if self._reader_done and not self.tasks:
+            self._ready.set()
 
     def close_when_idle(self) -> None:
         """Shutdown: the stream ends once its calls are done (new ones are refused)."""

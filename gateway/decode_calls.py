@@ -87,9 +87,17 @@ class _Stream:
 
     def start(self, request, timeout: float, metadata) -> _Call:
         cid, self._next_id = self._next_id, self._next_id + 1
-        call = self.calls[cid] = _Call(self, cid, request, timeout, metadata)
-        self._sends.put_nowait(worker_pb2.DecodeStreamRequest(
-            call_id=cid, start=request, timeout_s=timeout, metadata=dict(metadata)))
+        msg = worker_pb2.DecodeStreamRequest(call_id=cid, start=request, timeout_s=timeout,
+                                             metadata=dict(metadata))
+        call = _Call(self, cid, request, timeout, metadata)
+        if msg.ByteSize() > self.owner.peers.max_message_bytes:
+            # the worker would refuse the message, and with it the stream: fail this call only
+            call.fail(rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"request of {msg.ByteSize()} bytes exceeds the "
+                                f"{self.owner.peers.max_message_bytes}-byte message limit"))
+            return call
+        self.calls[cid] = call
+        self._sends.put_nowait(msg)
         return call
 
     def cancel(self, cid: int) -> None:
@@ -171,6 +179,11 @@ class _Call:
         self.stream.cancel(self.cid)
         self.queue.put_nowait(_CANCELLED)
         return True
+
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
+        """End the call before it was sent: its iteration raises ``error``."""
+        self._close()
+        self.queue.put_nowait(error)
 
     def _expire(self) -> None:
         if not self.done:

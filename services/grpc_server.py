@@ -297,6 +297,7 @@ class ChannelPool:
     def __init__(self, stub_cls: type, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  tls=None):
         self.stub_cls = stub_cls
+        self.max_message_bytes = max_message_bytes
         self.options = grpc_options(max_message_bytes)
         self.tls = tls
         self._channels: dict[str, tuple[grpc.aio.Channel, int]] = {}

@@ -86,11 +86,15 @@ def test_many_calls_on_one_stream():
 
     async def half_closed(address):
         """A caller that sends its calls and half-closes: the stream ends (OK) once the
-        calls have ended, each with its end entry."""
+        calls have ended, each with exactly one end entry and nothing after it. Among them
+        a call with a negative timeout and a call_id started twice (caller errors)."""
+        start = worker_pb2.DecodeStreamRequest
         async with grpc.aio.insecure_channel(address) as ch:
-            stream = worker_pb2_grpc.DecodeWorkerStub(ch).GenerateMany(iter([
-                worker_pb2.DecodeStreamRequest(call_id=i, start=_req(f"h{i}", [6, 7, i], 5))
-                for i in (1, 2)]), timeout=20)
+            stream = worker_pb2_grpc.DecodeWorkerStub(ch).GenerateMany(iter(
+                [start(call_id=i, start=_req(f"h{i}", [6, 7, i], 5)) for i in (1, 2)]
+                + [start(call_id=3, start=_req("h3", [6, 7], 5), timeout_s=-1),
+                   start(call_id=4, start=_req("h4", [6, 7, 4], 2000)),
+                   start(call_id=4, start=_req("h4b", [6, 7, 4], 5))]), timeout=20)
             entries = [e async for msg in stream for e in msg.entries]
             return entries, await stream.code()
 
@@ -99,10 +103,19 @@ def test_many_calls_on_one_stream():
         address = c.workers[0].address
         entries, code = run(half_closed(address))
         assert code == grpc.StatusCode.OK
-        assert sorted(e.call_id for e in entries if e.end) == [1, 2]
-        assert all(e.status_code == 0 for e in entries if e.end)
+        ends = {e.call_id: (next(c.name for c in grpc.StatusCode
+                                 if c.value[0] == e.status_code), e.status_message)
+                for e in entries if e.end}
+        assert sorted(e.call_id for e in entries if e.end) == [1, 2, 3, 4]  # one each
+        assert ends[1] == ends[2] == ("OK", "")
+        assert ends[3][0] == "INVALID_ARGUMENT" and "timeout_s" in ends[3][1], ends
+        assert ends[4][0] == "INVALID_ARGUMENT" and "started again" in ends[4][1], ends
+        last = {e.call_id: i for i, e in enumerate(entries)}
+        assert all(entries[last[cid]].end for cid in ends)  # nothing after a call's end
         assert {i: sum(len(e.response.token_ids) for e in entries if e.call_id == i)
                 for i in (1, 2)} == {1: 5, 2: 5}
+        for stats in run(wait_all_free([address], timeout_s=15)):
+            assert (stats.kv_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0)
         got, want, messages, streams = run(same_tokens(address))
         assert got == want
         assert all(len(t) == 12 and f == "length" for t, f, _, _ in got), got

@@ -44,6 +44,19 @@ class SilentWorker(worker_pb2_grpc.DecodeWorkerServicer):
         yield  # noqa: unreachable - makes this an async generator
 
 
+class EchoWorker(worker_pb2_grpc.DecodeWorkerServicer):
+    """Answers each GenerateMany start with its prompt's first token, then an OK end."""
+
+    async def GenerateMany(self, request_iterator, context):
+        async for msg in request_iterator:
+            if msg.WhichOneof("action") == "start":
+                yield worker_pb2.DecodeStreamResponse(entries=[
+                    worker_pb2.DecodeStreamEntry(call_id=msg.call_id, response=common_pb2.
+                                                 GenerateResponse(token_ids=msg.start.
+                                                                  prompt_token_ids[:1])),
+                    worker_pb2.DecodeStreamEntry(call_id=msg.call_id, end=True)])
+
+
 async def _serve(servicer):
     server = grpc.aio.server()
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
@@ -108,3 +121,25 @@ def test_a_silent_worker_ends_the_call_at_its_deadline_and_cancel_reaches_it():
     assert 0.2 <= took < 3.0  # the worker's own deadline plus the gateway's 1 s slack
     # "late" started, then cancelled when it expired; "left" started, then cancelled
     assert actions == ["start", "cancel", "start", "cancel"]
+
+
+def test_a_request_over_the_message_limit_fails_alone():
+    """The worker would refuse such a message and end the stream with every call on it:
+    the gateway fails that call before sending it."""
+    async def main():
+        server, address = await _serve(EchoWorker())
+        calls = DecodeCalls(ChannelPool(worker_pb2_grpc.DecodeWorkerStub,
+                                        max_message_bytes=4096), "many")
+        try:
+            big = worker_pb2.DecodeRequest(request_id="big", prompt_token_ids=[100] * 5000)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _tokens(calls.generate(address, big, 5))
+            small = await _tokens(calls.generate(address, _req("small"), 5))
+            return err.value, small, len(calls._streams)
+        finally:
+            await calls.close()
+            await server.stop(None)
+
+    err, small, streams = asyncio.run(main())
+    assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "message limit" in err.details()
+    assert small == [1] and streams == 1
