@@ -28,10 +28,15 @@ import logging
 import grpc
 
 from protos.pdserve.v1 import worker_pb2
+from services.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
 
-MAX_ENTRIES_PER_MESSAGE = 4096  # a message stays far below the message size limit
+MAX_ENTRIES_PER_MESSAGE = 4096
+# a message holds at most this share of the message size limit (the worker's own
+# max_message_bytes, which it sends under, and grpc's default the gateway receives under):
+# one over it would end the stream, and every call on it, with RESOURCE_EXHAUSTED
+MESSAGE_BYTES_SHARE = 0.5
 MAX_OPEN_CALLS = 65536  # per stream: a caller that never ends its calls is refused more
 
 
@@ -94,6 +99,8 @@ class ManyCalls:
         self._ready = asyncio.Event()
         self._reader_done = False
         self._refused: dict[int, str] = {}  # open calls ended by a caller's protocol error
+        limit = min(servicer.env.settings.max_message_bytes, DEFAULT_MAX_MESSAGE_BYTES)
+        self._max_bytes = int(limit * MESSAGE_BYTES_SHARE)
 
     async def run(self, requests):
         """The handler: read the caller's entries in a task, answer with batched entries."""
@@ -101,9 +108,7 @@ class ManyCalls:
         try:
             while True:
                 if self._out:
-                    batch = self._out[:MAX_ENTRIES_PER_MESSAGE]
-                    del self._out[:MAX_ENTRIES_PER_MESSAGE]
-                    yield worker_pb2.DecodeStreamResponse(entries=batch)
+                    yield worker_pb2.DecodeStreamResponse(entries=self._take())
                     continue
                 if self._reader_done and not self.tasks:
                     return  # the caller half-closed (or shutdown) and every call has ended
@@ -116,6 +121,20 @@ class ManyCalls:
                 t.cancel()
             if tasks:  # each call frees what it holds (its DecodeCall cleans up)
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _take(self) -> list[worker_pb2.DecodeStreamEntry]:
+        """The next message's entries: in order, at most MAX_ENTRIES_PER_MESSAGE of them and
+        about _max_bytes (always at least one; an entry alone is one call's step, as big as
+        its Generate call's message would be)."""
+        n, size = 0, 0
+        for entry in self._out[:MAX_ENTRIES_PER_MESSAGE]:
+            size += entry.ByteSize() + 8  # + the entry's tag and length
+            if n and size > self._max_bytes:
+                break
+            n += 1
+        batch = self._out[:n]
+        del self._out[:n]
+        return batch
 
     def _emit(self, entry: worker_pb2.DecodeStreamEntry) -> None:
         self._out.append(entry)

@@ -46,10 +46,10 @@ def test_many_calls_on_one_stream():
         many, single = _calls("many"), _calls("per_request")
         try:
             got = await asyncio.gather(*(
-                _collect(many.generate(address, _req(f"m{i}", p, 12), 30))
+                _collect(many.generate(address, _req(f"m{i}", p, 64), 30))
                 for i, p in enumerate(prompts)))
             want = await asyncio.gather(*(
-                _collect(single.generate(address, _req(f"s{i}", p, 12), 30))
+                _collect(single.generate(address, _req(f"s{i}", p, 64), 30))
                 for i, p in enumerate(prompts)))
             stream = many._streams[address]
             return got, want, stream.messages, len(many._streams)
@@ -118,11 +118,12 @@ def test_many_calls_on_one_stream():
             assert (stats.kv_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0)
         got, want, messages, streams = run(same_tokens(address))
         assert got == want
-        assert all(len(t) == 12 and f == "length" for t, f, _, _ in got), got
-        # one stream; its messages carry several calls' steps (8 calls x 12 tokens, one
-        # response each per step, would be 96+ messages on Generate calls)
+        assert all(len(t) == 64 and f == "length" for t, f, _, _ in got), got
+        # one stream; its messages carry several calls' steps (8 calls x 64 tokens, one
+        # response each per step, would be 512 messages on Generate calls; calls of 12
+        # tokens did not always overlap on a loaded machine, each alone in its steps)
         assert streams == 1
-        assert messages < 8 * 12, messages
+        assert messages < 8 * 64, messages
 
         (ok, bad, late), first, cancelled, found, rest = run(one_call_ends_alone(address))
         assert ok[1:3] == ("length", "OK") and len(ok[0]) == 40
@@ -155,3 +156,26 @@ def test_a_worker_that_dies_fails_every_call_on_its_stream():
         ends, took, streams = run(main(c, c.workers[0]))
         assert [e[2] for e in ends] == ["UNAVAILABLE"] * 4, ends
         assert took < 10 and not streams  # the next call opens a new stream
+
+
+def test_a_step_bigger_than_the_message_limit_goes_in_several_messages():
+    """A worker with a small max_message_bytes: one step of 48 calls with 20 top logprobs
+    each (~200 bytes an entry) does not fit one message of 4 KiB. The worker splits it; a
+    message over the limit would end the stream and every call on it."""
+    async def main(address):
+        many = _calls("many")
+        try:
+            got = await asyncio.gather(*(
+                _collect(many.generate(address, _req(f"b{i}", [5, 6, i], 16, logprobs=True,
+                                                     top_logprobs=20), 30))
+                for i in range(48)))
+            return got, many._streams[address].messages
+        finally:
+            await many.close()
+
+    with LocalCluster("dummy:tiny", prefill=0, decode=0, colocated=1, secure=False,
+                      redis=False, worker_args=("--max-message-bytes", "4096")) as c:
+        got, messages = run(main(c.workers[0].address))
+        assert [g[2] for g in got] == ["OK"] * 48, {g[2:] for g in got}
+        assert all(len(g[0]) == 16 for g in got)
+        assert messages > 16  # the steps went out in more than one message each
