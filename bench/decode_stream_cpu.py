@@ -27,7 +27,7 @@ import os
 import statistics
 import sys
 
-from bench.serving_cpu import drive, make_prompts, summarize
+from bench.serving_cpu import gateway_trial, make_prompts, proc_cpu_s
 from pdserve.benchlib import harness
 
 MODES = ("many", "per_request")
@@ -41,40 +41,15 @@ FIGURES = [
 ]
 
 
-def _cpu_s(path: str) -> float:
-    with open(path) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 def cpu_sample(cluster) -> dict:
     worker = cluster.workers[0].proc.pid
-    return {"worker": _cpu_s(f"/proc/{worker}/stat"),
-            "worker_loop": _cpu_s(f"/proc/{worker}/task/{worker}/stat"),
-            "gateway": _cpu_s(f"/proc/{cluster.gateway.proc.pid}/stat")}
-
-
-async def trial(address, prompts, args, tag):
-    from pdserve import client
-    from protos.pdserve.v1 import gateway_pb2_grpc
-    async with client.channel(address) as ch:
-        stub = gateway_pb2_grpc.GatewayStub(ch)
-
-        async def submit(rid, p):
-            comp = await client.generate(stub, client.make_request(
-                token_ids=p, request_id=f"{tag}-{rid}", max_tokens=args.max_tokens,
-                temperature=0.0, ignore_eos=True), timeout=600)
-            return {"ttft": comp.ttft_s, "tokens": comp.completion_tokens,
-                    "messages": len(comp.token_times)}
-        res, wall = await drive(submit, prompts, args.streams, args.rounds)
-    out = summarize(res, wall)
-    out["client_messages"] = sum(r["messages"] for r in res)
-    return out
+    return {"worker": proc_cpu_s(worker), "worker_loop": proc_cpu_s(worker, worker),
+            "gateway": proc_cpu_s(cluster.gateway.proc.pid)}
 
 
 def timed_trial(cluster, prompts, args, tag) -> dict:
     before = cpu_sample(cluster)
-    res = asyncio.run(trial(cluster.address, prompts, args, tag))
+    res = asyncio.run(gateway_trial(cluster.address, prompts, args, tag))
     after = cpu_sample(cluster)
     k = res["output_tokens"] / 1000
     for name in before:
@@ -111,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         for c in clusters.values():
             c.start()
         for m, c in clusters.items():  # warm-up: graphs, caches, the stream
-            asyncio.run(trial(c.address, prompts[:4], argparse.Namespace(
+            asyncio.run(gateway_trial(c.address, prompts[:4], argparse.Namespace(
                 **{**vars(a), "streams": 2, "rounds": 1}), f"warm-{m}"))
         for i in range(a.pairs):
             order = MODES if i % 2 == 0 else MODES[::-1]
@@ -136,12 +111,11 @@ def main(argv: list[str] | None = None) -> dict:
         "gateway_cpu_s_per_1k_tokens", "ttft_p50_ms")} for m in MODES}
     summary["median_tok_s_ratio"] = statistics.median(
         t["many"]["output_tok_s"] / t["per_request"]["output_tok_s"] for t in trials)
-    summary["loop_cpu_ratio"] = (summary["many"]["worker_loop_cpu_s_per_1k_tokens"]
-                                 / summary["per_request"]["worker_loop_cpu_s_per_1k_tokens"])
-    summary["worker_cpu_ratio"] = (summary["many"]["worker_cpu_s_per_1k_tokens"]
-                                   / summary["per_request"]["worker_cpu_s_per_1k_tokens"])
-    summary["gateway_cpu_ratio"] = (summary["many"]["gateway_cpu_s_per_1k_tokens"]
-                                    / summary["per_request"]["gateway_cpu_s_per_1k_tokens"])
+    for ratio, key in (("loop_cpu_ratio", "worker_loop_cpu_s_per_1k_tokens"),
+                       ("worker_cpu_ratio", "worker_cpu_s_per_1k_tokens"),
+                       ("gateway_cpu_ratio", "gateway_cpu_s_per_1k_tokens")):
+        base = summary["per_request"][key]  # 0 in a run too short for the clock's ticks
+        summary[ratio] = summary["many"][key] / base if base else None
     rec["summary"] = summary
     rec.doc["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(summary, indent=2))

@@ -77,6 +77,34 @@ async def drive(submit, prompts, streams: int, rounds: int):
     return results, time.perf_counter() - t
 
 
+def proc_cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds (user + system) a process (all its threads), or one of its threads, has
+    used so far, from /proc."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+async def gateway_trial(address: str, prompts, args, tag: str) -> dict:
+    """One closed-loop trial through a gateway: ``args.streams`` streams of ``args.rounds``
+    requests (greedy, EOS ignored, ``args.max_tokens`` new tokens); :func:`summarize`'s
+    figures plus the messages the client received."""
+    from pdserve import client
+    from protos.pdserve.v1 import gateway_pb2_grpc
+    async with client.channel(address) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+
+        async def submit(rid, p):
+            comp = await client.generate(stub, client.make_request(
+                token_ids=p, request_id=f"{tag}-{rid}", max_tokens=args.max_tokens,
+                temperature=0.0, ignore_eos=True), timeout=600)
+            return {"ttft": comp.ttft_s, "tokens": comp.completion_tokens,
+                    "messages": len(comp.token_times)}
+        res, wall = await drive(submit, prompts, args.streams, args.rounds)
+    return dict(summarize(res, wall), client_messages=sum(r["messages"] for r in res))
+
+
 async def bench_inprocess(args, prompts):
     import torch
     from engine.async_engine import AsyncEngine

@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from bench.serving_cpu import drive, make_prompts, summarize
+from bench.serving_cpu import gateway_trial, make_prompts, proc_cpu_s
 from pdserve.benchlib import harness
 
 FIGURES = [
@@ -38,36 +38,15 @@ FIGURES = [
 
 def cluster_cpu_s(cluster) -> float:
     """CPU seconds (user + system, all threads) used so far by the cluster's services."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for svc in [cluster.gateway, *cluster.workers]:
-        with open(f"/proc/{svc.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / tick
+    return sum(proc_cpu_s(svc.proc.pid) for svc in [cluster.gateway, *cluster.workers])
 
 
 def timed_trial(cluster, prompts, args, tag) -> dict:
     cpu0 = cluster_cpu_s(cluster)
-    res = asyncio.run(trial(cluster.address, prompts, args, tag))
+    res = asyncio.run(gateway_trial(cluster.address, prompts, args, tag))
     res["service_cpu_s"] = cluster_cpu_s(cluster) - cpu0
     res["service_cpu_ms_per_request"] = 1000 * res["service_cpu_s"] / res["requests"]
     return res
-
-
-async def trial(address, prompts, args, tag):
-    from pdserve import client
-    from protos.pdserve.v1 import gateway_pb2_grpc
-    async with client.channel(address) as ch:
-        stub = gateway_pb2_grpc.GatewayStub(ch)
-
-        async def submit(rid, p):
-            comp = await client.generate(stub, client.make_request(
-                token_ids=p, request_id=f"{tag}-{rid}", max_tokens=args.max_tokens,
-                temperature=0.0, ignore_eos=True), timeout=600)
-            return {"ttft": comp.ttft_s, "tokens": comp.completion_tokens}
-        res, wall = await drive(submit, prompts, args.streams, args.rounds)
-    return summarize(res, wall)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -100,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
         with LocalCluster(a.model, prefill=1, decode=1, env=off_env, worker_args=wargs) as off, \
                 LocalCluster(a.model, prefill=1, decode=1, env=on_env, worker_args=wargs) as on:
             for c, tag in ((off, "warm-off"), (on, "warm-on")):
-                asyncio.run(trial(c.address, prompts[:4], argparse.Namespace(
+                asyncio.run(gateway_trial(c.address, prompts[:4], argparse.Namespace(
                     **{**vars(a), "streams": 2, "rounds": 1}), tag))
             trials = []
             for i in range(a.pairs):

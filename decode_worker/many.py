@@ -187,7 +187,8 @@ class ManyCalls:
         ctx = CallContext(self.context, msg.metadata, msg.timeout_s)
         task = self.tasks[cid] = asyncio.ensure_future(self._serve(cid, msg.start, ctx))
         # a task cancelled before it first ran never enters _serve: end its call here
-        task.add_done_callback(lambda _t: self._finish(cid, ctx, *self._cancelled(cid)))
+        task.add_done_callback(
+            lambda _t: ctx.finished or self._finish(cid, ctx, *self._cancelled(cid)))
 
     def _cancelled(self, cid: int) -> tuple[grpc.StatusCode, str]:
         refused = self._refused.pop(cid, None)
