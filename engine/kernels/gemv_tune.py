@@ -35,6 +35,11 @@ QUANT_CONFIGS = [(8, 1024, 4, 1), (8, 2048, 8, 1), (16, 1024, 4, 1), (16, 2048, 
                  (8, 2048, 8, 1, "bits"), (16, 1024, 4, 1, "bits"), (16, 2048, 8, 1, "bits"),
                  (4, 2048, 4, 1, "bits"), (32, 1024, 8, 1, "bits"), (4, 1024, 4, 1, "bits"),
                  (32, 512, 4, 1, "mma"), (64, 256, 4, 1, "mma")]
+# fp8 (W8A8) weights also try the FP8 tensor-core GEMV (matvec.gemv f8mma): wider row
+# blocks (the MMA's 64-row operand), split-K where they leave SMs idle
+F8_CONFIGS = [(64, 256, 4, 1, "f8mma"), (64, 512, 4, 1, "f8mma"), (128, 256, 4, 1, "f8mma"),
+              (128, 256, 8, 1, "f8mma"), (64, 256, 4, 2, "f8mma"), (64, 512, 4, 2, "f8mma"),
+              (32, 512, 4, 1, "f8mma"), (64, 128, 4, 4, "f8mma")]
 SPLIT_K_CONFIGS = [(4, 1024, 4, 2), (8, 1024, 4, 2), (8, 512, 4, 4), (16, 512, 4, 4),
                    (16, 1024, 8, 2)]
 ROUNDS = 5  # candidates are timed in turn, ROUNDS times, so clock drift hits them alike
@@ -144,6 +149,8 @@ def tune_role(model, role: str, mode: str = "auto", pdl: bool = True, split_k: b
     fns, rejected = {"cublas": cublas}, {}
     quantized = any(f != "float" for f in formats)
     configs = (QUANT_CONFIGS if quantized else CONFIGS) + (SPLIT_K_CONFIGS if split_k else [])
+    if all(f == "fp8" for f in formats):
+        configs = configs + F8_CONFIGS
     for cfg in configs:
         bn, bk, nw, split, *_ = cfg
         if split > 1 and lin[0].in_features % (bk * split):

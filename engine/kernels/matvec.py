@@ -46,6 +46,9 @@ from engine.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
 PROLOGUES = {"none": 0, "rmsnorm": 1, "add_rmsnorm": 2, "silu_mul": 3}
 W_FORMATS = {"float": 0, "fp8": 1, "int4": 2, "int8": 3}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+# f8mma: K features the FP8 tensor cores sum in their own (reduced) precision before the
+# partial sum is added to the fp32 accumulator (tl.dot's max_num_imprecise_acc)
+F8_PROMOTE_K = 32
 _MIN_COUNTERS = 1 << 16
 
 
@@ -181,7 +184,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, new_
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  PREFETCH: tl.constexpr, PDL: tl.constexpr, WFMT: tl.constexpr,
                  GROUP: tl.constexpr, ACC_W: tl.constexpr, BITS: tl.constexpr,
-                 A8: tl.constexpr):
+                 A8: tl.constexpr, XC: tl.constexpr, KC: tl.constexpr):
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     sk = tl.program_id(2)
@@ -205,15 +208,23 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, new_
         w_first = _w_tile(w_rows, k_lo, n_mask, K, KW, EVEN, WFMT, BLOCK_K)
         if PDL:
             gdc_wait()
-    inv = _rms_inv(x_ptr, res_ptr, new_res_ptr, ks, K, eps, (pid == 0) & (sk == 0), PRO,
-                   BLOCK_K)
-    sx = 1.0
-    if A8:  # the row's activation scale, over the whole prologue output (every split)
-        am = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            am = tl.maximum(am, tl.abs(_load_x(x_ptr, res_ptr, nw_ptr, kk, kk < K, K, inv, PRO)))
-        sx = tl.maximum(tl.max(am, axis=0), 1e-12) / 448.0
+    if XC:  # the row passes unrolled over a constant K (_row_stats)
+        r0 = tl.zeros([1], tl.int32)
+        inv1, sx1 = _row_stats(x_ptr, res_ptr, nw_ptr, new_res_ptr, r0, r0 == 0, KC, eps,
+                               (pid == 0) & (sk == 0), 0, 0, 0, PRO, XC, A8)
+        inv = tl.sum(inv1, axis=0)
+        sx = tl.sum(sx1, axis=0)
+    else:
+        inv = _rms_inv(x_ptr, res_ptr, new_res_ptr, ks, K, eps, (pid == 0) & (sk == 0), PRO,
+                       BLOCK_K)
+        sx = 1.0
+        if A8:  # the row's activation scale, over the whole prologue output (every split)
+            am = tl.zeros([BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + ks
+                am = tl.maximum(am, tl.abs(_load_x(x_ptr, res_ptr, nw_ptr, kk, kk < K, K, inv,
+                                                   PRO)))
+            sx = tl.maximum(tl.max(am, axis=0), 1e-12) / 448.0
     acc = tl.zeros([BLOCK_N, ACC_W], tl.float32)
     k_start = k_lo
     if PREFETCH:
@@ -319,13 +330,159 @@ def _gemv_mma_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, 
     tl.store(y_ptr + m * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _x_rows(x_ptr, res_ptr, nw_ptr, ms, m_mask, kk, km, K, inv, stride_xm, stride_rm,
+            PRO: tl.constexpr):
+    """_load_x for rows ``ms`` of x ([R] offsets, ``inv`` [R]): the prologue's values at
+    columns kk, [R, C] fp32 (rounded through x's dtype)."""
+    dt = x_ptr.dtype.element_ty
+    msk = m_mask[:, None] & km[None, :]
+    xo = x_ptr + ms[:, None] * stride_xm + kk[None, :]
+    if PRO == 3:
+        g = tl.load(xo, mask=msk, other=0.0).to(tl.float32)
+        u = tl.load(xo + K, mask=msk, other=0.0).to(tl.float32)
+        xv = (g / (1.0 + tl.exp(-g)) * u).to(dt).to(tl.float32)
+    else:
+        xv = tl.load(xo, mask=msk, other=0.0).to(tl.float32)
+        if PRO == 2:
+            r = tl.load(res_ptr + ms[:, None] * stride_rm + kk[None, :], mask=msk,
+                        other=0.0).to(tl.float32)
+            xv = (xv + r).to(dt).to(tl.float32)
+        if PRO == 1 or PRO == 2:
+            nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            xv = (xv * inv[:, None] * nw[None, :]).to(dt).to(tl.float32)
+    return xv
+
+
+@triton.jit
+def _row_stats(x_ptr, res_ptr, nw_ptr, new_res_ptr, ms, m_mask, K: tl.constexpr, eps, writer,
+               stride_xm, stride_rm, stride_nrm, PRO: tl.constexpr, XC: tl.constexpr,
+               A8: tl.constexpr):
+    """(1 / rms, activation scale (A8; else 1)), each [R], of rows ``ms`` of the prologue's
+    output: _rms_inv and the a8 pass in [R, XC] chunks, unrolled (K is a constant) so that a
+    pass's loads are in flight together, not one round trip to L2 per chunk (a loop of
+    BLOCK_K chunks did that). add_rmsnorm's ``writer`` also stores x + residual as the new
+    residual."""
+    ks = tl.arange(0, XC)
+    inv = tl.full(ms.shape, 1.0, tl.float32)
+    if PRO == 1 or PRO == 2:
+        ss = tl.zeros([ms.shape[0], XC], tl.float32)
+        for k0 in tl.static_range(0, K, XC):
+            kk = k0 + ks
+            msk = m_mask[:, None] & (kk < K)[None, :]
+            xv = tl.load(x_ptr + ms[:, None] * stride_xm + kk[None, :], mask=msk,
+                         other=0.0).to(tl.float32)
+            if PRO == 2:
+                r = tl.load(res_ptr + ms[:, None] * stride_rm + kk[None, :], mask=msk,
+                            other=0.0).to(tl.float32)
+                s = (xv + r).to(new_res_ptr.dtype.element_ty)
+                tl.store(new_res_ptr + ms[:, None] * stride_nrm + kk[None, :], s,
+                         mask=msk & writer)
+                xv = s.to(tl.float32)
+            ss += xv * xv
+        inv = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
+    sx = tl.full(ms.shape, 1.0, tl.float32)
+    if A8:
+        am = tl.zeros([ms.shape[0], XC], tl.float32)
+        for k0 in tl.static_range(0, K, XC):
+            kk = k0 + ks
+            am = tl.maximum(am, tl.abs(_x_rows(x_ptr, res_ptr, nw_ptr, ms, m_mask, kk, kk < K,
+                                               K, inv, stride_xm, stride_rm, PRO)))
+        sx = tl.maximum(tl.max(am, axis=1), 1e-12) / 448.0
+    return inv, sx
+
+
+@triton.jit
+def _f8_tile(acc, w, x_ptr, res_ptr, nw_ptr, ms, m_mask, r16, k0, K: tl.constexpr, inv, sx,
+             stride_xm, stride_rm, PRO: tl.constexpr, BLOCK_K: tl.constexpr,
+             PROMOTE: tl.constexpr):
+    """acc [BLOCK_N, 16] += codes of W's tile (w: e4m3 bytes) x codes of x's tile (rows
+    ``ms`` quantized with their scales sx; one row is broadcast into row 0 of 16)."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    xv = _x_rows(x_ptr, res_ptr, nw_ptr, ms, m_mask, kk, kk < K, K, inv, stride_xm, stride_rm,
+                 PRO)
+    xs = tl.clamp(tl.math.div_rn(xv, sx[:, None]), -448.0, 448.0)
+    if ms.shape[0] == 1:
+        xs = tl.where(r16[:, None] == 0, xs, 0.0)
+    xq = xs.to(tl.float8e4nv)
+    return tl.dot(w.to(tl.float8e4nv, bitcast=True), tl.trans(xq), acc,
+                  max_num_imprecise_acc=PROMOTE)
+
+
+@triton.jit
+def _gemv_f8_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, new_res_ptr,
+                    part_ptr, cnt_ptr, M, N, K: tl.constexpr, eps, stride_xm, stride_rm,
+                    stride_w, stride_ym, stride_nrm, PRO: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ROWS: tl.constexpr,
+                    PDL: tl.constexpr, XC: tl.constexpr, PROMOTE: tl.constexpr):
+    """W8A8 on the FP8 tensor cores for up to 16 rows of x. Each row of the prologue's
+    output is quantized to e4m3 per token (the a8 GEMV's codes and scale), and a program
+    multiplies its [BLOCK_N, BLOCK_K] tiles of weight codes by the [BLOCK_K, 16] codes of
+    x (rows past M zero): the weights are the MMA's wide operand, so every row shares one
+    pass over W, and no weight code is converted (the tensor cores take e4m3 as stored).
+    ROWS 1 computes the prologue on row 0 only (batch-1 decode), ROWS 16 on all sixteen.
+    Split-K and PDL as in _gemv_kernel (the first tile is fetched before the wait)."""
+    pid = tl.program_id(0)
+    sk = tl.program_id(1)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rows < N
+    r16 = tl.arange(0, 16)
+    ms = tl.arange(0, ROWS)
+    m_mask = ms < M
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    k_len: tl.constexpr = K // SPLIT_K  # SPLIT_K > 1 only when BLOCK_K * SPLIT_K divides K
+    k_lo = sk * k_len
+    if PDL:
+        gdc_launch_dependents()
+    w = _w_tile(w_rows, k_lo, n_mask, K, K, EVEN, 1, BLOCK_K)
+    if PDL:
+        gdc_wait()
+    inv, sx = _row_stats(x_ptr, res_ptr, nw_ptr, new_res_ptr, ms, m_mask, K, eps,
+                         (pid == 0) & (sk == 0), stride_xm, stride_rm, stride_nrm, PRO, XC,
+                         True)
+    acc = tl.zeros([BLOCK_N, 16], tl.float32)
+    acc = _f8_tile(acc, w, x_ptr, res_ptr, nw_ptr, ms, m_mask, r16, k_lo, K, inv, sx,
+                   stride_xm, stride_rm, PRO, BLOCK_K, PROMOTE)
+    for k0 in range(k_lo + BLOCK_K, k_lo + k_len, BLOCK_K):
+        w = _w_tile(w_rows, k0, n_mask, K, K, EVEN, 1, BLOCK_K)
+        acc = _f8_tile(acc, w, x_ptr, res_ptr, nw_ptr, ms, m_mask, r16, k0, K, inv, sx,
+                       stride_xm, stride_rm, PRO, BLOCK_K, PROMOTE)
+    if ROWS == 1:
+        sx16 = tl.where(r16 == 0, tl.sum(sx, axis=0), 1.0)
+    else:
+        sx16 = sx
+    y = acc * tl.load(s_ptr + rows, mask=n_mask, other=0.0)[:, None] * sx16[None, :]
+    out = y_ptr + r16[None, :] * stride_ym + rows[:, None]
+    omask = n_mask[:, None] & (r16 < M)[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out, y.to(y_ptr.dtype.element_ty), mask=omask)
+    else:
+        pp = part_ptr + r16[None, :] * N + rows[:, None]
+        tl.store(pp + sk * 16 * N, y, mask=omask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        ctr = cnt_ptr + pid
+        arrived = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # last of the row block: the others' partials are visible
+            tot = tl.zeros([BLOCK_N, 16], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                tot += tl.load(pp + s * 16 * N, mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(out, tot.to(y_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(ctr, 0, sem="relaxed", scope="gpu")
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          prologue: str = "none", residual: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
          block_n: int = 8, block_k: int = 1024, num_warps: int = 4, split_k: int = 1,
          num_stages: int | None = None, pdl: bool = False, w_format: str = "float",
          w_scale: torch.Tensor | None = None, w_zero: torch.Tensor | None = None,
-         group: int = 0, mma: bool = False, bits: bool = False, a8: bool = False):
+         group: int = 0, mma: bool = False, bits: bool = False, a8: bool = False,
+         f8mma: bool = False, unroll: bool = True):
     """x [M, K] (or [M, 2K] for silu_mul), weight [N, K] -> y [M, N] in x.dtype.
 
     With prologue "add_rmsnorm" returns (y, x + residual); with "rmsnorm" returns (y, x);
@@ -339,7 +496,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     variant (_gemv_mma_kernel); x is rounded to fp16 for it. ``bits`` (quantized weights):
     codes become fp32 through integer operations (_tile_acc), not conversions. ``a8``
     (fp8 weights): W8A8, each row of x (after the prologue) quantized to e4m3 per token
-    in the kernel, as engine.quant.reference.quant_act_fp8 does."""
+    in the kernel, as engine.quant.reference.quant_act_fp8 does. ``f8mma`` (fp8 weights with
+    a8, at most 16 rows, block_n >= 16, block_k >= 32): the same codes multiplied on the FP8
+    tensor cores, every row in one pass over W (_gemv_f8_kernel). ``unroll`` (the default):
+    the norm / a8 passes over x run as unrolled 4096-column chunks of a constant K
+    (_row_stats); off, as a loop of block_k chunks (one L2 round trip each)."""
     pro = PROLOGUES[prologue]
     fmt = W_FORMATS[w_format]
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
@@ -386,7 +547,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if a8 and fmt != 1:
         raise ValueError("a8 (activations in fp8) needs fp8 weights")
     even = n % block_n == 0 and k % block_k == 0 and (fmt != 2 or 2 * kw == k)
-    if mma and m and n:
+    if f8mma:
+        if fmt != 1 or not a8 or mma or bits or m > 16 or block_n < 16 or block_k < 32:
+            raise ValueError("f8mma: fp8 weights with a8, at most 16 rows, block_n >= 16 and "
+                             "block_k >= 32")
+        if split_k > 1:
+            part = torch.empty((split_k, 16, n), dtype=torch.float32, device=x.device)
+            cnt = _counters(x.device, n_blocks)
+        if m and n:
+            _gemv_f8_kernel[(n_blocks, split_k)](
+                x, res, nw, w, s, bias if bias is not None else x, y, new_res, part, cnt, m,
+                n, k, float(eps), x.stride(0), stride_rm, w.stride(0), y.stride(0),
+                stride_nrm, PRO=pro, HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=block_n,
+                BLOCK_K=block_k, SPLIT_K=split_k, ROWS=1 if m == 1 else 16, PDL=use_pdl,
+                XC=4096 if m == 1 else 256, PROMOTE=F8_PROMOTE_K, num_warps=num_warps,
+                **({} if num_stages is None else {"num_stages": num_stages}),
+                **({"launch_pdl": True} if use_pdl else {}))
+    elif mma and m and n:
         _gemv_mma_kernel[(n_blocks, m)](
             x, res, nw, w, s, z, bias if bias is not None else x, y, new_res, n, k, kw, ng,
             float(eps), x.stride(0), stride_rm, w.stride(0), s.stride(0) if fmt == 2 else 1,
@@ -395,6 +572,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
             **({"launch_pdl": True} if use_pdl else {}))
     elif m and n:
+        stats = unroll and (a8 or pro in (1, 2))
         _gemv_kernel[(n_blocks, m, split_k)](
             x, res, nw, w, s, z, bias if bias is not None else x, y, new_res, part, cnt, n, k,
             kw, ng, float(eps), x.stride(0), stride_rm, w.stride(0),
@@ -402,7 +580,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             PRO=pro, HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=block_n, BLOCK_K=block_k,
             SPLIT_K=split_k, PREFETCH=bool(pdl), PDL=use_pdl, WFMT=fmt, GROUP=max(group, 1),
             ACC_W=block_k // group if fmt == 2 else block_k, BITS=bool(bits) and fmt != 0,
-            A8=bool(a8), num_warps=num_warps,
+            A8=bool(a8), XC=4096 if stats else 0, KC=k if stats else 0,
+            num_warps=num_warps,
             **({} if num_stages is None else {"num_stages": num_stages}),
             **({"launch_pdl": True} if use_pdl else {}))
     if pro == 2:

@@ -107,22 +107,13 @@ class DecoderLayer(nn.Module):
         self.gemv_plan: dict | None = None
 
     def forward(self, x, residual, positions, rotary, backend, kv_cache, meta):
-        if self.gemv_plan is not None and x.shape[0] == 1:
-            return self._forward_gemv(x, residual, positions, rotary, backend, kv_cache, meta)
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rotary, backend, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
-
-    def _forward_gemv(self, x, residual, positions, rotary, backend, kv_cache, meta):
-        """One token (decode at batch 1, GPU): each projection the plan names runs as the
-        Triton GEMV with its neighbouring row-wise op folded in (rmsnorm / add+rmsnorm before
-        qkv and gate_up, silu_and_mul before down); a role mapped to None stays on cuBLAS."""
-        plan, attn, mlp = self.gemv_plan, self.self_attn, self.mlp
+        """One decoder layer. On the GPU at one token, each projection the gemv plan names
+        runs as the Triton GEMV with its neighbouring row-wise op folded in (rmsnorm /
+        add+rmsnorm before qkv and gate_up, silu_and_mul before down); a role mapped to None
+        stays on its module. A quantized module may fuse the row-wise op itself
+        (QuantLinear.prologue_forward)."""
+        plan = self.gemv_plan if self.gemv_plan is not None and x.shape[0] == 1 else {}
+        attn, mlp = self.self_attn, self.mlp
         qkv, residual = _norm_linear(self.input_layernorm, attn.qkv_proj, x, residual,
                                      plan.get("qkv"))
         o = attn.attend(qkv, positions, rotary, backend, kv_cache, meta)
@@ -131,7 +122,9 @@ class DecoderLayer(nn.Module):
                                     plan.get("gate_up"))
         cfg = plan.get("down")
         if cfg is None:
-            return mlp.down_proj(mlp.act(gu)), residual
+            fused = getattr(mlp.down_proj, "prologue_forward", None)
+            y = fused("silu_mul", gu) if fused is not None and mlp.fused else None
+            return (mlp.down_proj(mlp.act(gu)) if y is None else y), residual
         from engine.kernels.matvec import gemv, gemv_weight
         w, wkw = gemv_weight(mlp.down_proj)
         return gemv(gu, w, mlp.down_proj.bias, prologue="silu_mul", **wkw, **cfg), residual
@@ -146,8 +139,13 @@ def _linear(linear: nn.Linear, x, cfg):
 
 
 def _norm_linear(norm: RMSNorm, linear: nn.Linear, x, residual, cfg):
-    """(linear(rmsnorm(x [+ residual])), new residual), fused into one GEMV when cfg is set."""
+    """(linear(rmsnorm(x [+ residual])), new residual), fused into one GEMV when cfg is set
+    (or by the module's own prologue_forward, where it has one for this call)."""
     if cfg is None:
+        fused = getattr(linear, "prologue_forward", None)
+        out = fused("rmsnorm", x, residual, norm) if fused is not None and norm.fused else None
+        if out is not None:
+            return out[0], (x if residual is None else out[1])
         if residual is None:
             residual, h = x, norm(x)
         else:
@@ -200,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
 
     def set_gemv_plan(self, plan: dict | None) -> None:
         """GPU only: route one-token projections through engine.kernels.matvec.gemv per ``plan``
-        (see DecoderLayer._forward_gemv); None restores the default path."""
+        (see DecoderLayer.forward); None restores the default path."""
         for layer in self.layers:
             layer.gemv_plan = plan
 

@@ -44,6 +44,22 @@ class QuantLinear(nn.Module):
         """(codes, keywords) for engine.kernels.matvec.gemv (one-token projections)."""
         return self.q, ref.gemv_keywords(self.qweight())
 
+    def prologue_forward(self, prologue: str, x: torch.Tensor,
+                         residual: torch.Tensor | None = None, norm=None):
+        """self(prologue(x)) with the prologue fused where this format and call have a kernel
+        for it (fp8 on a GPU, more than GEMV_MAX_ROWS rows: the row-wise kernel writes the
+        activation codes, engine.quant.kernels.fp8_prologue_linear); None elsewhere (the
+        caller runs the prologue, then this module). "rmsnorm" (``norm`` an RMSNorm) ->
+        (y, x + residual, or None without a residual); "silu_mul" -> y."""
+        if (self.format != "fp8" or not x.is_cuda or x.dim() != 2
+                or x.shape[0] <= ref.GEMV_MAX_ROWS):
+            return None
+        from engine.quant.kernels import fp8_prologue_linear
+        if prologue == "rmsnorm":
+            return fp8_prologue_linear(self.qweight(), self.bias, "rmsnorm", x.contiguous(),
+                                       residual, norm.weight, norm.eps)
+        return fp8_prologue_linear(self.qweight(), self.bias, prologue, x.contiguous())
+
     @property
     def weight_bytes(self) -> int:
         return ref.weight_bytes(self.qweight())

@@ -57,6 +57,52 @@ def test_gemv_full_size_variants(fmt, shape, variant):
     _close(got, ref.quant_matmul_ref(x, qw), 1e-2 if "mma" in variant else 2e-3)
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("m,cfg", [(1, (64, 256, 4, 1)), (1, (128, 512, 8, 1)),
+                                   (1, (64, 256, 4, 2)), (8, (64, 256, 4, 1)),
+                                   (16, (32, 512, 4, 2))])
+def test_fp8_tensor_core_gemv_full_size(shape, m, cfg):
+    """gemv(f8mma): W8A8 on the FP8 tensor cores against the torch reference (act_fp8's
+    codes times the weight codes in float32), at the tuner's configs."""
+    from engine.kernels.matvec import gemv
+    x, qw = _case("fp8", *SHAPES[shape], m)
+    bn, bk, nw, sk = cfg
+    if SHAPES[shape][1] % (bk * sk):
+        pytest.skip("split-K needs block_k * split_k to divide K")
+    got = gemv(x, qw["q"], pdl=True, block_n=bn, block_k=bk, num_warps=nw, split_k=sk,
+               f8mma=True, **ref.gemv_keywords(qw))
+    _close(got, ref.quant_matmul_ref(x, qw), 2e-3)
+
+
+def _same_codes(q, s, wq, ws):
+    """fp8 codes and scales of a fused prologue against the unfused kernels': the sums of
+    squares (rmsnorm) may be added in another order in another kernel, so a row's scale may
+    move by an ulp and a code sitting on a rounding boundary by one step; nothing more."""
+    assert ((s - ws).abs() <= 2e-7 * ws.abs()).all()
+    a, b = q.float(), wq.float()
+    diff = a != b
+    assert diff.float().mean().item() < 1e-4, f"{diff.sum().item()} codes differ"
+    step = b.abs().clamp_min(2 ** -6) / 8  # one e4m3 step (3 mantissa bits)
+    assert ((a - b).abs() <= step * 1.01)[diff].all()
+
+
+@pytest.mark.parametrize("m,k", [(16, 4096), (4096, 4096), (300, 14336)])
+def test_fused_prologue_codes(m, k):
+    """The fp8 prefill's fused prologues (norm_act_fp8, silu_mul_act_fp8) against the
+    row-wise kernels followed by act_fp8: the same new residual, the same codes and scales
+    up to the summation order (_same_codes)."""
+    from engine.kernels.elementwise import fused_add_rmsnorm, silu_and_mul
+    x = (torch.randn(m, k, device="cuda") * 2).to(BF16)
+    r = torch.randn(m, k, device="cuda").to(BF16)
+    w = (torch.rand(k, device="cuda") + 0.5).to(BF16)
+    q, s, res = QK.norm_act_fp8(x, w, 1e-5, r)
+    h, want_res = fused_add_rmsnorm(x, r, w, 1e-5)
+    assert torch.equal(res, want_res)
+    _same_codes(q, s, *QK.act_fp8(h))
+    gu = (torch.randn(m, 2 * k, device="cuda") * 2).to(BF16)
+    _same_codes(*QK.silu_mul_act_fp8(gu), *QK.act_fp8(silu_and_mul(gu)))
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("m", [9, 64, 512, 4096])

@@ -138,6 +138,54 @@ def test_fp8_activation_kernel_matches_reference(m, k):
     assert_fp8_codes(q, want_q, exact=DEV == "cuda")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,residual", [(1, 64, False), (9, 200, True), (12, 96, True)])
+def test_fused_prologue_codes_equal_the_unfused_kernels(dtype, m, k, residual):
+    """norm_act_fp8 / silu_mul_act_fp8 (the row-wise kernel writes act_fp8's codes and
+    scales, the fp8 prefill's prologues) give exactly what rmsnorm / fused_add_rmsnorm /
+    silu_and_mul followed by act_fp8 give, new residual included; fp8_prologue_linear is
+    those codes through fp8_gemm_codes."""
+    from engine.kernels.elementwise import fused_add_rmsnorm, rmsnorm, silu_and_mul
+    x = (torch.randn(m, k, device=DEV) * 3).to(dtype)
+    x[0, k // 3] = 300.0
+    r = torch.randn(m, k, device=DEV).to(dtype) if residual else None
+    w = torch.rand(k, device=DEV).to(dtype) + 0.5
+    q, s, new_res = QK.norm_act_fp8(x, w, 1e-5, r)
+    if residual:
+        h, want_res = fused_add_rmsnorm(x, r, w, 1e-5)
+        assert torch.equal(new_res, want_res)
+    else:
+        h = rmsnorm(x, w, 1e-5)
+        assert new_res is None
+    wq, ws = QK.act_fp8(h)
+    assert torch.equal(s, ws) and torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
+    gu = (torch.randn(m, 2 * k, device=DEV) * 2).to(dtype)
+    q, s = QK.silu_mul_act_fp8(gu)
+    wq, ws = QK.act_fp8(silu_and_mul(gu))
+    assert torch.equal(s, ws) and torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
+    q, s = QK.silu_mul_act_fp8(gu, block=64)  # two passes over the row
+    assert torch.equal(s, ws) and torch.equal(q.view(torch.uint8), wq.view(torch.uint8))
+    with pytest.raises(ValueError, match="even"):
+        QK.silu_mul_act_fp8(gu[:, :-1])
+    with pytest.raises(ValueError, match="residual"):
+        QK.norm_act_fp8(x, w, 1e-5, torch.randn(m + 1, k, device=DEV).to(dtype))
+    with pytest.raises(ValueError, match="prologue"):
+        QK.fp8_prologue_linear(ref.quantize_fp8(torch.randn(8, k)), None, "gelu", x)
+
+
+def test_quantlinear_fuses_its_prologue_only_for_large_fp8_gpu_calls():
+    """QuantLinear.prologue_forward: None (the caller runs the prologue) for int8 / int4, on
+    the CPU and for calls of at most GEMV_MAX_ROWS rows, which the GEMV takes."""
+    from engine.layers.norm import RMSNorm
+    from engine.quant.linear import QuantLinear
+    lin = torch.nn.Linear(64, 32, bias=False)
+    norm = RMSNorm(64, 1e-5)
+    for fmt in ("int8", "int4", "fp8"):
+        ql = QuantLinear.from_linear(lin, fmt)
+        assert ql.prologue_forward("rmsnorm", torch.randn(16, 64), None, norm) is None
+        assert ql.prologue_forward("silu_mul", torch.randn(16, 128)) is None
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("prologue", ["none", "add_rmsnorm", "silu_mul"])
 @pytest.mark.parametrize("n,k,bias,bk", [(48, 256, False, 128), (33, 200, True, 128),
@@ -186,6 +234,34 @@ def test_fp8_gemv_quantizes_its_activations(prologue, n, k, m, split, pdl):
              **ref.gemv_keywords(qw), **kw)
     with pytest.raises(ValueError, match="quantize their activations"):
         QK.quant_gemv(x[:, :k], qw)
+
+
+@pytest.mark.parametrize("prologue", ["none", "add_rmsnorm", "silu_mul", "rmsnorm"])
+@pytest.mark.parametrize("n,k,m,split,bias", [(48, 256, 1, 1, False), (33, 200, 3, 1, True),
+                                              (64, 512, 16, 2, True)])
+def test_fp8_tensor_core_gemv_matches_the_a8_gemv(prologue, n, k, m, split, bias):
+    """gemv(f8mma=True): the a8 GEMV's codes of x (per row, after the prologue) multiplied by
+    the weight codes on the FP8 tensor cores, every row in one pass over W; the result, the
+    new residual and the rows past M (untouched) agree with the a8 GEMV."""
+    from engine.kernels.matvec import gemv
+    x, qw, b, kw = _prologue_case("fp8", n, k, m, bias, prologue)
+    if prologue == "rmsnorm":
+        kw = {"norm_weight": torch.randn(k, device=DEV), "eps": 1e-5}
+    args = dict(prologue=prologue, block_n=16, block_k=64, split_k=split,
+                **ref.gemv_keywords(qw), **kw)
+    want = gemv(x, qw["q"], b, **args)
+    got = gemv(x, qw["q"], b, f8mma=True, **args)
+    if isinstance(want, tuple):
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+        got, want = got[0], want[0]
+    assert got.shape == want.shape == (m, n)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    for bad in (dict(block_n=8), dict(block_k=16), dict(a8=False)):
+        with pytest.raises(ValueError, match="f8mma"):
+            gemv(x, qw["q"], b, f8mma=True, **{**args, **bad})
+    with pytest.raises(ValueError, match="f8mma"):
+        gemv(torch.randn(17, k, device=DEV), qw["q"], None, f8mma=True, block_n=16,
+             block_k=64, **ref.gemv_keywords(qw))
 
 
 def test_fp8_results_do_not_depend_on_the_batch():
