@@ -24,6 +24,10 @@
 #   gptq         bench/gptq_gpu.py: GPTQ rounding per Llama-3-8B projection and format, error
 #                vs round-to-nearest, agreement with the CPU; then tests/gpu/test_gptq_gpu.py
 #                (1 GPU)                                                                    ~2
+#   fp8          issue 26's fp8 paths: tests/gpu/test_quant_gpu.py (f8mma, fused prologues,
+#                graphs vs eager), bench/fp8_gemv_gpu.py (a8 / f8mma at 1 and 8 rows), then
+#                bench/fp8_ab_gpu.py before / after (gpu_engine --defaults fp8 a, c, b) on the
+#                same warm GPU (1 GPU)                                                       ~9
 #   engine-a     bench/gpu_engine.py section a, 7 variants of split-K / PDL / async decode ~4
 #   engine-best  bench/gpu_engine.py sections d,a,c,b with engine-a's fastest variant       ~3
 #   engine-full  bench/gpu_engine.py sections d,a,c,b with FLAGS=... (and env)             ~3
@@ -93,6 +97,13 @@ for step in "$@"; do
     sparsity) run python3 -m bench.sparsity_gpu --out "$OUT/sparsity_gpu_h200.json" ;;
     gptq) run python3 -m bench.gptq_gpu --out "$OUT/gptq_gpu_h200.json"
       run python3 -m pytest -q -m gpu tests/gpu/test_gptq_gpu.py -p no:cacheprovider ;;
+    fp8) run python3 -m pytest -q -m gpu tests/gpu/test_quant_gpu.py -p no:cacheprovider \
+        -k "fp8 or fused_prologue or tensor_core"
+      run python3 -m bench.fp8_gemv_gpu --rows 1,8 --rounds 3 --out "$OUT/fp8_gemv_gpu.json"
+      for v in before after; do
+        run python3 -m bench.fp8_ab_gpu $v --defaults --quantization fp8 --sections a,c,b \
+          --out "$OUT/gpu_engine_fp8_$v.json"
+      done ;;
     engine-a)  # section a only, few graph buckets; one process per variant
       for v in base splitk pdl async splitk_pdl pdl_async splitk_pdl_async; do
         env $(variant_env $v) python3 -m bench.gpu_engine --sections a --max-num-seqs 8 \

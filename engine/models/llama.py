@@ -44,6 +44,9 @@ def _packed_fits(p: tuple | None, out_features: int, in_features: int) -> bool:
 
 
 class Attention(nn.Module):
+    """Q/K/V and output projections around the attention backend; DecoderLayer.forward calls
+    the projections itself (they may fuse with the norms around them) and ``attend``."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -51,11 +54,6 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = QLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = QLinear(self.q_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x, positions, rotary: RotaryEmbedding, backend: AttentionBackend,
-                kv_cache, meta: AttentionMetadata):
-        return self.o_proj(self.attend(self.qkv_proj(x), positions, rotary, backend, kv_cache,
-                                       meta))
 
     def attend(self, qkv, positions, rotary: RotaryEmbedding, backend: AttentionBackend,
                kv_cache, meta: AttentionMetadata):
@@ -78,15 +76,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """gate_up and down projections; DecoderLayer.forward runs them around ``act``."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
         self.gate_up_proj = QLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = QLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.fused = False  # GPU: silu(gate) * up in one Triton kernel
-
-    def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
 
     def act(self, gate_up):
         if self.fused:
