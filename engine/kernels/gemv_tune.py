@@ -25,16 +25,19 @@ logger = logging.getLogger(__name__)
 # flight; split-K gives the small matrices (o_proj, qkv) more programs. A config whose
 # block_k * split_k does not divide K is skipped for that role.
 CONFIGS = [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (16, 512, 4, 1), (8, 2048, 8, 1),
-           (16, 1024, 8, 1)]
+           (16, 1024, 8, 1), (4, 1024, 4, 1, "loop"), (8, 2048, 8, 1, "loop")]
 # quantized weights carry 1 (fp8, int8) or 1/2 (int4) bytes a feature: wider K tiles keep
 # the bytes a load moves where the float configs have them
 # the same wider K tiles; a fifth element names a variant of matvec.gemv: "bits" (codes to
-# fp32 by integer operations), "mma" (tiles through the tensor cores)
+# fp32 by integer operations), "mma" (tiles through the tensor cores), "loop" (the passes
+# over x before the weight stream as block_k loops, unroll=False: how every config ran
+# before 2026-12-06; kept for the configs the H200 chose most, in case unrolling loses)
 QUANT_CONFIGS = [(8, 1024, 4, 1), (8, 2048, 8, 1), (16, 1024, 4, 1), (16, 2048, 8, 1),
                  (4, 2048, 4, 1), (32, 1024, 8, 1), (8, 1024, 4, 1, "bits"),
                  (8, 2048, 8, 1, "bits"), (16, 1024, 4, 1, "bits"), (16, 2048, 8, 1, "bits"),
                  (4, 2048, 4, 1, "bits"), (32, 1024, 8, 1, "bits"), (4, 1024, 4, 1, "bits"),
-                 (32, 512, 4, 1, "mma"), (64, 256, 4, 1, "mma")]
+                 (32, 512, 4, 1, "mma"), (64, 256, 4, 1, "mma"), (8, 1024, 4, 1, "loop"),
+                 (16, 1024, 4, 1, "loop"), (16, 2048, 8, 1, "loop")]
 # fp8 (W8A8) weights also try the FP8 tensor-core GEMV (matvec.gemv f8mma): wider row
 # blocks (the MMA's 64-row operand), split-K where they leave SMs idle
 F8_CONFIGS = [(64, 256, 4, 1, "f8mma"), (64, 512, 4, 1, "f8mma"), (128, 256, 4, 1, "f8mma"),
@@ -42,6 +45,8 @@ F8_CONFIGS = [(64, 256, 4, 1, "f8mma"), (64, 512, 4, 1, "f8mma"), (128, 256, 4, 
               (32, 512, 4, 1, "f8mma"), (64, 128, 4, 4, "f8mma")]
 SPLIT_K_CONFIGS = [(4, 1024, 4, 2), (8, 1024, 4, 2), (8, 512, 4, 4), (16, 512, 4, 4),
                    (16, 1024, 8, 2)]
+_VARIANT_KWARGS = {"bits": {"bits": True}, "mma": {"mma": True}, "f8mma": {"f8mma": True},
+                   "loop": {"unroll": False}}
 ROUNDS = 5  # candidates are timed in turn, ROUNDS times, so clock drift hits them alike
 _CACHE: dict[tuple, tuple[dict | None, dict]] = {}
 
@@ -133,7 +138,7 @@ def tune_role(model, role: str, mode: str = "auto", pdl: bool = True, split_k: b
         got = gemv(x, w, lin[i].bias, prologue=pro, residual=res if norms else None,
                    norm_weight=norms[i].weight if norms else None, eps=eps, block_n=bn,
                    block_k=bk, num_warps=nw, split_k=split, pdl=pdl, **wkw,
-                   **{v: True for v in var})
+                   **variant_kwargs(var))
         return got[0] if isinstance(got, tuple) else got
 
     def triton_fn(cfg):
@@ -173,10 +178,18 @@ def tune_role(model, role: str, mode: str = "auto", pdl: bool = True, split_k: b
     if best is not None and (mode == "force" or best[1] < table["cublas_ms"]):
         bn, bk, nw, split, *var = eval(best[0])  # noqa: S307 - our own tuple repr
         plan = {"block_n": bn, "block_k": bk, "num_warps": nw, "split_k": split, "pdl": pdl,
-                **{v: True for v in var}}
+                **variant_kwargs(var)}
     table["chosen"] = plan
     _CACHE[key] = (plan, table)
     return plan, table
+
+
+def variant_kwargs(var) -> dict:
+    """matvec.gemv keywords of a config's variant names (its elements after the fourth)."""
+    out = {}
+    for v in var:
+        out.update(_VARIANT_KWARGS[v])
+    return out
 
 
 def tune_gemv_plan(model, mode: str = "auto", pdl: bool = True, split_k: bool = False):

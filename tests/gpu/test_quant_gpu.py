@@ -46,7 +46,8 @@ def test_gemv_full_size(fmt, shape, m):
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("variant", [{"bits": True}, {"bits": True, "block_n": 16,
                                                        "block_k": 2048, "num_warps": 8},
-                                     {"mma": True, "block_n": 32, "block_k": 512}])
+                                     {"mma": True, "block_n": 32, "block_k": 512},
+                                     {"unroll": False}])
 def test_gemv_full_size_variants(fmt, shape, variant):
     """The one-token GEMV's variants the tuner may pick (engine.kernels.gemv_tune)."""
     from engine.kernels.matvec import gemv

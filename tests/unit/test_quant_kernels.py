@@ -278,3 +278,19 @@ def test_fp8_results_do_not_depend_on_the_batch():
     both = llm.generate([a, b], sp)[0]
     assert alone.token_ids == both.token_ids
     assert alone.logprobs == pytest.approx(both.logprobs, abs=1e-5)
+
+
+def test_every_gemv_tuner_config_is_a_gemv_call():
+    """Each config the GPU tuner may time (engine.kernels.gemv_tune) names only variants it
+    maps to matvec.gemv keywords: a wrong name would only show on a GPU, at startup."""
+    import inspect
+    from engine.kernels import gemv_tune as GT
+    from engine.kernels.matvec import gemv
+    params = inspect.signature(gemv).parameters
+    for cfg in GT.CONFIGS + GT.QUANT_CONFIGS + GT.F8_CONFIGS + GT.SPLIT_K_CONFIGS:
+        assert len(cfg) in (4, 5) and all(isinstance(v, int) for v in cfg[:4])
+        kw = GT.variant_kwargs(cfg[4:])
+        assert set(kw) <= set(params), (cfg, kw)
+    assert GT.variant_kwargs(("loop",)) == {"unroll": False}
+    with pytest.raises(KeyError):
+        GT.variant_kwargs(("nope",))
