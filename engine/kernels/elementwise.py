@@ -13,10 +13,17 @@ from engine.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor, next
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, eps,
-                    stride_x, stride_res, stride_out, stride_new_res,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def silu_mul_f32(g, u):
+    """silu(g) * u in fp32 (g, u fp32): the one formula every kernel with a SiLU-and-mul uses."""
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def rmsnorm_row(x_ptr, res_ptr, w_ptr, new_res_ptr, row, hidden, eps, stride_x, stride_res,
+                stride_new_res, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """(rmsnorm(x [+ residual]) * w of one row in fp32, before rounding; offsets; mask). With
+    a residual, x + residual is stored (rounded) as the new residual and normalized as
+    rounded, as the unfused model does."""
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -24,11 +31,20 @@ def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, eps,
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
         s = (x + r).to(new_res_ptr.dtype.element_ty)
         tl.store(new_res_ptr + row * stride_new_res + offs, s, mask=mask)
-        x = s.to(tl.float32)  # normalize the rounded sum, as the unfused model does
+        x = s.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (x * inv * w).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    return x * inv * w, offs, mask
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, hidden, eps,
+                    stride_x, stride_res, stride_out, stride_new_res,
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h, offs, mask = rmsnorm_row(x_ptr, res_ptr, w_ptr, new_res_ptr, row, hidden, eps, stride_x,
+                                stride_res, stride_new_res, HAS_RESIDUAL, BLOCK)
+    tl.store(out_ptr + row * stride_out + offs, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_norm(x, weight):
@@ -71,7 +87,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.cons
     mask = offs < d
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
-    y = g / (1.0 + tl.exp(-g)) * u
+    y = silu_mul_f32(g, u)
     tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

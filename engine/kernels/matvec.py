@@ -28,6 +28,9 @@ code dot product is scaled and its minimum times the group's sum of x added, so 
 never expanded to weights). The bytes stream the same way, the prologues and split-K apply
 unchanged (engine.quant.reference defines the formats; tests compare with it).
 
+What the kernels load (the prologue's x, the passes over x before the weight stream, the
+weight tiles) lives in engine.kernels.gemv_loads.
+
 Rows of a multi-row x are handled by a second grid axis (each row re-reads W: correct, but
 meant for M = 1). The choice between this kernel and cuBLAS is made per shape by the caller
 (engine.kernels.gemv_tune), once per process.
@@ -42,6 +45,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
+from engine.kernels.gemv_loads import _load_x, _rms_inv, _row_stats, _w_tile, _x_rows
 
 PROLOGUES = {"none": 0, "rmsnorm": 1, "add_rmsnorm": 2, "silu_mul": 3}
 W_FORMATS = {"float": 0, "fp8": 1, "int4": 2, "int8": 3}
@@ -68,66 +72,6 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 def _pdl_capable(device: torch.device) -> bool:
     """Programmatic dependent launch needs a CUDA device of compute capability 9.0 or later."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-@triton.jit
-def _load_x(x_ptr, res_ptr, nw_ptr, kk, km, K, inv, PRO: tl.constexpr):
-    """The prologue's value of x at columns kk, fp32 (rounded through x's dtype)."""
-    dt = x_ptr.dtype.element_ty
-    if PRO == 3:
-        g = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + K + kk, mask=km, other=0.0).to(tl.float32)
-        xv = (g / (1.0 + tl.exp(-g)) * u).to(dt).to(tl.float32)
-    else:
-        xv = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
-        if PRO == 2:
-            r = tl.load(res_ptr + kk, mask=km, other=0.0).to(tl.float32)
-            xv = (xv + r).to(dt).to(tl.float32)
-        if PRO == 1 or PRO == 2:
-            nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
-            xv = (xv * inv * nw).to(dt).to(tl.float32)
-    return xv
-
-
-@triton.jit
-def _rms_inv(x_ptr, res_ptr, new_res_ptr, ks, K, eps, writer, PRO: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    """The rmsnorm prologues' 1 / rms over the whole row (1.0 without a norm prologue);
-    add_rmsnorm's ``writer`` program also stores x + residual as the new residual."""
-    inv = 1.0
-    if PRO == 1 or PRO == 2:
-        ss = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            km = kk < K
-            xv = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
-            if PRO == 2:
-                r = tl.load(res_ptr + kk, mask=km, other=0.0).to(tl.float32)
-                s = (xv + r).to(new_res_ptr.dtype.element_ty)
-                tl.store(new_res_ptr + kk, s, mask=km & writer)
-                xv = s.to(tl.float32)
-            ss += xv * xv
-        inv = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-    return inv
-
-
-@triton.jit
-def _w_tile(w_rows, k0, n_mask, K, KW, EVEN: tl.constexpr, WFMT: tl.constexpr,
-            BLOCK_K: tl.constexpr):
-    """The raw weight tile at feature k0: [BLOCK_N, BLOCK_K] values or fp8 bytes, or
-    [BLOCK_N, BLOCK_K // 2] int4 bytes (KW: bytes per row)."""
-    if WFMT == 2:
-        cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        lim = KW
-    else:
-        cols = k0 + tl.arange(0, BLOCK_K)
-        lim = K
-    if EVEN:
-        w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
-    else:
-        w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & (cols < lim)[None, :],
-                    other=0, eviction_policy="evict_first")
-    return w
 
 
 @triton.jit
@@ -328,68 +272,6 @@ def _gemv_mma_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, 
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def _x_rows(x_ptr, res_ptr, nw_ptr, ms, m_mask, kk, km, K, inv, stride_xm, stride_rm,
-            PRO: tl.constexpr):
-    """_load_x for rows ``ms`` of x ([R] offsets, ``inv`` [R]): the prologue's values at
-    columns kk, [R, C] fp32 (rounded through x's dtype)."""
-    dt = x_ptr.dtype.element_ty
-    msk = m_mask[:, None] & km[None, :]
-    xo = x_ptr + ms[:, None] * stride_xm + kk[None, :]
-    if PRO == 3:
-        g = tl.load(xo, mask=msk, other=0.0).to(tl.float32)
-        u = tl.load(xo + K, mask=msk, other=0.0).to(tl.float32)
-        xv = (g / (1.0 + tl.exp(-g)) * u).to(dt).to(tl.float32)
-    else:
-        xv = tl.load(xo, mask=msk, other=0.0).to(tl.float32)
-        if PRO == 2:
-            r = tl.load(res_ptr + ms[:, None] * stride_rm + kk[None, :], mask=msk,
-                        other=0.0).to(tl.float32)
-            xv = (xv + r).to(dt).to(tl.float32)
-        if PRO == 1 or PRO == 2:
-            nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
-            xv = (xv * inv[:, None] * nw[None, :]).to(dt).to(tl.float32)
-    return xv
-
-
-@triton.jit
-def _row_stats(x_ptr, res_ptr, nw_ptr, new_res_ptr, ms, m_mask, K: tl.constexpr, eps, writer,
-               stride_xm, stride_rm, stride_nrm, PRO: tl.constexpr, XC: tl.constexpr,
-               A8: tl.constexpr):
-    """(1 / rms, activation scale (A8; else 1)), each [R], of rows ``ms`` of the prologue's
-    output: _rms_inv and the a8 pass in [R, XC] chunks, unrolled (K is a constant) so that a
-    pass's loads are in flight together, not one round trip to L2 per chunk (a loop of
-    BLOCK_K chunks did that). add_rmsnorm's ``writer`` also stores x + residual as the new
-    residual."""
-    ks = tl.arange(0, XC)
-    inv = tl.full(ms.shape, 1.0, tl.float32)
-    if PRO == 1 or PRO == 2:
-        ss = tl.zeros([ms.shape[0], XC], tl.float32)
-        for k0 in tl.static_range(0, K, XC):
-            kk = k0 + ks
-            msk = m_mask[:, None] & (kk < K)[None, :]
-            xv = tl.load(x_ptr + ms[:, None] * stride_xm + kk[None, :], mask=msk,
-                         other=0.0).to(tl.float32)
-            if PRO == 2:
-                r = tl.load(res_ptr + ms[:, None] * stride_rm + kk[None, :], mask=msk,
-                            other=0.0).to(tl.float32)
-                s = (xv + r).to(new_res_ptr.dtype.element_ty)
-                tl.store(new_res_ptr + ms[:, None] * stride_nrm + kk[None, :], s,
-                         mask=msk & writer)
-                xv = s.to(tl.float32)
-            ss += xv * xv
-        inv = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
-    sx = tl.full(ms.shape, 1.0, tl.float32)
-    if A8:
-        am = tl.zeros([ms.shape[0], XC], tl.float32)
-        for k0 in tl.static_range(0, K, XC):
-            kk = k0 + ks
-            am = tl.maximum(am, tl.abs(_x_rows(x_ptr, res_ptr, nw_ptr, ms, m_mask, kk, kk < K,
-                                               K, inv, stride_xm, stride_rm, PRO)))
-        sx = tl.maximum(tl.max(am, axis=1), 1e-12) / 448.0
-    return inv, sx
 
 
 @triton.jit

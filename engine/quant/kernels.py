@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import check_tensor, next_pow2
+from engine.kernels.elementwise import rmsnorm_row, silu_mul_f32
 from engine.quant.reference import FP8_MAX, GEMV_MAX_ROWS, gemv_keywords
 
 _FMT = {"int8": 0, "int4": 1, "fp8": 2}
@@ -252,17 +253,9 @@ def _norm_act_fp8(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, new_res_ptr, hidden, eps,
     """elementwise._rmsnorm_kernel's row (x + residual stored as the new residual), then its
     output rounded to x's dtype and quantized as _act_fp8 does, in one pass."""
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < hidden
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(new_res_ptr.dtype.element_ty)
-        tl.store(new_res_ptr + row * stride_new_res + offs, s, mask=mask)
-        x = s.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    h = (x * inv * w).to(x_ptr.dtype.element_ty).to(tl.float32)
+    h, offs, mask = rmsnorm_row(x_ptr, res_ptr, w_ptr, new_res_ptr, row, hidden, eps, stride_x,
+                                stride_res, stride_new_res, HAS_RESIDUAL, BLOCK)
+    h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
     _codes_out(h, q_ptr + row * stride_q + offs, s_ptr, row, mask, FP8_MAX)
 
 
@@ -280,7 +273,7 @@ def _silu_mul_act_fp8(x_ptr, q_ptr, s_ptr, d, stride_x, stride_q, FP8_MAX: tl.co
         mask = offs < d
         g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + d + offs, mask=mask, other=0.0).to(tl.float32)
-        h = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty).to(tl.float32)
+        h = silu_mul_f32(g, u).to(x_ptr.dtype.element_ty).to(tl.float32)
         _codes_out(h, q_ptr + offs, s_ptr, row, mask, FP8_MAX)
     else:
         amax = tl.zeros([BLOCK], tl.float32)
@@ -288,7 +281,7 @@ def _silu_mul_act_fp8(x_ptr, q_ptr, s_ptr, d, stride_x, stride_q, FP8_MAX: tl.co
             c = k0 + offs
             g = tl.load(x_ptr + c, mask=c < d, other=0.0).to(tl.float32)
             u = tl.load(x_ptr + d + c, mask=c < d, other=0.0).to(tl.float32)
-            h = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty).to(tl.float32)
+            h = silu_mul_f32(g, u).to(x_ptr.dtype.element_ty).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(h))
         scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
         tl.store(s_ptr + row, scale)
@@ -296,7 +289,7 @@ def _silu_mul_act_fp8(x_ptr, q_ptr, s_ptr, d, stride_x, stride_q, FP8_MAX: tl.co
             c = k0 + offs
             g = tl.load(x_ptr + c, mask=c < d, other=0.0).to(tl.float32)
             u = tl.load(x_ptr + d + c, mask=c < d, other=0.0).to(tl.float32)
-            h = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty).to(tl.float32)
+            h = silu_mul_f32(g, u).to(x_ptr.dtype.element_ty).to(tl.float32)
             q = tl.clamp(tl.math.div_rn(h, scale), -FP8_MAX, FP8_MAX)
             tl.store(q_ptr + c, q.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=c < d)
 
