@@ -153,3 +153,14 @@ def test_git_state_names_each_changed_file_whole(tmp_path):
     state = harness.git_state(tmp_path)
     assert state["dirty"] is True
     assert state["changed_files"] == ["pdserve.py", "zz.py"]
+
+
+def test_cpu_ratios_of_a_run_too_short_for_the_clock_are_none():
+    """A brief run can measure 0 ms of gateway CPU; its ratio is None, not a ZeroDivisionError."""
+    from bench import openai_front_cpu
+    pair = {"throughput_ratio": 1.0, "added_ttft_p50_ms": 0.5,
+            "load_grpc": {"gateway_cpu_ms_per_request": 0.0},
+            "load_openai": {"gateway_cpu_ms_per_request": 2.5}}
+    assert openai_front_cpu.summary([pair])["gateway_cpu_ratio"] is None
+    pair["load_grpc"]["gateway_cpu_ms_per_request"] = 1.25
+    assert openai_front_cpu.summary([pair])["gateway_cpu_ratio"] == 2.0
