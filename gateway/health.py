@@ -7,6 +7,12 @@ its streams end so that their requests resume elsewhere (Router.set_health); one
 makes it healthy again. A worker that stopped (SIGSTOP, a hung host, a partition) is thus
 out of rotation within about ``interval_s * failures + timeout_s`` (3 s by default).
 
+A probe that times out while the worker's decode streams delivered a response is no strike:
+the worker is alive, its answer only late (an overloaded host: its event loop shares the
+cores with the engine). Counting it made a busy worker "lost" and ended every stream it
+served, with nowhere else to go when it was the only decode worker. A stopped or cut-off
+worker delivers nothing, so it is judged as before.
+
 Each answer also updates what the router knows of the worker: its role, capacity and context
 limit, and -- for a worker configured by address, which has no registry heartbeat -- its
 load, so shedding and routing follow the real worker, not an assumed one.
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 import logging
+import time
 
 import grpc
 
@@ -54,10 +61,17 @@ class HealthProber:
 
     async def probe(self, worker) -> bool:
         pool = self._prefill if worker.info.role == "prefill" else self._decode
+        sent = time.monotonic()
         try:
             st = await pool.stub(worker.info.address).Stats(common_pb2.StatsRequest(),
                                                             timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
+            if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED and worker.heard_at >= sent:
+                # late, but its streams delivered meanwhile: alive (see the module)
+                logger.debug("probe of %s timed out while its streams delivered: alive",
+                             worker.id)
+                self._strikes[worker.id] = 0
+                return True
             n = self._strikes[worker.id] = self._strikes.get(worker.id, 0) + 1
             logger.debug("probe of %s failed (%d): %s", worker.id, n, e.code().name)
             if n >= self.failures:

@@ -23,6 +23,7 @@ import asyncio
 from dataclasses import dataclass, field
 import json
 import logging
+import time
 import uuid
 
 import grpc
@@ -321,6 +322,7 @@ class GatewayRequest:
         first = True
         try:
             async for resp in call:
+                route.decode.heard_at = time.monotonic()  # alive (gateway.health)
                 if first:
                     self.env.router.prefilled(route)  # a first token: the prompt is computed
                     first = False

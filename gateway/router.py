@@ -66,6 +66,9 @@ class Worker:
     watchers: set = field(default_factory=set)
     recent_tokens: float = 0.0  # prompt tokens routed here, decaying with RECENT_S
     recent_at: float = 0.0
+    # time.monotonic() of the latest response its decode streams delivered: a worker that
+    # streams is alive, however slow its probes' answers (gateway.health)
+    heard_at: float = 0.0
 
     def recent(self, now: float) -> float:
         return self.recent_tokens * math.exp(-(now - self.recent_at) / RECENT_S)

@@ -136,10 +136,14 @@ def test_random_cancels_and_deadlines_leave_every_block_free(worker_args):
             stub = gateway_pb2_grpc.GatewayStub(ch)
             return await asyncio.gather(*(one(stub, rng) for _ in range(80)))
 
+    # probes may answer late on a loaded 2-core host (80 streams, three processes): a worker
+    # judged lost would end its streams UNAVAILABLE, and liveness is not what this tests
     with LocalCluster("dummy:tiny", prefill=1, decode=1,
-                      worker_args=("--max-num-batched-tokens", "128") + worker_args) as c:
+                      worker_args=("--max-num-batched-tokens", "128") + worker_args,
+                      gateway_args=("--health-timeout-s", "5")) as c:
         results = run(chaos(c.address))
-        assert set(results) <= {"ok", "cancelled", "DEADLINE_EXCEEDED"}, details
+        assert set(results) <= {"ok", "cancelled", "DEADLINE_EXCEEDED"}, \
+            [d for d in details if not d.startswith("DEADLINE_EXCEEDED")]
         assert results.count("ok") >= 20
         stats = run(wait_all_free([w.address for w in c.workers], timeout_s=30))
         for s in stats:
