@@ -28,7 +28,15 @@ def cli(*argv: str, env: dict | None = None, timeout: float = 60,
     environ.update(env or {})
     cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "pdserve.cli"]
     return subprocess.run([*cmd, *argv], capture_output=True, text=True, cwd=REPO,
-                          timeout=timeout, env=environ)
+                          timeout=timeout, env=environ, preexec_fn=default_sigint)
+
+
+def default_sigint() -> None:
+    """In the child: Ctrl-C as a terminal delivers it. A suite started in the background of
+    a shell without job control inherits SIGINT ignored, and so would every service here
+    (Python leaves an ignored SIGINT ignored): the Ctrl-C tests would test nothing."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def assert_one_error(r: subprocess.CompletedProcess, status: int, *parts: str) -> str:
@@ -408,7 +416,8 @@ def test_ctrl_c_at_any_point_of_a_workers_start_ends_it_cleanly():
         return subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "colocated", *WORKER, "--insecure"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-            env={k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")})
+            env={k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")},
+            preexec_fn=default_sigint)
 
     p = start()
     t0 = time.monotonic()
