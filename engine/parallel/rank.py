@@ -98,7 +98,9 @@ def main(argv: list[str]) -> None:
                         format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s")
     try:
         _serve(rank, size, store_path, config, conn)
-    except EOFError:
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        # rank 0 ended (its worker stopped, even while this rank was loading): nothing to
+        # report to, and no traceback to print
         logger.warning("rank 0 is gone: exiting")
         code = 1
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, then the process ends
