@@ -37,8 +37,11 @@ ROLE_NAMES = {common_pb2.WORKER_ROLE_PREFILL: "prefill", common_pb2.WORKER_ROLE_
 
 class HealthProber:
     def __init__(self, router, *, interval_s: float = 1.0, timeout_s: float = 1.0,
-                 failures: int = 2, tls=None):
+                 failures: int = 2, tls=None, late_counter=None):
+        """``late_counter``: a metric's counter, incremented for each late probe that is no
+        strike (a worker that streams but answers slowly: overloaded)."""
         self.router = router
+        self.late_counter = late_counter
         self.interval_s, self.timeout_s, self.failures = interval_s, timeout_s, failures
         self._strikes: dict[str, int] = {}
         self._decode = ChannelPool(worker_pb2_grpc.DecodeWorkerStub, tls=tls)
@@ -71,6 +74,8 @@ class HealthProber:
                 logger.debug("probe of %s timed out while its streams delivered: alive",
                              worker.id)
                 self._strikes[worker.id] = 0
+                if self.late_counter is not None:
+                    self.late_counter.inc()
                 return True
             n = self._strikes[worker.id] = self._strikes.get(worker.id, 0) + 1
             logger.debug("probe of %s failed (%d): %s", worker.id, n, e.code().name)

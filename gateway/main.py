@@ -117,11 +117,11 @@ async def serve_gateway(settings: GatewaySettings) -> None:
     router = _router(settings, model_id, mc.max_position, tls)
     await _check_redis_credentials(router)
     await router.refresh()
+    metrics = GatewayMetrics()
     prober = HealthProber(router, interval_s=settings.health_interval_s,
                           timeout_s=settings.health_timeout_s, failures=settings.health_failures,
-                          tls=tls)
+                          tls=tls, late_counter=metrics.probes_late)
     await prober.probe_all()  # static workers: their capacity and context limit, at once
-    metrics = GatewayMetrics()
     metrics.watch_router(router)
     shown = redacted_flat(settings)
     metrics.export_config(shown)

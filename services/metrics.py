@@ -109,6 +109,10 @@ class GatewayMetrics:
                                   registry=r)
         self.workers_unhealthy = Gauge("pdserve_workers_unhealthy", "Workers failing their "
                                        "health probes (routed around)", registry=r)
+        self.probes_late = Counter("pdserve_health_probes_late", "Health probes that timed "
+                                   "out while the worker's decode streams delivered: not "
+                                   "counted against it (a worker too busy to answer in "
+                                   "time)", registry=r)
         self.tokenize_pending = Gauge("pdserve_tokenize_pending", "Prompts being tokenized "
                                       "or waiting for a tokenizer thread", registry=r)
         self.rejections = Counter("pdserve_admission_rejections", "Requests refused before "

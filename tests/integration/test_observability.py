@@ -170,6 +170,7 @@ def test_metrics_count_a_known_workload(traced):
     assert g1[("pdserve_inflight_requests", ())] == 0
     assert g1[("pdserve_workers", (("role", "prefill"),))] == 1
     assert g1[("pdserve_workers", (("role", "decode"),))] == 1
+    assert ("pdserve_health_probes_late_total", ()) in g1  # exported from the start
 
     p0, p1 = before["pre"], after["pre"]
     assert delta(p1, p0, "pdserve_worker_requests_total", kind="prefill", outcome="ok") == n

@@ -25,7 +25,7 @@ class _SlowStats(worker_pb2_grpc.DecodeWorkerServicer):
         return common_pb2.StatsResponse(worker_id="d1", capacity=8)
 
 
-async def _probe_twice(delivering: bool) -> tuple[bool, list[str]]:
+async def _probe_thrice(delivering: bool) -> tuple[bool, list[str], float]:
     server = grpc.aio.server()
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(_SlowStats(0.6), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -35,7 +35,10 @@ async def _probe_twice(delivering: bool) -> tuple[bool, list[str]]:
         worker_id="d1", address=f"127.0.0.1:{port}", role="decode", model="m", capacity=8))
     cuts: list[str] = []
     w.watchers.add(cuts.append)  # a stream it serves
-    prober = HealthProber(router, interval_s=0.05, timeout_s=0.2, failures=2)
+    from services.metrics import GatewayMetrics
+    metrics = GatewayMetrics()
+    prober = HealthProber(router, interval_s=0.05, timeout_s=0.2, failures=2,
+                          late_counter=metrics.probes_late)
 
     async def stream():  # what the request path does for each response it relays
         while True:
@@ -51,14 +54,14 @@ async def _probe_twice(delivering: bool) -> tuple[bool, list[str]]:
             feeder.cancel()
         await prober.close()
         await server.stop(None)
-    return w.healthy, cuts
+    return w.healthy, cuts, metrics.probes_late._value.get()
 
 
 def test_a_late_probe_answer_from_a_worker_that_streams_is_no_strike():
-    healthy, cuts = asyncio.run(_probe_twice(delivering=True))
-    assert healthy and cuts == []
+    healthy, cuts, late = asyncio.run(_probe_thrice(delivering=True))
+    assert healthy and cuts == [] and late == 3
 
 
 def test_late_probe_answers_from_a_silent_worker_make_it_lost():
-    healthy, cuts = asyncio.run(_probe_twice(delivering=False))
-    assert not healthy and cuts == ["lost"]
+    healthy, cuts, late = asyncio.run(_probe_thrice(delivering=False))
+    assert not healthy and cuts == ["lost"] and late == 0
