@@ -11,6 +11,7 @@ import grpc
 from gateway.health import HealthProber
 from gateway.router import Router, Worker
 from protos.pdserve.v1 import common_pb2, worker_pb2_grpc
+from services.metrics import GatewayMetrics
 from services.registry import WorkerInfo
 
 
@@ -35,7 +36,6 @@ async def _probe_thrice(delivering: bool) -> tuple[bool, list[str], float]:
         worker_id="d1", address=f"127.0.0.1:{port}", role="decode", model="m", capacity=8))
     cuts: list[str] = []
     w.watchers.add(cuts.append)  # a stream it serves
-    from services.metrics import GatewayMetrics
     metrics = GatewayMetrics()
     prober = HealthProber(router, interval_s=0.05, timeout_s=0.2, failures=2,
                           late_counter=metrics.probes_late)
@@ -54,7 +54,7 @@ async def _probe_thrice(delivering: bool) -> tuple[bool, list[str], float]:
             feeder.cancel()
         await prober.close()
         await server.stop(None)
-    return w.healthy, cuts, metrics.probes_late._value.get()
+    return w.healthy, cuts, metrics.registry.get_sample_value("pdserve_health_probes_late_total")
 
 
 def test_a_late_probe_answer_from_a_worker_that_streams_is_no_strike():
