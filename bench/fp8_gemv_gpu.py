@@ -26,15 +26,21 @@ from pdserve.benchlib import harness
 LAYERS = 32
 SHAPES = {"qkv": (6144, 4096, "add_rmsnorm"), "o": (4096, 4096, "none"),
           "gate_up": (28672, 4096, "add_rmsnorm"), "down": (4096, 14336, "silu_mul")}
-# (block_n, block_k, num_warps, split_k, variant)
+# (block_n, block_k, num_warps, split_k, variant[, num_stages])
 # "a8": the one-token GEMV as it runs now; "a8loop": its passes over x as block_k loops
-# (gemv unroll=False, as before _row_stats)
+# (gemv unroll=False, as before _row_stats); a sixth element: the software pipeline's depth
+# (Triton's default, 3, where absent)
 A8 = [(8, 1024, 4, 1, "a8"), (16, 1024, 4, 1, "a8"), (16, 2048, 8, 1, "a8"),
-      (8, 1024, 4, 1, "a8loop"), (16, 1024, 4, 1, "a8loop"), (16, 2048, 8, 1, "a8loop")]
+      (8, 1024, 4, 1, "a8loop"), (16, 1024, 4, 1, "a8loop"), (16, 2048, 8, 1, "a8loop"),
+      (8, 1024, 4, 1, "a8", 4), (16, 1024, 4, 1, "a8", 4)]
 F8 = [(64, 256, 4, 1, "f8mma"), (64, 512, 4, 1, "f8mma"), (128, 256, 4, 1, "f8mma"),
       (128, 256, 8, 1, "f8mma"), (128, 512, 8, 1, "f8mma"), (64, 256, 4, 2, "f8mma"),
       (64, 512, 4, 2, "f8mma"), (32, 512, 4, 1, "f8mma"), (32, 256, 4, 2, "f8mma"),
-      (64, 128, 4, 4, "f8mma"), (64, 256, 4, 4, "f8mma"), (128, 256, 8, 2, "f8mma")]
+      (64, 128, 4, 4, "f8mma"), (64, 256, 4, 4, "f8mma"), (128, 256, 8, 2, "f8mma"),
+      (64, 512, 4, 2, "f8mma", 4), (64, 512, 4, 2, "f8mma", 5), (64, 256, 4, 2, "f8mma", 5),
+      (64, 256, 4, 4, "f8mma", 4), (128, 256, 8, 1, "f8mma", 4), (128, 256, 8, 1, "f8mma", 5),
+      (64, 1024, 4, 2, "f8mma"), (64, 1024, 4, 1, "f8mma"), (128, 512, 8, 1, "f8mma", 2),
+      (128, 128, 8, 2, "f8mma", 6)]
 FIGURES = [harness.Figure(f"{role} batch 1, best f8mma / best a8 time", "x",
                           ("speedup", f"{role}/m1"), format=".2f") for role in SHAPES]
 
@@ -54,9 +60,9 @@ def run_role(role: str, m: int, rounds: int) -> dict:
                     if pro == "add_rmsnorm" else {})
 
     def call(i, cfg):
-        bn, bk, nw, sk, var = cfg
+        bn, bk, nw, sk, var, *stages = cfg
         got = gemv(x, qws[i]["q"], None, prologue=pro, block_n=bn, block_k=bk, num_warps=nw,
-                   split_k=sk, pdl=True, **ref.gemv_keywords(qws[i]), f8mma=var == "f8mma",
+                   split_k=sk, pdl=True, num_stages=stages[0] if stages else None, **ref.gemv_keywords(qws[i]), f8mma=var == "f8mma",
                    unroll=var != "a8loop", **kw(i))
         return got[0] if isinstance(got, tuple) else got
 

@@ -39,10 +39,13 @@ QUANT_CONFIGS = [(8, 1024, 4, 1), (8, 2048, 8, 1), (16, 1024, 4, 1), (16, 2048, 
                  (32, 512, 4, 1, "mma"), (64, 256, 4, 1, "mma"), (8, 1024, 4, 1, "loop"),
                  (16, 1024, 4, 1, "loop"), (16, 2048, 8, 1, "loop")]
 # fp8 (W8A8) weights also try the FP8 tensor-core GEMV (matvec.gemv f8mma): wider row
-# blocks (the MMA's 64-row operand), split-K where they leave SMs idle
+# blocks (the MMA's 64-row operand), split-K where they leave SMs idle; a sixth element is
+# the weight stream's pipeline depth (num_stages: more tiles in flight per SM)
 F8_CONFIGS = [(64, 256, 4, 1, "f8mma"), (64, 512, 4, 1, "f8mma"), (128, 256, 4, 1, "f8mma"),
               (128, 256, 8, 1, "f8mma"), (64, 256, 4, 2, "f8mma"), (64, 512, 4, 2, "f8mma"),
-              (32, 512, 4, 1, "f8mma"), (64, 128, 4, 4, "f8mma")]
+              (32, 512, 4, 1, "f8mma"), (64, 128, 4, 4, "f8mma"),
+              (64, 512, 4, 2, "f8mma", 4), (128, 256, 8, 1, "f8mma", 4),
+              (64, 256, 4, 4, "f8mma", 4), (64, 256, 4, 2, "f8mma", 5)]
 SPLIT_K_CONFIGS = [(4, 1024, 4, 2), (8, 1024, 4, 2), (8, 512, 4, 4), (16, 512, 4, 4),
                    (16, 1024, 8, 2)]
 _VARIANT_KWARGS = {"bits": {"bits": True}, "mma": {"mma": True}, "f8mma": {"f8mma": True},
@@ -185,10 +188,11 @@ def tune_role(model, role: str, mode: str = "auto", pdl: bool = True, split_k: b
 
 
 def variant_kwargs(var) -> dict:
-    """matvec.gemv keywords of a config's variant names (its elements after the fourth)."""
+    """matvec.gemv keywords of a config's elements after the fourth: variant names, and an
+    int, the software pipeline's depth (num_stages; Triton's default where absent)."""
     out = {}
     for v in var:
-        out.update(_VARIANT_KWARGS[v])
+        out.update({"num_stages": v} if isinstance(v, int) else _VARIANT_KWARGS[v])
     return out
 
 

@@ -288,9 +288,10 @@ def test_every_gemv_tuner_config_is_a_gemv_call():
     from engine.kernels.matvec import gemv
     params = inspect.signature(gemv).parameters
     for cfg in GT.CONFIGS + GT.QUANT_CONFIGS + GT.F8_CONFIGS + GT.SPLIT_K_CONFIGS:
-        assert len(cfg) in (4, 5) and all(isinstance(v, int) for v in cfg[:4])
+        assert len(cfg) in (4, 5, 6) and all(isinstance(v, int) for v in cfg[:4])
         kw = GT.variant_kwargs(cfg[4:])
         assert set(kw) <= set(params), (cfg, kw)
     assert GT.variant_kwargs(("loop",)) == {"unroll": False}
+    assert GT.variant_kwargs(("f8mma", 4)) == {"f8mma": True, "num_stages": 4}
     with pytest.raises(KeyError):
         GT.variant_kwargs(("nope",))
