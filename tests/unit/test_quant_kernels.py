@@ -295,3 +295,48 @@ def test_every_gemv_tuner_config_is_a_gemv_call():
     assert GT.variant_kwargs(("f8mma", 4)) == {"f8mma": True, "num_stages": 4}
     with pytest.raises(KeyError):
         GT.variant_kwargs(("nope",))
+
+
+@pytest.mark.parametrize("prologue", ["none", "add_rmsnorm", "silu_mul"])
+@pytest.mark.parametrize("n,k,m,split,pdl,bias", [(48, 256, 1, 1, False, False),
+                                                  (33, 200, 3, 1, True, True),
+                                                  (48, 512, 1, 2, True, False)])
+@pytest.mark.parametrize("a8", [True, False])
+def test_fp8_word_gemv_matches_the_converting_gemv(prologue, n, k, m, split, pdl, bias, a8):
+    """gemv(w32=True): fp8 codes loaded as int32 words and made fp32 by shifts and masks
+    give the converting GEMV's result (W8A8 and weight-only), prologues, split-K, the PDL
+    prefetch and a K that is not a multiple of the tile included."""
+    from engine.kernels.matvec import gemv
+    x, qw, b, kw = _prologue_case("fp8", n, k, m, bias, prologue)
+    args = dict(prologue=prologue, block_n=16, block_k=128, split_k=split, pdl=pdl,
+                **{**ref.gemv_keywords(qw), "a8": a8}, **kw)
+    want = gemv(x, qw["q"], b, **args)
+    got = gemv(x, qw["q"], b, w32=True, **args)
+    if isinstance(want, tuple):
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+        got, want = got[0], want[0]
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    for bad in (dict(f8mma=True), dict(bits=True), dict(w_format="int8", a8=False)):
+        with pytest.raises(ValueError, match="w32"):
+            gemv(x, qw["q"].view(torch.int8) if "w_format" in bad else qw["q"], b,
+                 w32=True, **{**args, **bad})
+
+
+def test_fp8_word_gemv_is_exact_on_every_code():
+    """Every finite e4m3 code (subnormals and both zeros included) comes out of the word
+    decoding as its value: one-hot rows of x pick single codes out of a weight that holds
+    all of them."""
+    from engine.kernels.matvec import gemv
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    k = 256
+    w = torch.zeros(codes.numel(), k, dtype=torch.uint8)
+    for i in range(codes.numel()):
+        w[i, i % k] = codes[i]  # row i holds code i at feature i % k, zero elsewhere
+    w8 = w.view(torch.float8_e4m3fn).to(DEV)
+    scale = torch.ones(codes.numel(), device=DEV)
+    want = codes.view(torch.float8_e4m3fn).float().to(DEV)
+    x = torch.eye(k, device=DEV)  # row f picks feature f of every weight row
+    y = gemv(x, w8, None, w_format="fp8", w_scale=scale, block_n=16, block_k=64, w32=True)
+    idx = torch.arange(codes.numel(), device=DEV)
+    got = y[idx % k, idx]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
