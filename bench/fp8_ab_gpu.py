@@ -4,8 +4,7 @@ as they are ("after"), so both sides run on the same warm GPU:
     python3 -m bench.fp8_ab_gpu before --defaults --quantization fp8 --sections a,c,b --out A.json
     python3 -m bench.fp8_ab_gpu after  --defaults --quantization fp8 --sections a,c,b --out B.json
 
-"before" takes away: the FP8 tensor-core GEMV and the word-decoding GEMV (no f8mma or w32
-configs for the tuner, F8_CONFIGS empty; fp8 calls of
+"before" takes away: the FP8 tensor-core GEMV (no f8mma configs for the tuner; fp8 calls of
 2..8 rows back on the a8 GEMV, one program row per token), the prologues fused into the
 activation quantization of fp8 prefills (QuantLinear.prologue_forward), and the unrolled
 passes over x of the one-token GEMV (matvec.gemv unroll=False).

@@ -29,14 +29,10 @@ SHAPES = {"qkv": (6144, 4096, "add_rmsnorm"), "o": (4096, 4096, "none"),
 # (block_n, block_k, num_warps, split_k, variant[, num_stages])
 # "a8": the one-token GEMV as it runs now; "a8loop": its passes over x as block_k loops
 # (gemv unroll=False, as before _row_stats); a sixth element: the software pipeline's depth
-# (Triton's default, 3, where absent); "w32": the a8 GEMV reading the codes as int32 words
-# decoded by shifts and masks (no conversion instructions)
+# (Triton's default, 3, where absent)
 A8 = [(8, 1024, 4, 1, "a8"), (16, 1024, 4, 1, "a8"), (16, 2048, 8, 1, "a8"),
       (8, 1024, 4, 1, "a8loop"), (16, 1024, 4, 1, "a8loop"), (16, 2048, 8, 1, "a8loop"),
-      (8, 1024, 4, 1, "a8", 4), (16, 1024, 4, 1, "a8", 4),
-      (8, 1024, 4, 1, "w32"), (16, 1024, 4, 1, "w32"), (8, 2048, 8, 1, "w32"),
-      (16, 2048, 8, 1, "w32"), (4, 2048, 4, 1, "w32"), (32, 1024, 8, 1, "w32"),
-      (8, 1024, 4, 2, "w32")]
+      (8, 1024, 4, 1, "a8", 4), (16, 1024, 4, 1, "a8", 4)]
 F8 = [(64, 256, 4, 1, "f8mma"), (64, 512, 4, 1, "f8mma"), (128, 256, 4, 1, "f8mma"),
       (128, 256, 8, 1, "f8mma"), (128, 512, 8, 1, "f8mma"), (64, 256, 4, 2, "f8mma"),
       (64, 512, 4, 2, "f8mma"), (32, 512, 4, 1, "f8mma"), (32, 256, 4, 2, "f8mma"),
@@ -67,7 +63,7 @@ def run_role(role: str, m: int, rounds: int) -> dict:
         bn, bk, nw, sk, var, *stages = cfg
         got = gemv(x, qws[i]["q"], None, prologue=pro, block_n=bn, block_k=bk, num_warps=nw,
                    split_k=sk, pdl=True, num_stages=stages[0] if stages else None, **ref.gemv_keywords(qws[i]), f8mma=var == "f8mma",
-                   unroll=var != "a8loop", w32=var == "w32", **kw(i))
+                   unroll=var != "a8loop", **kw(i))
         return got[0] if isinstance(got, tuple) else got
 
     h = R.gemv_ref(x.float(), torch.eye(k, device=dev), None, prologue=pro,
@@ -91,7 +87,7 @@ def run_role(role: str, m: int, rounds: int) -> dict:
             for c, t in ms.items()}
     best = {v: min(((c, r) for c, r in rows.items() if eval(c)[4] == v),  # noqa: S307
                    key=lambda cr: cr[1]["ms"], default=(None, None))
-            for v in ("a8", "a8loop", "f8mma", "w32")}
+            for v in ("a8", "a8loop", "f8mma")}
     return {"role": role, "m": m, "n": n, "k": k, "prologue": pro, "configs": rows,
             "rejected": rejected, "best": {v: c for v, (c, _) in best.items()},
             "speedup": (best["a8"][1]["ms"] / best["f8mma"][1]["ms"]

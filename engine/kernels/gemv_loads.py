@@ -74,19 +74,6 @@ def _w_tile(w_rows, k0, n_mask, K, KW, EVEN: tl.constexpr, WFMT: tl.constexpr,
 
 
 @triton.jit
-def _w32_tile(w_rows, k0, n_mask, K, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp8 codes as int32 words at feature k0: [BLOCK_N, BLOCK_K // 4], byte j of a word the
-    code of feature 4 * word + j (``w_rows`` points into the weight viewed as int32)."""
-    cols = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-    if EVEN:
-        w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
-    else:
-        w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & (cols < K // 4)[None, :],
-                    other=0, eviction_policy="evict_first")
-    return w
-
-
-@triton.jit
 def _x_rows(x_ptr, res_ptr, nw_ptr, ms, m_mask, kk, km, K, inv, stride_xm, stride_rm,
             PRO: tl.constexpr):
     """_load_x for rows ``ms`` of x ([R] offsets, ``inv`` [R]): the prologue's values at

@@ -40,19 +40,16 @@ QUANT_CONFIGS = [(8, 1024, 4, 1), (8, 2048, 8, 1), (16, 1024, 4, 1), (16, 2048, 
                  (16, 1024, 4, 1, "loop"), (16, 2048, 8, 1, "loop")]
 # fp8 (W8A8) weights also try the FP8 tensor-core GEMV (matvec.gemv f8mma): wider row
 # blocks (the MMA's 64-row operand), split-K where they leave SMs idle; a sixth element is
-# the weight stream's pipeline depth (num_stages: more tiles in flight per SM); "w32" is
-# the one-token GEMV reading the codes as int32 words, decoded by shifts and masks
+# the weight stream's pipeline depth (num_stages: more tiles in flight per SM)
 F8_CONFIGS = [(64, 256, 4, 1, "f8mma"), (64, 512, 4, 1, "f8mma"), (128, 256, 4, 1, "f8mma"),
               (128, 256, 8, 1, "f8mma"), (64, 256, 4, 2, "f8mma"), (64, 512, 4, 2, "f8mma"),
               (32, 512, 4, 1, "f8mma"), (64, 128, 4, 4, "f8mma"),
               (64, 512, 4, 2, "f8mma", 4), (128, 256, 8, 1, "f8mma", 4),
-              (64, 256, 4, 4, "f8mma", 4), (64, 256, 4, 2, "f8mma", 5),
-              (8, 1024, 4, 1, "w32"), (16, 1024, 4, 1, "w32"), (8, 2048, 8, 1, "w32"),
-              (16, 2048, 8, 1, "w32")]
+              (64, 256, 4, 4, "f8mma", 4), (64, 256, 4, 2, "f8mma", 5)]
 SPLIT_K_CONFIGS = [(4, 1024, 4, 2), (8, 1024, 4, 2), (8, 512, 4, 4), (16, 512, 4, 4),
                    (16, 1024, 8, 2)]
 _VARIANT_KWARGS = {"bits": {"bits": True}, "mma": {"mma": True}, "f8mma": {"f8mma": True},
-                   "loop": {"unroll": False}, "w32": {"w32": True}}
+                   "loop": {"unroll": False}}
 ROUNDS = 5  # candidates are timed in turn, ROUNDS times, so clock drift hits them alike
 _CACHE: dict[tuple, tuple[dict | None, dict]] = {}
 

@@ -45,7 +45,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
-from engine.kernels.gemv_loads import _load_x, _rms_inv, _row_stats, _w32_tile, _w_tile, _x_rows
+from engine.kernels.gemv_loads import _load_x, _rms_inv, _row_stats, _w_tile, _x_rows
 
 PROLOGUES = {"none": 0, "rmsnorm": 1, "add_rmsnorm": 2, "silu_mul": 3}
 W_FORMATS = {"float": 0, "fp8": 1, "int4": 2, "int8": 3}
@@ -121,32 +121,6 @@ def _tile_acc(w, xv, s_ptr, z_ptr, rows, n_mask, k0, stride_s, NG_ROW, WFMT: tl.
 
 
 @triton.jit
-def _w32_acc(w, x_ptr, res_ptr, nw_ptr, k0, K, inv, sx, PRO: tl.constexpr, A8: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    """A word tile's contribution ([BLOCK_N, BLOCK_K // 4]) for fp8 codes loaded as int32
-    words (_w32_tile): byte j of each word is moved to the top byte, shifted right by 4 with
-    its sign (an arithmetic shift) and masked, which leaves the code's sign in bit 31 and its
-    exponent and mantissa in the fp32 fields below it: the value times 2^-120 (the epilogue
-    multiplies 2^120 back), made by integer shifts and masks alone, no conversion
-    instruction (those run at a quarter of the FMA rate and bound the converting GEMV).
-    x is read as the four features of each word (stride 4, from L1 / L2)."""
-    wj = tl.arange(0, BLOCK_K // 4)
-    acc = tl.zeros([w.shape[0], BLOCK_K // 4], tl.float32)
-    for j in tl.static_range(4):
-        kk = k0 + 4 * wj + j
-        xv = _load_x(x_ptr, res_ptr, nw_ptr, kk, kk < K, K, inv, PRO)
-        if A8:
-            xv = tl.clamp(tl.math.div_rn(xv, sx), -448.0, 448.0).to(tl.float8e4nv).to(tl.float32)
-        if j == 3:
-            top = w
-        else:
-            top = w << (24 - 8 * j)
-        f = ((top >> 4) & -2014314496).to(tl.float32, bitcast=True)  # mask 0x87F00000
-        acc += f * xv[None, :]
-    return acc
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, new_res_ptr,
                  part_ptr, cnt_ptr, N, K, KW, NG_ROW, eps, stride_xm, stride_rm, stride_w,
                  stride_s, stride_ym, stride_nrm,
@@ -154,7 +128,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, new_
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  PREFETCH: tl.constexpr, PDL: tl.constexpr, WFMT: tl.constexpr,
                  GROUP: tl.constexpr, ACC_W: tl.constexpr, BITS: tl.constexpr,
-                 A8: tl.constexpr, XC: tl.constexpr, KC: tl.constexpr, W32: tl.constexpr):
+                 A8: tl.constexpr, XC: tl.constexpr, KC: tl.constexpr):
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     sk = tl.program_id(2)
@@ -175,10 +149,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, new_
         if PDL:
             gdc_launch_dependents()
         kk0 = k_lo + ks
-        if W32:
-            w_first = _w32_tile(w_rows, k_lo, n_mask, K, EVEN, BLOCK_K)
-        else:
-            w_first = _w_tile(w_rows, k_lo, n_mask, K, KW, EVEN, WFMT, BLOCK_K)
+        w_first = _w_tile(w_rows, k_lo, n_mask, K, KW, EVEN, WFMT, BLOCK_K)
         if PDL:
             gdc_wait()
     if XC:  # the row passes unrolled over a constant K (_row_stats)
@@ -201,28 +172,20 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, new_
     acc = tl.zeros([BLOCK_N, ACC_W], tl.float32)
     k_start = k_lo
     if PREFETCH:
-        if W32:
-            acc += _w32_acc(w_first, x_ptr, res_ptr, nw_ptr, k_lo, K, inv, sx, PRO, A8,
-                            BLOCK_K)
-        else:
-            xv0 = _load_x(x_ptr, res_ptr, nw_ptr, kk0, kk0 < K, K, inv, PRO)
-            acc += _tile_acc(w_first, xv0, s_ptr, z_ptr, rows, n_mask, k_lo, stride_s, NG_ROW,
-                             WFMT, GROUP, BLOCK_N, BLOCK_K, BITS, A8, sx)
+        xv0 = _load_x(x_ptr, res_ptr, nw_ptr, kk0, kk0 < K, K, inv, PRO)
+        acc += _tile_acc(w_first, xv0, s_ptr, z_ptr, rows, n_mask, k_lo, stride_s, NG_ROW,
+                         WFMT, GROUP, BLOCK_N, BLOCK_K, BITS, A8, sx)
         k_start = k_lo + BLOCK_K
     for k0 in range(k_start, k_lo + k_len, BLOCK_K):
-        if W32:
-            w = _w32_tile(w_rows, k0, n_mask, K, EVEN, BLOCK_K)
-            acc += _w32_acc(w, x_ptr, res_ptr, nw_ptr, k0, K, inv, sx, PRO, A8, BLOCK_K)
-        else:
-            kk = k0 + ks
-            xv = _load_x(x_ptr, res_ptr, nw_ptr, kk, kk < K, K, inv, PRO)
-            w = _w_tile(w_rows, k0, n_mask, K, KW, EVEN, WFMT, BLOCK_K)
-            acc += _tile_acc(w, xv, s_ptr, z_ptr, rows, n_mask, k0, stride_s, NG_ROW, WFMT,
-                             GROUP, BLOCK_N, BLOCK_K, BITS, A8, sx)
+        kk = k0 + ks
+        xv = _load_x(x_ptr, res_ptr, nw_ptr, kk, kk < K, K, inv, PRO)
+        w = _w_tile(w_rows, k0, n_mask, K, KW, EVEN, WFMT, BLOCK_K)
+        acc += _tile_acc(w, xv, s_ptr, z_ptr, rows, n_mask, k0, stride_s, NG_ROW, WFMT, GROUP,
+                         BLOCK_N, BLOCK_K, BITS, A8, sx)
     y = tl.sum(acc, axis=1)
     if WFMT == 1 or WFMT == 3:  # fp8 / int8: the channel scale on the row sums
         y *= tl.load(s_ptr + rows, mask=n_mask, other=0.0)
-        if (BITS or W32) and WFMT == 1:
+        if BITS and WFMT == 1:
             y *= 1.329227995784916e36  # 2^120
         if A8:
             y *= sx
@@ -401,7 +364,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          num_stages: int | None = None, pdl: bool = False, w_format: str = "float",
          w_scale: torch.Tensor | None = None, w_zero: torch.Tensor | None = None,
          group: int = 0, mma: bool = False, bits: bool = False, a8: bool = False,
-         f8mma: bool = False, unroll: bool = True, w32: bool = False):
+         f8mma: bool = False, unroll: bool = True):
     """x [M, K] (or [M, 2K] for silu_mul), weight [N, K] -> y [M, N] in x.dtype.
 
     With prologue "add_rmsnorm" returns (y, x + residual); with "rmsnorm" returns (y, x);
@@ -419,9 +382,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     a8, at most 16 rows, block_n >= 16, block_k >= 32): the same codes multiplied on the FP8
     tensor cores, every row in one pass over W (_gemv_f8_kernel). ``unroll`` (the default):
     the norm / a8 passes over x run as unrolled 4096-column chunks of a constant K
-    (_row_stats); off, as a loop of block_k chunks (one L2 round trip each). ``w32`` (fp8
-    weights, not mma / f8mma / bits, K a multiple of 4): the codes are loaded as int32 words
-    and made fp32 by shifts and masks (_w32_acc) instead of conversion instructions."""
+    (_row_stats); off, as a loop of block_k chunks (one L2 round trip each)."""
     pro = PROLOGUES[prologue]
     fmt = W_FORMATS[w_format]
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
@@ -467,11 +428,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError("mma: quantized weights, no a8, split_k 1, block_n and block_k >= 16")
     if a8 and fmt != 1:
         raise ValueError("a8 (activations in fp8) needs fp8 weights")
-    if w32:
-        if fmt != 1 or mma or f8mma or bits or k % 4 or weight.stride(0) % 4:
-            raise ValueError("w32: fp8 weights (not mma, f8mma or bits), K and the row stride "
-                             "multiples of 4")
-        w = weight.view(torch.int32)
     even = n % block_n == 0 and k % block_k == 0 and (fmt != 2 or 2 * kw == k)
     if f8mma:
         if fmt != 1 or not a8 or mma or bits or m > 16 or block_n < 16 or block_k < 32:
@@ -505,8 +461,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             s.stride(0) if fmt == 2 else 1, y.stride(0), stride_nrm,
             PRO=pro, HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=block_n, BLOCK_K=block_k,
             SPLIT_K=split_k, PREFETCH=bool(pdl), PDL=use_pdl, WFMT=fmt, GROUP=max(group, 1),
-            ACC_W=block_k // group if fmt == 2 else block_k // 4 if w32 else block_k, BITS=bool(bits) and fmt != 0,
-            A8=bool(a8), XC=4096 if stats else 0, KC=k if stats else 0, W32=bool(w32),
+            ACC_W=block_k // group if fmt == 2 else block_k, BITS=bool(bits) and fmt != 0,
+            A8=bool(a8), XC=4096 if stats else 0, KC=k if stats else 0,
             num_warps=num_warps,
             **({} if num_stages is None else {"num_stages": num_stages}),
             **({"launch_pdl": True} if use_pdl else {}))
