@@ -29,10 +29,18 @@ SHAPES = {"qkv": (6144, 4096, "add_rmsnorm"), "o": (4096, 4096, "none"),
 # (block_n, block_k, num_warps, split_k, variant[, num_stages])
 # "a8": the one-token GEMV as it runs now; "a8loop": its passes over x as block_k loops
 # (gemv unroll=False, as before _row_stats); a sixth element: the software pipeline's depth
-# (Triton's default, 3, where absent)
+# (Triton's default, 3, where absent); "pf2".."pf4": the a8 GEMV streaming its weight tiles
+# 2..4 tiles ahead through shared memory (gemv prefetch=); "wo": the a8 GEMV
+# weight-only (W8A16, a8 off, x not quantized: a diagnostic of what quantizing x in every
+# program costs; its error against the W8A8 reference is not a defect)
 A8 = [(8, 1024, 4, 1, "a8"), (16, 1024, 4, 1, "a8"), (16, 2048, 8, 1, "a8"),
       (8, 1024, 4, 1, "a8loop"), (16, 1024, 4, 1, "a8loop"), (16, 2048, 8, 1, "a8loop"),
-      (8, 1024, 4, 1, "a8", 4), (16, 1024, 4, 1, "a8", 4)]
+      (8, 1024, 4, 1, "a8", 4), (16, 1024, 4, 1, "a8", 4),
+      (8, 1024, 4, 1, "wo"), (16, 1024, 4, 1, "wo"),
+      (8, 1024, 4, 1, "pf2"), (16, 1024, 4, 1, "pf2"), (8, 512, 4, 1, "pf2"),
+      (8, 512, 4, 1, "pf4"), (16, 512, 4, 1, "pf3"), (8, 1024, 4, 1, "pf3"),
+      (16, 512, 4, 1, "pf4"), (4, 1024, 4, 1, "pf3"), (8, 512, 4, 2, "pf3"),
+      (16, 1024, 8, 1, "pf2"), (8, 256, 4, 1, "pf4")]
 F8 = [(64, 256, 4, 1, "f8mma"), (64, 512, 4, 1, "f8mma"), (128, 256, 4, 1, "f8mma"),
       (128, 256, 8, 1, "f8mma"), (128, 512, 8, 1, "f8mma"), (64, 256, 4, 2, "f8mma"),
       (64, 512, 4, 2, "f8mma"), (32, 512, 4, 1, "f8mma"), (32, 256, 4, 2, "f8mma"),
@@ -45,7 +53,7 @@ FIGURES = [harness.Figure(f"{role} batch 1, best f8mma / best a8 time", "x",
                           ("speedup", f"{role}/m1"), format=".2f") for role in SHAPES]
 
 
-def run_role(role: str, m: int, rounds: int) -> dict:
+def run_role(role: str, m: int, rounds: int, variants=None) -> dict:
     from engine.quant import kernels as QK
     import engine.quant.reference as ref
     n, k, pro = SHAPES[role]
@@ -61,9 +69,11 @@ def run_role(role: str, m: int, rounds: int) -> dict:
 
     def call(i, cfg):
         bn, bk, nw, sk, var, *stages = cfg
+        wkw = {**ref.gemv_keywords(qws[i]), **({"a8": False} if var.startswith("wo") else {})}
         got = gemv(x, qws[i]["q"], None, prologue=pro, block_n=bn, block_k=bk, num_warps=nw,
-                   split_k=sk, pdl=True, num_stages=stages[0] if stages else None, **ref.gemv_keywords(qws[i]), f8mma=var == "f8mma",
-                   unroll=var != "a8loop", **kw(i))
+                   split_k=sk, pdl=True, num_stages=stages[0] if stages else None,
+                   f8mma=var == "f8mma", unroll=var != "a8loop",
+                   prefetch=int(var[2]) if var.startswith("pf") else 0, **wkw, **kw(i))
         return got[0] if isinstance(got, tuple) else got
 
     h = R.gemv_ref(x.float(), torch.eye(k, device=dev), None, prologue=pro,
@@ -73,6 +83,8 @@ def run_role(role: str, m: int, rounds: int) -> dict:
     want = (xq.float() @ qws[0]["q"].float().t()) * sx * qws[0]["scale"][None, :]
     fns, errors, rejected = {}, {}, {}
     for cfg in A8 + F8:
+        if variants and cfg[4] not in variants:
+            continue
         if cfg[3] > 1 and k % (cfg[1] * cfg[3]):
             continue
         try:
@@ -87,7 +99,7 @@ def run_role(role: str, m: int, rounds: int) -> dict:
             for c, t in ms.items()}
     best = {v: min(((c, r) for c, r in rows.items() if eval(c)[4] == v),  # noqa: S307
                    key=lambda cr: cr[1]["ms"], default=(None, None))
-            for v in ("a8", "a8loop", "f8mma")}
+            for v in ("a8", "a8loop", "f8mma", "wo", "pf2", "pf3", "pf4")}
     return {"role": role, "m": m, "n": n, "k": k, "prologue": pro, "configs": rows,
             "rejected": rejected, "best": {v: c for v, (c, _) in best.items()},
             "speedup": (best["a8"][1]["ms"] / best["f8mma"][1]["ms"]
@@ -100,6 +112,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--roles", default=",".join(SHAPES))
     ap.add_argument("--rows", default="1,4,8", help="tokens per call (comma list, <= 16)")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--variants", default=None,
+                    help="comma list of the variants to time (default: all)")
     harness.add_output_args(ap, "fp8_gemv_gpu")
     args = ap.parse_args(argv)
     rec = harness.Recorder.start("fp8_gemv_gpu", args, argv=argv, about=__doc__,
@@ -107,7 +121,8 @@ def main(argv=None) -> dict:
     rec["cases"], rec["speedup"] = [], {}
     for m in [int(v) for v in args.rows.split(",")]:
         for role in args.roles.split(","):
-            case = run_role(role, m, args.rounds)
+            case = run_role(role, m, args.rounds,
+                            args.variants.split(",") if args.variants else None)
             rec["cases"].append(case)
             rec["speedup"][f"{role}/m{m}"] = case["speedup"]
             b = case["best"]
