@@ -5,8 +5,6 @@ TRITON_INTERPRET=1 at small shapes, tests/gpu/test_quant_gpu.py at full size).
     one token                          engine.kernels.matvec.gemv (w_format): the weight
                                        stream of the dense GEMV, codes expanded in registers
                                        (fp8: x quantized per token in the kernel, a8)
-    fp8, 2..GEMV_MAX_ROWS tokens       matvec.gemv f8mma: the a8 codes of every row against
-                                       the weight codes on the FP8 tensor cores, one pass
     int8 / int4, <= GEMV_MAX_ROWS      _gemv: one program per (BLOCK_N outputs, token); the
                                        weight codes are read once and expanded in registers
                                        (int8: code * channel scale after the sum;
@@ -14,7 +12,7 @@ TRITON_INTERPRET=1 at small shapes, tests/gpu/test_quant_gpu.py at full size).
                                        features, code * group scale + group zero)
     more tokens, int8 / int4           _gemm: tl.dot tiles, each weight tile expanded to the
                                        activation dtype in registers (W8A16 / W4A16)
-    more tokens, fp8                   torch._scaled_mm: per-token dynamic activation scales
+    fp8, two tokens or more            torch._scaled_mm: per-token dynamic activation scales
                                        (_act_fp8, one kernel) and per-channel weight scales, FP8
                                        tensor cores (W8A8); after an rmsnorm or silu_and_mul
                                        the row-wise kernel itself writes the codes and scales
@@ -34,15 +32,6 @@ from engine.kernels.elementwise import rmsnorm_row, silu_mul_f32
 from engine.quant.reference import FP8_MAX, GEMV_MAX_ROWS, gemv_keywords
 
 _FMT = {"int8": 0, "int4": 1, "fp8": 2}
-
-
-def F8MMA_ROWS_CONFIG(n: int, k: int) -> dict:  # noqa: N802 - a table as a function
-    """matvec.gemv f8mma tiles for 2..GEMV_MAX_ROWS rows of an [n, k] fp8 weight (measured at
-    8 rows on Llama-3-8B's shapes, bench/fp8_gemv_gpu.py): wide matrices take 128-row tiles,
-    narrow ones 64 rows and split-K, so that every SM streams."""
-    if n >= 6144:
-        return {"block_n": 128, "block_k": 512, "num_warps": 8}
-    return {"block_n": 64, "block_k": 512, "num_warps": 4, "split_k": 2 if k % 1024 == 0 else 1}
 
 
 # silu_mul_act_fp8: columns a step and warps a row (bench: scripts measured on the GPU)
@@ -342,7 +331,7 @@ def silu_mul_act_fp8(gate_up: torch.Tensor, block: int = SILU_ACT_BLOCK,
 def fp8_prologue_linear(qw: dict, bias: torch.Tensor | None, prologue: str, x: torch.Tensor,
                         residual: torch.Tensor | None = None,
                         norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
-    """linear(prologue(x)) for fp8 weights of more than GEMV_MAX_ROWS rows: the row-wise
+    """linear(prologue(x)) for fp8 weights of more than one row: the row-wise
     kernel writes the codes _scaled_mm reads, so the prologue's bf16 output is neither
     written nor read again. prologue "rmsnorm" -> (y, x + residual or None); "silu_mul" ->
     y. The values are those of the prologue kernel, act_fp8 and fp8_gemm in turn."""
@@ -357,13 +346,13 @@ def fp8_prologue_linear(qw: dict, bias: torch.Tensor | None, prologue: str, x: t
 
 def quant_linear(x: torch.Tensor, qw: dict, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) for a quantized W, by the call's size (module docstring)."""
-    if 1 < x.shape[0] <= GEMV_MAX_ROWS and qw["format"] == "fp8":
-        # a few tokens of fp8: the FP8 tensor-core GEMV, every row in one pass over W (each
-        # row quantizing its own activations, as the one-token GEMV does)
-        from engine.kernels.matvec import gemv
-        _check(x, qw)
-        return gemv(x.contiguous(), qw["q"], bias, f8mma=True,
-                    **F8MMA_ROWS_CONFIG(*qw["q"].shape), **gemv_keywords(qw))
+    if x.shape[0] > 1 and qw["format"] == "fp8":
+        # two tokens or more of fp8: act_fp8 + _scaled_mm. Until 2026-12-07 calls of 2..8
+        # rows took the FP8 tensor-core GEMV (matvec.gemv f8mma), which on the H100 was 2.1-3.7x
+        # slower than this at 2 and 8 rows (32 Llama-3-8B layers, e.g. qkv at 8 rows 1.367 ms
+        # against 0.653), and an eager prefill of <= 8 tokens then took another kernel than the
+        # mixed-step graphs (>= 129 rows) do, so its first token could differ
+        return fp8_gemm(x.contiguous(), qw, bias)
     if x.shape[0] == 1:
         # one token: the bandwidth GEMV of engine.kernels.matvec (fp8: a8)
         from engine.kernels.matvec import gemv

@@ -47,12 +47,11 @@ class QuantLinear(nn.Module):
     def prologue_forward(self, prologue: str, x: torch.Tensor,
                          residual: torch.Tensor | None = None, norm=None):
         """self(prologue(x)) with the prologue fused where this format and call have a kernel
-        for it (fp8 on a GPU, more than GEMV_MAX_ROWS rows: the row-wise kernel writes the
-        activation codes, engine.quant.kernels.fp8_prologue_linear); None elsewhere (the
-        caller runs the prologue, then this module). "rmsnorm" (``norm`` an RMSNorm) ->
+        for it (fp8 on a GPU, more than one row: the row-wise kernel writes the activation
+        codes, engine.quant.kernels.fp8_prologue_linear); None elsewhere (the caller runs the
+        prologue, then this module; one row takes the GEMV and its fused prologues). "rmsnorm" (``norm`` an RMSNorm) ->
         (y, x + residual, or None without a residual); "silu_mul" -> y."""
-        if (self.format != "fp8" or not x.is_cuda or x.dim() != 2
-                or x.shape[0] <= ref.GEMV_MAX_ROWS):
+        if self.format != "fp8" or not x.is_cuda or x.dim() != 2 or x.shape[0] <= 1:
             return None
         from engine.quant.kernels import fp8_prologue_linear
         if prologue == "rmsnorm":

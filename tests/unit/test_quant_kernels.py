@@ -175,7 +175,7 @@ def test_fused_prologue_codes_equal_the_unfused_kernels(dtype, m, k, residual):
 
 def test_quantlinear_fuses_its_prologue_only_for_large_fp8_gpu_calls():
     """QuantLinear.prologue_forward: None (the caller runs the prologue) for int8 / int4, on
-    the CPU and for calls of at most GEMV_MAX_ROWS rows, which the GEMV takes."""
+    the CPU (on a GPU, fp8 fuses it for calls of more than one row)."""
     from engine.layers.norm import RMSNorm
     from engine.quant.linear import QuantLinear
     lin = torch.nn.Linear(64, 32, bias=False)
