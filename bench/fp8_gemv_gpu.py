@@ -29,18 +29,13 @@ SHAPES = {"qkv": (6144, 4096, "add_rmsnorm"), "o": (4096, 4096, "none"),
 # (block_n, block_k, num_warps, split_k, variant[, num_stages])
 # "a8": the one-token GEMV as it runs now; "a8loop": its passes over x as block_k loops
 # (gemv unroll=False, as before _row_stats); a sixth element: the software pipeline's depth
-# (Triton's default, 3, where absent); "pf2".."pf4": the a8 GEMV streaming its weight tiles
-# 2..4 tiles ahead through shared memory (gemv prefetch=); "wo": the a8 GEMV
+# (Triton's default, 3, where absent); "wo": the a8 GEMV
 # weight-only (W8A16, a8 off, x not quantized: a diagnostic of what quantizing x in every
 # program costs; its error against the W8A8 reference is not a defect)
 A8 = [(8, 1024, 4, 1, "a8"), (16, 1024, 4, 1, "a8"), (16, 2048, 8, 1, "a8"),
       (8, 1024, 4, 1, "a8loop"), (16, 1024, 4, 1, "a8loop"), (16, 2048, 8, 1, "a8loop"),
       (8, 1024, 4, 1, "a8", 4), (16, 1024, 4, 1, "a8", 4),
-      (8, 1024, 4, 1, "wo"), (16, 1024, 4, 1, "wo"),
-      (8, 1024, 4, 1, "pf2"), (16, 1024, 4, 1, "pf2"), (8, 512, 4, 1, "pf2"),
-      (8, 512, 4, 1, "pf4"), (16, 512, 4, 1, "pf3"), (8, 1024, 4, 1, "pf3"),
-      (16, 512, 4, 1, "pf4"), (4, 1024, 4, 1, "pf3"), (8, 512, 4, 2, "pf3"),
-      (16, 1024, 8, 1, "pf2"), (8, 256, 4, 1, "pf4")]
+      (8, 1024, 4, 1, "wo"), (16, 1024, 4, 1, "wo")]
 F8 = [(64, 256, 4, 1, "f8mma"), (64, 512, 4, 1, "f8mma"), (128, 256, 4, 1, "f8mma"),
       (128, 256, 8, 1, "f8mma"), (128, 512, 8, 1, "f8mma"), (64, 256, 4, 2, "f8mma"),
       (64, 512, 4, 2, "f8mma"), (32, 512, 4, 1, "f8mma"), (32, 256, 4, 2, "f8mma"),
@@ -72,8 +67,7 @@ def run_role(role: str, m: int, rounds: int, variants=None) -> dict:
         wkw = {**ref.gemv_keywords(qws[i]), **({"a8": False} if var.startswith("wo") else {})}
         got = gemv(x, qws[i]["q"], None, prologue=pro, block_n=bn, block_k=bk, num_warps=nw,
                    split_k=sk, pdl=True, num_stages=stages[0] if stages else None,
-                   f8mma=var == "f8mma", unroll=var != "a8loop",
-                   prefetch=int(var[2]) if var.startswith("pf") else 0, **wkw, **kw(i))
+                   f8mma=var == "f8mma", unroll=var != "a8loop", **wkw, **kw(i))
         return got[0] if isinstance(got, tuple) else got
 
     h = R.gemv_ref(x.float(), torch.eye(k, device=dev), None, prologue=pro,
@@ -99,7 +93,7 @@ def run_role(role: str, m: int, rounds: int, variants=None) -> dict:
             for c, t in ms.items()}
     best = {v: min(((c, r) for c, r in rows.items() if eval(c)[4] == v),  # noqa: S307
                    key=lambda cr: cr[1]["ms"], default=(None, None))
-            for v in ("a8", "a8loop", "f8mma", "wo", "pf2", "pf3", "pf4")}
+            for v in ("a8", "a8loop", "f8mma", "wo")}
     return {"role": role, "m": m, "n": n, "k": k, "prologue": pro, "configs": rows,
             "rejected": rejected, "best": {v: c for v, (c, _) in best.items()},
             "speedup": (best["a8"][1]["ms"] / best["f8mma"][1]["ms"]

@@ -25,38 +25,30 @@ logger = logging.getLogger(__name__)
 # flight; split-K gives the small matrices (o_proj, qkv) more programs. A config whose
 # block_k * split_k does not divide K is skipped for that role.
 CONFIGS = [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (16, 512, 4, 1), (8, 2048, 8, 1),
-           (16, 1024, 8, 1), (4, 1024, 4, 1, "loop"), (8, 2048, 8, 1, "loop"),
-           (4, 1024, 4, 1, "pf2"), (8, 512, 4, 1, "pf3"), (8, 1024, 4, 1, "pf2")]
+           (16, 1024, 8, 1), (4, 1024, 4, 1, "loop"), (8, 2048, 8, 1, "loop")]
 # quantized weights carry 1 (fp8, int8) or 1/2 (int4) bytes a feature: wider K tiles keep
 # the bytes a load moves where the float configs have them
 # the same wider K tiles; a fifth element names a variant of matvec.gemv: "bits" (codes to
 # fp32 by integer operations), "mma" (tiles through the tensor cores), "loop" (the passes
 # over x before the weight stream as block_k loops, unroll=False: how every config ran
-# before 2026-12-06; kept for the configs the H200 chose most, in case unrolling loses),
-# "pf2".."pf4" (the weight tiles streamed 2..4 tiles ahead through shared memory: the
-# loop without tl.dot is not pipelined unless asked, and one program's tile in flight
-# per register set left the H100 at 63-69% of its bandwidth, bench/fp8_gemv_gpu.py)
+# before 2026-12-06; kept for the configs the H200 chose most, in case unrolling loses)
 QUANT_CONFIGS = [(8, 1024, 4, 1), (8, 2048, 8, 1), (16, 1024, 4, 1), (16, 2048, 8, 1),
                  (4, 2048, 4, 1), (32, 1024, 8, 1), (8, 1024, 4, 1, "bits"),
                  (8, 2048, 8, 1, "bits"), (16, 1024, 4, 1, "bits"), (16, 2048, 8, 1, "bits"),
                  (4, 2048, 4, 1, "bits"), (32, 1024, 8, 1, "bits"), (4, 1024, 4, 1, "bits"),
                  (32, 512, 4, 1, "mma"), (64, 256, 4, 1, "mma"), (8, 1024, 4, 1, "loop"),
-                 (16, 1024, 4, 1, "loop"), (16, 2048, 8, 1, "loop"),
-                 (8, 1024, 4, 1, "pf2"), (8, 512, 4, 1, "pf4"), (16, 512, 4, 1, "pf3"),
-                 (16, 1024, 4, 1, "pf2")]
+                 (16, 1024, 4, 1, "loop"), (16, 2048, 8, 1, "loop")]
 # fp8 (W8A8) weights also try the FP8 tensor-core GEMV (matvec.gemv f8mma): wider row
-# blocks (the MMA's 64-row operand), split-K where they leave SMs idle; a sixth element is
-# the weight stream's pipeline depth (num_stages: more tiles in flight per SM)
+# blocks (the MMA's 64-row operand), split-K where they leave SMs idle. A sixth element
+# would be the pipeline depth (num_stages); deeper than Triton's default 3 was slower for
+# every role on the H100 (bench/fp8_gemv_gpu.py, 2026-12-07), so none is listed
 F8_CONFIGS = [(64, 256, 4, 1, "f8mma"), (64, 512, 4, 1, "f8mma"), (128, 256, 4, 1, "f8mma"),
               (128, 256, 8, 1, "f8mma"), (64, 256, 4, 2, "f8mma"), (64, 512, 4, 2, "f8mma"),
-              (32, 512, 4, 1, "f8mma"), (64, 128, 4, 4, "f8mma"),
-              (64, 512, 4, 2, "f8mma", 4), (128, 256, 8, 1, "f8mma", 4),
-              (64, 256, 4, 4, "f8mma", 4), (64, 256, 4, 2, "f8mma", 5)]
+              (32, 512, 4, 1, "f8mma"), (64, 128, 4, 4, "f8mma"), (64, 256, 4, 4, "f8mma")]
 SPLIT_K_CONFIGS = [(4, 1024, 4, 2), (8, 1024, 4, 2), (8, 512, 4, 4), (16, 512, 4, 4),
                    (16, 1024, 8, 2)]
 _VARIANT_KWARGS = {"bits": {"bits": True}, "mma": {"mma": True}, "f8mma": {"f8mma": True},
-                   "loop": {"unroll": False}, "pf2": {"prefetch": 2}, "pf3": {"prefetch": 3},
-                   "pf4": {"prefetch": 4}}
+                   "loop": {"unroll": False}}
 ROUNDS = 5  # candidates are timed in turn, ROUNDS times, so clock drift hits them alike
 _CACHE: dict[tuple, tuple[dict | None, dict]] = {}
 

@@ -128,8 +128,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, new_
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  PREFETCH: tl.constexpr, PDL: tl.constexpr, WFMT: tl.constexpr,
                  GROUP: tl.constexpr, ACC_W: tl.constexpr, BITS: tl.constexpr,
-                 A8: tl.constexpr, XC: tl.constexpr, KC: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 A8: tl.constexpr, XC: tl.constexpr, KC: tl.constexpr):
     pid = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     sk = tl.program_id(2)
@@ -142,7 +141,6 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, new_
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     k_len = K // SPLIT_K  # SPLIT_K > 1 only when BLOCK_K * SPLIT_K divides K
     k_lo = sk * k_len
-    k_end = k_lo + k_len
     if PREFETCH:
         # With programmatic dependent launch (PDL) the next kernel's programs may be scheduled
         # once all of ours are; the weights are constant, so the first tile is fetched before
@@ -150,6 +148,7 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, new_
         # gdc_wait). PREFETCH alone (no PDL: the CPU interpreter) runs the same peeled loop.
         if PDL:
             gdc_launch_dependents()
+        kk0 = k_lo + ks
         w_first = _w_tile(w_rows, k_lo, n_mask, K, KW, EVEN, WFMT, BLOCK_K)
         if PDL:
             gdc_wait()
@@ -173,20 +172,16 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, new_
     acc = tl.zeros([BLOCK_N, ACC_W], tl.float32)
     k_start = k_lo
     if PREFETCH:
-        kk0 = k_lo + ks
         xv0 = _load_x(x_ptr, res_ptr, nw_ptr, kk0, kk0 < K, K, inv, PRO)
         acc += _tile_acc(w_first, xv0, s_ptr, z_ptr, rows, n_mask, k_lo, stride_s, NG_ROW,
                          WFMT, GROUP, BLOCK_N, BLOCK_K, BITS, A8, sx)
         k_start = k_lo + BLOCK_K
-    # STAGES > 1: Triton's software pipeliner streams the weight tiles through shared memory
-    # (cp.async), STAGES - 1 tiles ahead of the one multiplied: more bytes in flight per
-    # program at the same registers (a loop without tl.dot is only pipelined when asked)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
-        w = _w_tile(w_rows, k0, n_mask, K, KW, EVEN, WFMT, BLOCK_K)
+    for k0 in range(k_start, k_lo + k_len, BLOCK_K):
         kk = k0 + ks
         xv = _load_x(x_ptr, res_ptr, nw_ptr, kk, kk < K, K, inv, PRO)
-        acc += _tile_acc(w, xv, s_ptr, z_ptr, rows, n_mask, k0, stride_s, NG_ROW, WFMT,
-                         GROUP, BLOCK_N, BLOCK_K, BITS, A8, sx)
+        w = _w_tile(w_rows, k0, n_mask, K, KW, EVEN, WFMT, BLOCK_K)
+        acc += _tile_acc(w, xv, s_ptr, z_ptr, rows, n_mask, k0, stride_s, NG_ROW, WFMT, GROUP,
+                         BLOCK_N, BLOCK_K, BITS, A8, sx)
     y = tl.sum(acc, axis=1)
     if WFMT == 1 or WFMT == 3:  # fp8 / int8: the channel scale on the row sums
         y *= tl.load(s_ptr + rows, mask=n_mask, other=0.0)
@@ -369,7 +364,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          num_stages: int | None = None, pdl: bool = False, w_format: str = "float",
          w_scale: torch.Tensor | None = None, w_zero: torch.Tensor | None = None,
          group: int = 0, mma: bool = False, bits: bool = False, a8: bool = False,
-         f8mma: bool = False, unroll: bool = True, prefetch: int = 0):
+         f8mma: bool = False, unroll: bool = True):
     """x [M, K] (or [M, 2K] for silu_mul), weight [N, K] -> y [M, N] in x.dtype.
 
     With prologue "add_rmsnorm" returns (y, x + residual); with "rmsnorm" returns (y, x);
@@ -387,9 +382,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     a8, at most 16 rows, block_n >= 16, block_k >= 32): the same codes multiplied on the FP8
     tensor cores, every row in one pass over W (_gemv_f8_kernel). ``unroll`` (the default):
     the norm / a8 passes over x run as unrolled 4096-column chunks of a constant K
-    (_row_stats); off, as a loop of block_k chunks (one L2 round trip each). ``prefetch``
-    1..4 (_gemv_kernel; not mma / f8mma): the weight tiles that many steps ahead are loaded
-    (through shared memory) while the tile in hand is multiplied."""
+    (_row_stats); off, as a loop of block_k chunks (one L2 round trip each)."""
     pro = PROLOGUES[prologue]
     fmt = W_FORMATS[w_format]
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
@@ -435,8 +428,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError("mma: quantized weights, no a8, split_k 1, block_n and block_k >= 16")
     if a8 and fmt != 1:
         raise ValueError("a8 (activations in fp8) needs fp8 weights")
-    if prefetch not in range(5) or (prefetch and (mma or f8mma)):
-        raise ValueError(f"prefetch {prefetch}: 0..4, and not with mma or f8mma")
     even = n % block_n == 0 and k % block_k == 0 and (fmt != 2 or 2 * kw == k)
     if f8mma:
         if fmt != 1 or not a8 or mma or bits or m > 16 or block_n < 16 or block_k < 32:
@@ -471,7 +462,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             PRO=pro, HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=block_n, BLOCK_K=block_k,
             SPLIT_K=split_k, PREFETCH=bool(pdl), PDL=use_pdl, WFMT=fmt, GROUP=max(group, 1),
             ACC_W=block_k // group if fmt == 2 else block_k, BITS=bool(bits) and fmt != 0,
-            A8=bool(a8), XC=4096 if stats else 0, KC=k if stats else 0, STAGES=int(prefetch) + 1,
+            A8=bool(a8), XC=4096 if stats else 0, KC=k if stats else 0,
             num_warps=num_warps,
             **({} if num_stages is None else {"num_stages": num_stages}),
             **({"launch_pdl": True} if use_pdl else {}))

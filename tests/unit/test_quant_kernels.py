@@ -296,26 +296,3 @@ def test_every_gemv_tuner_config_is_a_gemv_call():
     with pytest.raises(KeyError):
         GT.variant_kwargs(("nope",))
 
-
-@pytest.mark.parametrize("fmt", ["float", "int8", "int4", "fp8"])
-@pytest.mark.parametrize("n,k,split,pdl", [(40, 512, 1, True), (33, 200, 1, False),
-                                           (48, 1024, 2, True)])
-def test_gemv_weight_stream_prefetch_changes_nothing(fmt, n, k, split, pdl):
-    """gemv(prefetch=N) streams the weight tiles N ahead through shared memory (Triton's
-    pipeliner; the interpreter runs the loop as it is): the same result, bit for bit, as
-    the unpipelined loop, with the PDL-peeled first tile, split-K and a ragged K."""
-    from engine.kernels.matvec import gemv
-    prologue = "add_rmsnorm"
-    if fmt == "float":
-        x, _, b, kw = _prologue_case("int8", n, k, 1, True, prologue)
-        w, wkw = torch.randn(n, k, device=DEV) / k ** 0.5, {}
-    else:
-        x, qw, b, kw = _prologue_case(fmt, n, k, 1, True, prologue)
-        w, wkw = qw["q"], ref.gemv_keywords(qw)
-    args = dict(prologue=prologue, block_n=8, block_k=128, split_k=split, pdl=pdl, **wkw, **kw)
-    want = gemv(x, w, b, **args)
-    for pf in (2, 4):
-        got = gemv(x, w, b, prefetch=pf, **args)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="prefetch"):
-        gemv(x, w, b, prefetch=5, **args)
