@@ -25,7 +25,9 @@
 #                vs round-to-nearest, agreement with the CPU; then tests/gpu/test_gptq_gpu.py
 #                (1 GPU)                                                                    ~2
 #   fp8          issue 26's fp8 paths: tests/gpu/test_quant_gpu.py (f8mma, fused prologues,
-#                graphs vs eager), bench/fp8_gemv_gpu.py (a8 / f8mma at 1 and 8 rows), then
+#                graphs vs eager), bench/fp8_rows_gpu.py (2..8 rows: first tokens graphs vs
+#                eager, f8mma vs _scaled_mm), bench/fp8_gemv_gpu.py (a8 / f8mma / weight-only
+#                at 1 row), then
 #                bench/fp8_ab_gpu.py before / after (gpu_engine --defaults fp8 a, c, b) on the
 #                same warm GPU (1 GPU)                                                       ~9
 #   engine-a     bench/gpu_engine.py section a, 7 variants of split-K / PDL / async decode ~4
@@ -97,9 +99,11 @@ for step in "$@"; do
     sparsity) run python3 -m bench.sparsity_gpu --out "$OUT/sparsity_gpu_h200.json" ;;
     gptq) run python3 -m bench.gptq_gpu --out "$OUT/gptq_gpu_h200.json"
       run python3 -m pytest -q -m gpu tests/gpu/test_gptq_gpu.py -p no:cacheprovider ;;
-    fp8) run python3 -m pytest -q -m gpu tests/gpu/test_quant_gpu.py -p no:cacheprovider \
+    fp8) run python3 -m pytest -v -m gpu tests/gpu/test_quant_gpu.py -p no:cacheprovider \
         -k "fp8 or fused_prologue or tensor_core"
-      run python3 -m bench.fp8_gemv_gpu --rows 1,8 --rounds 3 --out "$OUT/fp8_gemv_gpu.json"
+      run python3 -m bench.fp8_rows_gpu > "$OUT/fp8_rows_gpu.log"
+      run python3 -m bench.fp8_gemv_gpu --rows 1 --rounds 3 --variants a8,f8mma,wo \
+        --out "$OUT/fp8_gemv_gpu.json"
       for v in before after; do
         run python3 -m bench.fp8_ab_gpu $v --defaults --quantization fp8 --sections a,c,b \
           --out "$OUT/gpu_engine_fp8_$v.json"
