@@ -31,11 +31,15 @@ SHAPES = {"qkv": (6144, 4096, "add_rmsnorm"), "o": (4096, 4096, "none"),
 # (gemv unroll=False, as before _row_stats); a sixth element: the software pipeline's depth
 # (Triton's default, 3, where absent); "wo": the a8 GEMV
 # weight-only (W8A16, a8 off, x not quantized: a diagnostic of what quantizing x in every
-# program costs; its error against the W8A8 reference is not a defect)
+# program costs; its error against the W8A8 reference is not a defect); "xq": the a8 GEMV
+# on codes written once for the call by the prologue's row-wise kernel (gemv xq; the
+# timing includes that kernel)
 A8 = [(8, 1024, 4, 1, "a8"), (16, 1024, 4, 1, "a8"), (16, 2048, 8, 1, "a8"),
       (8, 1024, 4, 1, "a8loop"), (16, 1024, 4, 1, "a8loop"), (16, 2048, 8, 1, "a8loop"),
       (8, 1024, 4, 1, "a8", 4), (16, 1024, 4, 1, "a8", 4),
-      (8, 1024, 4, 1, "wo"), (16, 1024, 4, 1, "wo")]
+      (8, 1024, 4, 1, "wo"), (16, 1024, 4, 1, "wo"),
+      (8, 1024, 4, 1, "xq"), (16, 1024, 4, 1, "xq"), (8, 2048, 8, 1, "xq"),
+      (16, 2048, 8, 1, "xq")]
 F8 = [(64, 256, 4, 1, "f8mma"), (64, 512, 4, 1, "f8mma"), (128, 256, 4, 1, "f8mma"),
       (128, 256, 8, 1, "f8mma"), (128, 512, 8, 1, "f8mma"), (64, 256, 4, 2, "f8mma"),
       (64, 512, 4, 2, "f8mma"), (32, 512, 4, 1, "f8mma"), (32, 256, 4, 2, "f8mma"),
@@ -67,7 +71,8 @@ def run_role(role: str, m: int, rounds: int, variants=None) -> dict:
         wkw = {**ref.gemv_keywords(qws[i]), **({"a8": False} if var.startswith("wo") else {})}
         got = gemv(x, qws[i]["q"], None, prologue=pro, block_n=bn, block_k=bk, num_warps=nw,
                    split_k=sk, pdl=True, num_stages=stages[0] if stages else None,
-                   f8mma=var == "f8mma", unroll=var != "a8loop", **wkw, **kw(i))
+                   f8mma=var == "f8mma", unroll=var != "a8loop", xq=var == "xq", **wkw,
+                   **kw(i))
         return got[0] if isinstance(got, tuple) else got
 
     h = R.gemv_ref(x.float(), torch.eye(k, device=dev), None, prologue=pro,
@@ -93,7 +98,7 @@ def run_role(role: str, m: int, rounds: int, variants=None) -> dict:
             for c, t in ms.items()}
     best = {v: min(((c, r) for c, r in rows.items() if eval(c)[4] == v),  # noqa: S307
                    key=lambda cr: cr[1]["ms"], default=(None, None))
-            for v in ("a8", "a8loop", "f8mma", "wo")}
+            for v in ("a8", "a8loop", "f8mma", "wo", "xq")}
     return {"role": role, "m": m, "n": n, "k": k, "prologue": pro, "configs": rows,
             "rejected": rejected, "best": {v: c for v, (c, _) in best.items()},
             "speedup": (best["a8"][1]["ms"] / best["f8mma"][1]["ms"]

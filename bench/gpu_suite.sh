@@ -26,7 +26,7 @@
 #                (1 GPU)                                                                    ~2
 #   fp8          issue 26's fp8 paths: tests/gpu/test_quant_gpu.py (f8mma, fused prologues,
 #                graphs vs eager), bench/fp8_rows_gpu.py (2..8 rows: first tokens graphs vs
-#                eager, f8mma vs _scaled_mm), bench/fp8_gemv_gpu.py (a8 / f8mma / weight-only
+#                eager, f8mma vs _scaled_mm), bench/fp8_gemv_gpu.py (a8 / f8mma / weight-only / xq
 #                at 1 row), then
 #                bench/fp8_ab_gpu.py before / after (gpu_engine --defaults fp8 a, c, b) on the
 #                same warm GPU (1 GPU)                                                       ~9
@@ -102,7 +102,7 @@ for step in "$@"; do
     fp8) run python3 -m pytest -v -m gpu tests/gpu/test_quant_gpu.py -p no:cacheprovider \
         -k "fp8 or fused_prologue or tensor_core"
       run python3 -m bench.fp8_rows_gpu > "$OUT/fp8_rows_gpu.log"
-      run python3 -m bench.fp8_gemv_gpu --rows 1 --rounds 3 --variants a8,f8mma,wo \
+      run python3 -m bench.fp8_gemv_gpu --rows 1 --rounds 3 --variants a8,f8mma,wo,xq \
         --out "$OUT/fp8_gemv_gpu.json"
       for v in before after; do
         run python3 -m bench.fp8_ab_gpu $v --defaults --quantization fp8 --sections a,c,b \

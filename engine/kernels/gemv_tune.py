@@ -41,14 +41,18 @@ QUANT_CONFIGS = [(8, 1024, 4, 1), (8, 2048, 8, 1), (16, 1024, 4, 1), (16, 2048, 
 # fp8 (W8A8) weights also try the FP8 tensor-core GEMV (matvec.gemv f8mma): wider row
 # blocks (the MMA's 64-row operand), split-K where they leave SMs idle. A sixth element
 # would be the pipeline depth (num_stages); deeper than Triton's default 3 was slower for
-# every role on the H100 (bench/fp8_gemv_gpu.py, 2026-12-07), so none is listed
+# every role on the H100 (bench/fp8_gemv_gpu.py, 2026-12-07), so none is listed. "xq": the
+# a8 GEMV on codes the prologue's row-wise kernel wrote once for the call (matvec.gemv xq):
+# weight-only, which skips that work, was 7-14% faster, so it may win despite its launch
 F8_CONFIGS = [(64, 256, 4, 1, "f8mma"), (64, 512, 4, 1, "f8mma"), (128, 256, 4, 1, "f8mma"),
               (128, 256, 8, 1, "f8mma"), (64, 256, 4, 2, "f8mma"), (64, 512, 4, 2, "f8mma"),
-              (32, 512, 4, 1, "f8mma"), (64, 128, 4, 4, "f8mma"), (64, 256, 4, 4, "f8mma")]
+              (32, 512, 4, 1, "f8mma"), (64, 128, 4, 4, "f8mma"), (64, 256, 4, 4, "f8mma"),
+              (8, 1024, 4, 1, "xq"), (16, 1024, 4, 1, "xq"), (8, 2048, 8, 1, "xq"),
+              (16, 2048, 8, 1, "xq")]
 SPLIT_K_CONFIGS = [(4, 1024, 4, 2), (8, 1024, 4, 2), (8, 512, 4, 4), (16, 512, 4, 4),
                    (16, 1024, 8, 2)]
 _VARIANT_KWARGS = {"bits": {"bits": True}, "mma": {"mma": True}, "f8mma": {"f8mma": True},
-                   "loop": {"unroll": False}}
+                   "loop": {"unroll": False}, "xq": {"xq": True}}
 ROUNDS = 5  # candidates are timed in turn, ROUNDS times, so clock drift hits them alike
 _CACHE: dict[tuple, tuple[dict | None, dict]] = {}
 

@@ -47,13 +47,17 @@ def test_gemv_full_size(fmt, shape, m):
 @pytest.mark.parametrize("variant", [{"bits": True}, {"bits": True, "block_n": 16,
                                                        "block_k": 2048, "num_warps": 8},
                                      {"mma": True, "block_n": 32, "block_k": 512},
-                                     {"unroll": False}])
+                                     {"unroll": False}, {"xq": True},
+                                     {"xq": True, "block_n": 16, "block_k": 2048,
+                                      "num_warps": 8}])
 def test_gemv_full_size_variants(fmt, shape, variant):
     """The one-token GEMV's variants the tuner may pick (engine.kernels.gemv_tune)."""
     from engine.kernels.matvec import gemv
     x, qw = _case(fmt, *SHAPES[shape], 1)
     if fmt == "fp8" and "mma" in variant:
         pytest.skip("fp8 quantizes its activations in the GEMV: no tensor-core variant")
+    if fmt != "fp8" and "xq" in variant:
+        pytest.skip("xq: fp8 codes of x")
     got = gemv(x, qw["q"], pdl=True, **ref.gemv_keywords(qw), **variant)
     _close(got, ref.quant_matmul_ref(x, qw), 1e-2 if "mma" in variant else 2e-3)
 

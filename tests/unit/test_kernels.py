@@ -461,3 +461,25 @@ def test_sampler_draws_counted_rows_from_the_counter_rng():
         assert int(got[r]) == int((p / e).argmax())
         alone = s(logits[r:r + 1], batch([r], [(seed, step)])).tokens
         assert int(alone[0]) == int(got[r])
+
+
+def test_model_gemv_plan_with_codes_quantized_once_matches_the_a8_plan():
+    """A GEMV plan whose fp8 roles take xq (the prologue's row-wise kernel quantizes x once
+    for the call; matvec.gemv xq) gives the decode step of the same plan without it: the
+    residual stream, the fused prologues and the codes pass through the model as before."""
+    from engine.kernels.backend import TritonAttention
+    from engine.quant.linear import QuantLinear
+    model, cfg, cache, meta, ids, pos = _tiny_decode_step()
+    for layer in model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            setattr(parent, name, QuantLinear.from_linear(getattr(parent, name), "fp8"))
+    outs = []
+    for xq in ({}, {"xq": True}):
+        cfg1 = {"block_n": 8, "block_k": 128, **xq}
+        model.set_gemv_plan({"qkv": cfg1, "o": cfg1, "gate_up": cfg1, "down": cfg1})
+        c = cache.clone()
+        with torch.no_grad():
+            outs.append(model(ids, pos, c, meta, TritonAttention(cfg.head_dim ** -0.5)))
+    err = (outs[1] - outs[0]).norm() / outs[0].norm()
+    assert err < 1e-5, f"relative error {err:.2e}"

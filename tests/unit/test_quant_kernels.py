@@ -296,3 +296,30 @@ def test_every_gemv_tuner_config_is_a_gemv_call():
     with pytest.raises(KeyError):
         GT.variant_kwargs(("nope",))
 
+
+
+@pytest.mark.parametrize("prologue", ["none", "add_rmsnorm", "silu_mul", "rmsnorm"])
+@pytest.mark.parametrize("n,k,m,split,pdl,bias", [(48, 256, 1, 1, True, False),
+                                                  (33, 200, 3, 1, False, True),
+                                                  (48, 512, 1, 2, True, True)])
+def test_fp8_gemv_on_codes_quantized_once_matches_the_a8_gemv(prologue, n, k, m, split, pdl,
+                                                               bias):
+    """gemv(xq=True): the prologue and x's quantization run once, in the fp8 prefill's
+    row-wise kernel, and the GEMV reads the codes; the result, the new residual and the
+    refusals agree with the a8 GEMV that quantizes x in every program."""
+    from engine.kernels.matvec import gemv
+    x, qw, b, kw = _prologue_case("fp8", n, k, m, bias, prologue)
+    if prologue == "rmsnorm":
+        kw = {"norm_weight": torch.randn(k, device=DEV), "eps": 1e-5}
+    args = dict(prologue=prologue, block_n=16, block_k=128, split_k=split, pdl=pdl,
+                **ref.gemv_keywords(qw), **kw)
+    want = gemv(x, qw["q"], b, **args)
+    got = gemv(x, qw["q"], b, xq=True, **args)
+    if isinstance(want, tuple):
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+        got, want = got[0], want[0]
+    assert got.shape == want.shape == (m, n)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    for bad in (dict(a8=False), dict(bits=True), dict(f8mma=True)):
+        with pytest.raises(ValueError, match="xq"):
+            gemv(x, qw["q"], b, xq=True, **{**args, **bad})
