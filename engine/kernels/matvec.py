@@ -45,6 +45,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
+from engine.kernels.act_fp8 import act_fp8, norm_act_fp8, silu_mul_act_fp8
 from engine.kernels.gemv_loads import _load_x, _rms_inv, _row_stats, _w_tile, _x_rows
 
 PROLOGUES = {"none": 0, "rmsnorm": 1, "add_rmsnorm": 2, "silu_mul": 3}
@@ -397,7 +398,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     the norm / a8 passes over x run as unrolled 4096-column chunks of a constant K
     (_row_stats); off, as a loop of block_k chunks (one L2 round trip each). ``xq`` (fp8
     weights with a8, not f8mma / mma / bits): the prologue and the quantization of x run
-    once for the call, in the row-wise kernel the fp8 prefill uses (engine.quant.kernels:
+    once for the call, in the row-wise kernel the fp8 prefill uses (engine.kernels.act_fp8:
     norm_act_fp8, silu_mul_act_fp8, act_fp8), and the GEMV reads the codes, instead of every
     program redoing both for each tile (measured on the H100: 7-14% of the GEMV's time)."""
     pro = PROLOGUES[prologue]
@@ -450,15 +451,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if xq:
         if fmt != 1 or not a8 or f8mma or mma or bits:
             raise ValueError("xq: fp8 weights with a8 (not f8mma, mma or bits)")
-        from engine.quant import kernels as QK  # the fp8 row-wise kernels (lazy: they import us)
         if pro == 3:
-            codes, xs = QK.silu_mul_act_fp8(x)
+            codes, xs = silu_mul_act_fp8(x)
         elif pro in (1, 2):
-            codes, xs, fused_res = QK.norm_act_fp8(x, nw, eps, residual if pro == 2 else None)
+            codes, xs, fused_res = norm_act_fp8(x, nw, eps, residual if pro == 2 else None)
             if pro == 2:
                 new_res = fused_res
         else:
-            codes, xs = QK.act_fp8(x)
+            codes, xs = act_fp8(x)
         x_in, pro_in, a8_in = codes.view(torch.uint8), 0, False
     else:
         x_in, pro_in, a8_in = x, pro, a8
