@@ -4,6 +4,7 @@ unlisted method: nobody). Split out of :mod:`services.tls`, which re-exports eve
 here."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 import inspect
 import logging
@@ -27,6 +28,9 @@ RPC_ROLES: dict[str, tuple[str, ...]] = {
 }
 # any cluster certificate: probes and service discovery
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# a refused streaming-request call: how long and how many messages the server reads before it
+# answers PERMISSION_DENIED (_settle_requests)
+REFUSE_READ_S, REFUSE_READ_MESSAGES = 1.0, 64
 
 
 # ------------------------------------------------------------------------ per-RPC roles
@@ -98,13 +102,33 @@ def _checked(handler: grpc.RpcMethodHandler, method: str, roles: tuple[str, ...]
 
         async def both(request_iterator, context):
             if (msg := why(context)) is not None:
+                await _settle_requests(request_iterator)
                 await context.abort(code, msg)
             async for item in inner_s(request_iterator, context):
                 yield item
         return grpc.stream_stream_rpc_method_handler(both, **kw)
     # streaming requests only: no pdserve RPC has one; refuse rather than pass unchecked
     async def refuse(request_iterator, context):
+        await _settle_requests(request_iterator)
         await context.abort(code, f"{method}: streaming requests are not served here")
     if handler.stream_unary is not None:
         return grpc.stream_unary_rpc_method_handler(refuse, **kw)
     return grpc.stream_stream_rpc_method_handler(refuse, **kw)
+
+
+async def _settle_requests(request_iterator) -> None:
+    """Read what the caller has sent (until it half-closes, REFUSE_READ_MESSAGES messages or
+    REFUSE_READ_S seconds) before a streaming-request call is refused. Refused at once, the
+    call can finish while the client is still writing its first message, and grpc's asyncio
+    client then reports its failed write as INTERNAL instead of the server's status (seen in
+    CI: PERMISSION_DENIED came back as INTERNAL for Decode.GenerateMany)."""
+    async def drain():
+        n = 0
+        async for _ in request_iterator:
+            n += 1
+            if n >= REFUSE_READ_MESSAGES:
+                return
+    try:
+        await asyncio.wait_for(drain(), REFUSE_READ_S)
+    except Exception:  # noqa: BLE001 - timed out, or the stream broke: refuse all the same
+        pass

@@ -124,6 +124,71 @@ def test_channel_pool_picks_up_a_rotated_client_certificate(two_cas, tmp_path):
     assert run(main(), "asyncio") == ("UNAVAILABLE", "OK")
 
 
+def test_a_refused_streaming_call_is_permission_denied_every_time(two_cas, tmp_path):
+    """DecodeWorker.GenerateMany (requests streamed) from a role it does not admit: the
+    caller sees PERMISSION_DENIED on every try, never INTERNAL (a refusal that finished the
+    call while the client was still writing came back as INTERNAL in CI), also when the
+    caller keeps its request stream open; an admitted role is served."""
+    from protos.pdserve.v1 import worker_pb2
+    a, _ = two_cas
+
+    async def echo(requests, context):
+        async for r in requests:
+            yield worker_pb2.DecodeStreamResponse(
+                entries=[worker_pb2.DecodeStreamEntry(call_id=r.call_id, end=True)])
+
+    handler = grpc.method_handlers_generic_handler("pdserve.v1.DecodeWorker", {
+        "GenerateMany": grpc.stream_stream_rpc_method_handler(
+            echo, request_deserializer=worker_pb2.DecodeStreamRequest.FromString,
+            response_serializer=worker_pb2.DecodeStreamResponse.SerializeToString)})
+    method = "/pdserve.v1.DecodeWorker/GenerateMany"
+
+    async def call(channel, requests):
+        stream = channel.stream_stream(
+            method, request_serializer=worker_pb2.DecodeStreamRequest.SerializeToString,
+            response_deserializer=worker_pb2.DecodeStreamResponse.FromString)
+        try:
+            return [e.call_id async for r in stream(requests, timeout=10) for e in r.entries]
+        except grpc.aio.AioRpcError as e:
+            return e.code().name
+
+    async def held_open():
+        yield worker_pb2.DecodeStreamRequest(call_id=7)
+        await asyncio.sleep(30)
+
+    # messages large enough that the writes are still under way when a refusal at once ends
+    # the call (grpc/grpc#36066)
+    big = worker_pb2.DecodeRequest(request_id="x", prompt_token_ids=list(range(20_000)))
+
+    async def main():
+        server_tls, _ = identity(a, "decode", tmp_path, "server")
+        srv = GrpcServer([], host="127.0.0.1", port=0, credentials=server_tls.server_credentials(),
+                         interceptors=[T.RoleInterceptor()])
+        srv.server.add_generic_rpc_handlers((handler,))
+        await srv.start()
+        chans = {r: identity(a, r, tmp_path, f"client-{r}")[0] for r in ("gateway", "prefill")}
+        try:
+            out = {}
+            for role, t in chans.items():
+                creds, _ = t.channel_credentials()
+                async with grpc.aio.secure_channel(srv.address, creds, options=[
+                        ("grpc.ssl_target_name_override", T.CLUSTER_NAME)]) as ch:
+                    out[role] = [await call(ch, iter([worker_pb2.DecodeStreamRequest(
+                        call_id=i, start=big) for _ in range(32)])) for i in range(25)]
+                    if role == "prefill":
+                        t0 = time.monotonic()
+                        out["held open"] = await call(ch, held_open())
+                        out["held open s"] = time.monotonic() - t0
+            return out
+        finally:
+            await srv.stop(0)
+
+    out = run(main(), "asyncio")
+    assert out["gateway"] == [[i] * 32 for i in range(25)]
+    assert out["prefill"] == ["PERMISSION_DENIED"] * 25
+    assert out["held open"] == "PERMISSION_DENIED" and out["held open s"] < 5
+
+
 async def _transfer(rx_tls, tx_tls, tid):
     src, dst = cache(LAYOUT, 16, seed=3), cache(LAYOUT, 16)
     rx = make_receiver("tcp", dst, LAYOUT, shared=KVTransferOptions(tls=rx_tls),
