@@ -17,6 +17,8 @@ call's output of one step leaves in one message.
   * a stream that breaks (the gateway left, or sent a message over the size limit, which
     grpc refuses for the whole stream: the gateway fails such a request alone before
     sending it) ends every call on it, as cancelled RPCs;
+  * a message that does not parse (services.interceptors.MalformedRequest) ends every open
+    call with INVALID_ARGUMENT, then the stream with INVALID_ARGUMENT;
   * a worker shutting down refuses new calls (UNAVAILABLE) and ends the stream once its
     calls are done.
 """
@@ -29,6 +31,7 @@ import grpc
 
 from protos.pdserve.v1 import worker_pb2
 from services.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
+from services.interceptors import MalformedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +102,7 @@ class ManyCalls:
         self._ready = asyncio.Event()
         self._reader_done = False
         self._refused: dict[int, str] = {}  # open calls ended by a caller's protocol error
+        self._malformed: MalformedRequest | None = None  # the stream's message that did not parse
         limit = min(servicer.env.settings.max_message_bytes, DEFAULT_MAX_MESSAGE_BYTES)
         self._max_bytes = int(limit * MESSAGE_BYTES_SHARE)
 
@@ -111,6 +115,8 @@ class ManyCalls:
                     yield worker_pb2.DecodeStreamResponse(entries=self._take())
                     continue
                 if self._reader_done and not self.tasks:
+                    if self._malformed is not None:  # every call's end went out: now the stream's
+                        raise self._malformed
                     return  # the caller half-closed (or shutdown) and every call has ended
                 self._ready.clear()
                 await self._ready.wait()
@@ -158,6 +164,11 @@ class ManyCalls:
                         task.cancel()
         except asyncio.CancelledError:
             raise
+        except MalformedRequest as e:  # the caller's error: its open calls end with it
+            self._malformed = e
+            for cid, task in list(self.tasks.items()):
+                self._refused[cid] = f"the stream broke: {e.reason}"
+                task.cancel()
         except Exception as e:  # noqa: BLE001 - the stream broke: its calls end with it
             logger.debug("GenerateMany stream from %s ended: %r", self.context.peer(), e)
             for task in list(self.tasks.values()):

@@ -1,6 +1,7 @@
 """DecodeWorker.GenerateMany (many calls on one stream, the gateway's default) against a real
 worker process: the same tokens as Generate calls, in fewer messages; one call's error,
-cancellation, deadline or abort ends that call only; a worker that dies fails every call on
+cancellation, deadline or abort ends that call only; a message that does not parse ends its
+stream's calls and the stream with INVALID_ARGUMENT, and no other stream's; a worker that dies fails every call on
 the stream with UNAVAILABLE; every KV block is free afterwards."""
 from __future__ import annotations
 
@@ -98,6 +99,34 @@ def test_many_calls_on_one_stream():
             entries = [e async for msg in stream for e in msg.entries]
             return entries, await stream.code()
 
+    async def malformed(address):
+        """A message that does not parse, while a call is open on the stream and another
+        stream (as the gateway's) serves a call."""
+        many = _calls("many")
+        other = asyncio.ensure_future(_collect(many.generate(address, _req("z2", [5, 6], 40),
+                                                             30)))
+        async with grpc.aio.insecure_channel(address) as ch:
+            raw = ch.stream_stream("/pdserve.v1.DecodeWorker/GenerateMany",
+                                   request_serializer=lambda b: b,
+                                   response_deserializer=worker_pb2.DecodeStreamResponse.FromString)
+
+            async def requests():
+                yield worker_pb2.DecodeStreamRequest(
+                    call_id=1, start=_req("z1", [5, 6, 7], 2000)).SerializeToString()
+                await asyncio.sleep(0.3)
+                yield b"\xff\xff\xff\xff"  # not protobuf
+                await asyncio.sleep(30)
+            entries, code, details = [], "OK", ""
+            try:
+                async for msg in raw(requests(), timeout=20):
+                    entries.extend(msg.entries)
+            except grpc.aio.AioRpcError as e:
+                code, details = e.code().name, e.details()
+        try:
+            return entries, code, details, await other
+        finally:
+            await many.close()
+
     with LocalCluster("dummy:tiny", prefill=0, decode=0, colocated=1, secure=False,
                       redis=False) as c:
         address = c.workers[0].address
@@ -131,6 +160,18 @@ def test_many_calls_on_one_stream():
         assert late[2] == "DEADLINE_EXCEEDED", late[1:]
         assert all(r.token_ids for r in first) and cancelled == "CancelledError"
         assert found and rest[1:3] == ("abort", "OK"), rest[1:]
+        for stats in run(wait_all_free([address], timeout_s=15)):
+            assert (stats.kv_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0)
+
+        # a message that does not parse ends the open call, then the stream, with
+        # INVALID_ARGUMENT (it ended OK, the call "cancelled by the caller"); another stream's
+        # call is untouched
+        entries, code, details, other = run(malformed(address))
+        assert code == "INVALID_ARGUMENT" and "not a valid protobuf" in details, details
+        ends = [e for e in entries if e.end]
+        assert [e.call_id for e in ends] == [1] and "stream broke" in ends[0].status_message
+        assert ends[0].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert other[1:3] == ("length", "OK") and len(other[0]) == 40, other[1:]
         for stats in run(wait_all_free([address], timeout_s=15)):
             assert (stats.kv_blocks_used, stats.num_running, stats.num_waiting) == (0, 0, 0)
 
