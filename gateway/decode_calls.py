@@ -140,6 +140,13 @@ class _Stream:
                               f"decode worker {self.address} ended the stream")
         except grpc.aio.AioRpcError as e:
             error = e
+            if e.code() is grpc.StatusCode.INTERNAL:
+                # mostly the worker ended the stream while a start was being written: grpc's
+                # asyncio client then reports its failed write as INTERNAL instead of the
+                # worker's status (grpc/grpc#36066); either way the stream broke under them
+                error = rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                  f"stream to decode worker {self.address} broke: "
+                                  f"{e.details()}"[:300])
         except asyncio.CancelledError:
             error = rpc_error(grpc.StatusCode.CANCELLED, "the gateway is closing")
         except Exception as e:  # noqa: BLE001 - whatever broke it, its calls fail

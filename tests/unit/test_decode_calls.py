@@ -1,7 +1,8 @@
 """gateway/decode_calls.py against real gRPC servers on loopback: a worker that does not
 serve GenerateMany (one built before it) gets Generate calls instead, with the same
 responses; a worker that never answers a call on the stream still ends it at its deadline;
-cancel() reaches the worker as a cancel entry and ends the caller's iteration."""
+cancel() reaches the worker as a cancel entry and ends the caller's iteration; calls open on a
+stream the worker ended while the gateway wrote to it fail with UNAVAILABLE."""
 from __future__ import annotations
 
 import asyncio
@@ -143,3 +144,44 @@ def test_a_request_over_the_message_limit_fails_alone():
     err, small, streams = asyncio.run(main())
     assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "message limit" in err.details()
     assert small == [1] and streams == 1
+
+
+class EndingWorker(worker_pb2_grpc.DecodeWorkerServicer):
+    """Ends the stream after its first message, as a worker whose shutdown ended its stream
+    while the gateway was still sending."""
+
+    async def GenerateMany(self, request_iterator, context):
+        async for _ in request_iterator:
+            return
+        yield  # noqa: unreachable - makes this an async generator
+
+
+def test_calls_open_on_a_stream_the_worker_ended_fail_as_unavailable():
+    """The worker ends its stream while the gateway is still writing starts to it: grpc's
+    asyncio client reports its failed write as INTERNAL (grpc/grpc#36066); the calls left
+    open fail with UNAVAILABLE, which the request path resumes elsewhere, never INTERNAL."""
+    async def main():
+        server, address = await _serve(EndingWorker())
+        calls = _calls()
+        try:
+            codes = []
+            for _ in range(10):
+                big = [worker_pb2.DecodeRequest(request_id=f"r{i}",
+                                                prompt_token_ids=list(range(20_000)))
+                       for i in range(32)]
+                its = [calls.generate(address, r, 10) for r in big]
+
+                async def code(call):
+                    try:
+                        await _tokens(call)
+                        return "OK"
+                    except grpc.aio.AioRpcError as e:
+                        return e.code().name
+                codes += await asyncio.wait_for(asyncio.gather(*(code(c) for c in its)), 20)
+            return codes
+        finally:
+            await calls.close()
+            await server.stop(None)
+
+    codes = asyncio.run(main())
+    assert set(codes) == {"UNAVAILABLE"}, {c: codes.count(c) for c in set(codes)}
