@@ -174,7 +174,7 @@ def test_a_refused_streaming_call_is_permission_denied_every_time(two_cas, tmp_p
                 async with grpc.aio.secure_channel(srv.address, creds, options=[
                         ("grpc.ssl_target_name_override", T.CLUSTER_NAME)]) as ch:
                     out[role] = [await call(ch, iter([worker_pb2.DecodeStreamRequest(
-                        call_id=i, start=big) for _ in range(32)])) for i in range(25)]
+                        call_id=i, start=big) for _ in range(8)])) for i in range(25)]
                     if role == "prefill":
                         t0 = time.monotonic()
                         out["held open"] = await call(ch, held_open())
@@ -184,7 +184,7 @@ def test_a_refused_streaming_call_is_permission_denied_every_time(two_cas, tmp_p
             await srv.stop(0)
 
     out = run(main(), "asyncio")
-    assert out["gateway"] == [[i] * 32 for i in range(25)]
+    assert out["gateway"] == [[i] * 8 for i in range(25)]
     assert out["prefill"] == ["PERMISSION_DENIED"] * 25
     assert out["held open"] == "PERMISSION_DENIED" and out["held open s"] < 5
 
