@@ -159,3 +159,18 @@ def silu_mul_act_fp8(gate_up: torch.Tensor, block: int = SILU_ACT_BLOCK,
                                 FP8_MAX=FP8_MAX, BLOCK=block or next_pow2(d),
                                 num_warps=num_warps)
     return q.view(torch.float8_e4m3fn), s
+
+
+def prologue_act_fp8(x: torch.Tensor, prologue: str = "none",
+                     norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                     residual: torch.Tensor | None = None):
+    """act_fp8(prologue(x)) by the kernel that fuses them: (codes, scales, new residual x +
+    residual, or None). ``prologue``: "none" (act_fp8), "rmsnorm" / "add_rmsnorm"
+    (norm_act_fp8, ``residual`` optional), "silu_mul" (silu_mul_act_fp8)."""
+    if prologue == "silu_mul":
+        return (*silu_mul_act_fp8(x), None)
+    if prologue in ("rmsnorm", "add_rmsnorm"):
+        return norm_act_fp8(x, norm_weight, eps, residual)
+    if prologue == "none":
+        return (*act_fp8(x), None)
+    raise ValueError(f"unknown prologue {prologue!r}")

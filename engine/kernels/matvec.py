@@ -45,7 +45,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
-from engine.kernels.act_fp8 import act_fp8, norm_act_fp8, silu_mul_act_fp8
+from engine.kernels.act_fp8 import prologue_act_fp8
 from engine.kernels.gemv_loads import _load_x, _rms_inv, _row_stats, _w_tile, _x_rows
 
 PROLOGUES = {"none": 0, "rmsnorm": 1, "add_rmsnorm": 2, "silu_mul": 3}
@@ -451,14 +451,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if xq:
         if fmt != 1 or not a8 or f8mma or mma or bits:
             raise ValueError("xq: fp8 weights with a8 (not f8mma, mma or bits)")
-        if pro == 3:
-            codes, xs = silu_mul_act_fp8(x)
-        elif pro in (1, 2):
-            codes, xs, fused_res = norm_act_fp8(x, nw, eps, residual if pro == 2 else None)
-            if pro == 2:
-                new_res = fused_res
-        else:
-            codes, xs = act_fp8(x)
+        codes, xs, fused_res = prologue_act_fp8(x, prologue, nw, eps,
+                                                residual if pro == 2 else None)
+        if pro == 2:
+            new_res = fused_res
         x_in, pro_in, a8_in = codes.view(torch.uint8), 0, False
     else:
         x_in, pro_in, a8_in = x, pro, a8

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import check_tensor
-from engine.kernels.act_fp8 import act_fp8, norm_act_fp8, silu_mul_act_fp8
+from engine.kernels.act_fp8 import (act_fp8, norm_act_fp8,  # noqa: F401 (re-exported)
+                                    prologue_act_fp8, silu_mul_act_fp8)
 from engine.kernels.matvec import gemv
 from engine.quant.reference import GEMV_MAX_ROWS, gemv_keywords
 
@@ -192,13 +193,11 @@ def fp8_prologue_linear(qw: dict, bias: torch.Tensor | None, prologue: str, x: t
     kernel writes the codes _scaled_mm reads, so the prologue's bf16 output is neither
     written nor read again. prologue "rmsnorm" -> (y, x + residual or None); "silu_mul" ->
     y. The values are those of the prologue kernel, act_fp8 and fp8_gemm in turn."""
-    if prologue == "silu_mul":
-        xq, sx = silu_mul_act_fp8(x)
-        return fp8_gemm_codes(xq, sx, qw, bias, x.dtype)
-    if prologue != "rmsnorm":
+    if prologue not in ("rmsnorm", "silu_mul"):
         raise ValueError(f"unknown prologue {prologue!r}")
-    xq, sx, new_res = norm_act_fp8(x, norm_weight, eps, residual)
-    return fp8_gemm_codes(xq, sx, qw, bias, x.dtype), new_res
+    xq, sx, new_res = prologue_act_fp8(x, prologue, norm_weight, eps, residual)
+    y = fp8_gemm_codes(xq, sx, qw, bias, x.dtype)
+    return y if prologue == "silu_mul" else (y, new_res)
 
 
 def quant_linear(x: torch.Tensor, qw: dict, bias: torch.Tensor | None = None) -> torch.Tensor:
