@@ -137,6 +137,7 @@ class Router:
         self.registry_grace_s = registry_grace_s
         self._grace_until = 0.0  # monotonic: missing workers that answer probes stay
         self._epoch: str | None = None  # the registry's epoch (services.registry) last seen
+        self._outage = False  # the last listing failed (Redis unreachable)
         self._turns: dict[tuple[str, ...], int] = {}
         self.registry_ok = registry is None
         self.index_ok = index is None
@@ -173,21 +174,22 @@ class Router:
         (Redis restarted empty: services.registry), says nothing about them: workers re-register within
         a heartbeat, so for ``registry_grace_s`` those that still answer their probes keep
         serving (the gateway failed every request in the second between a Redis restart
-        and the workers' heartbeats)."""
+        and the workers' heartbeats). The gateway's first listing is neither: it starts no
+        grace, so a worker leaving right after the gateway started is retired at once."""
         if self.registry is None:
             return
         try:
             infos = await self.registry.list_workers(model=self.model)
         except RegistryUnavailable:
-            self.registry_ok = False
+            self.registry_ok, self._outage = False, True
             return  # keep the last known workers
         now = time.monotonic()
         epoch = getattr(self.registry, "epoch", None)
         wiped = self._epoch is not None and epoch != self._epoch  # Redis lost its data
-        if not self.registry_ok or wiped:
+        if self._outage or wiped:  # not the first listing: it retires no one it knew
             self._grace_until = now + self.registry_grace_s
         self._epoch = epoch
-        self.registry_ok = True
+        self.registry_ok, self._outage = True, False
         seen = set()
         for info in infos:
             seen.add(info.worker_id)

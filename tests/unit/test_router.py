@@ -166,6 +166,30 @@ def test_workers_survive_a_registry_that_lost_them_but_not_a_departure(redis_pro
     asyncio.run(go())
 
 
+def test_a_worker_leaving_right_after_the_gateway_started_is_retired_at_once(redis_proc):
+    """The gateway's first listing is no recovery from an outage: a worker that leaves the
+    registry (SIGTERM: draining) a second after the gateway started is retired at once, so
+    the prober that then finds it refusing calls lets its streams drain there. (The first
+    listing started the registry grace: the worker stayed 'registered' for 3 s and its
+    streams were moved -- a CI failure of test_faults' SIGTERM test on a slow machine.)"""
+    from services.registry import WorkerRegistry
+
+    async def go():
+        reg = WorkerRegistry(redis_proc.url, timeout_s=0.5, cooldown_s=0.05)
+        for wid in ("d1", "d2"):
+            await reg.register(info(wid, "decode"))
+        r = make_router(registry=reg)  # as gateway.main builds it (default grace, 3 s)
+        await r.refresh()
+        assert r.registry_ok and {w.id for w in r._pool("decode")} == {"d1", "d2"}
+        await reg.deregister("d2")
+        await r.refresh()
+        assert {w.id for w in r._pool("decode")} == {"d1"}
+        w = r.workers.get("d2")
+        assert w is None or not w.registered
+        await reg.close()
+    asyncio.run(go())
+
+
 def test_index_down_falls_back_to_load_only(redis_proc):
     async def go():
         idx = PrefixIndex(redis_proc.url, "m")
