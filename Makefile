@@ -11,7 +11,7 @@ test:      ## the default (fast) test suite
 
 test-slow: ## tests marked slow (token-exactness sweeps, long integration runs)
 	scripts/install.sh test
-	.venv/bin/python -m pytest -q -m slow
+	.venv/bin/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 install:
 	scripts/install.sh test

@@ -38,3 +38,20 @@ def redis_proc():
 @pytest.fixture
 def redis_server(redis_proc: RedisProcess) -> str:
     return redis_proc.url
+
+
+# ------------------------------------------------------------------ CI's time budget
+def pytest_addoption(parser):
+    parser.addoption(
+        "--start-by", type=float, default=0.0, metavar="UNIX_TIME",
+        help="start no test after this Unix time: later ones are skipped, with the reason "
+             "(.ci/run gives the slow suite what is left of CI's 90 minutes; each test "
+             "runs at most the configured pytest timeout after it starts)")
+
+
+def pytest_runtest_setup(item):
+    import time
+
+    start_by = item.config.getoption("--start-by")
+    if start_by and time.time() > start_by:
+        pytest.skip("not started: CI's time budget is spent (.ci/run --start-by)")
