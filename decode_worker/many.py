@@ -19,8 +19,10 @@ call's output of one step leaves in one message.
     sending it) ends every call on it, as cancelled RPCs;
   * a message that does not parse (services.interceptors.MalformedRequest) ends every open
     call with INVALID_ARGUMENT, then the stream with INVALID_ARGUMENT;
-  * a worker shutting down refuses new calls (UNAVAILABLE) and ends the stream once its
-    calls are done.
+  * a worker shutting down says so on every stream (a message with ``draining`` set, so
+    the gateway routes new work elsewhere and keeps these calls here while the worker
+    refuses other RPCs), refuses new calls (UNAVAILABLE) and ends the stream once its calls
+    are done.
 """
 from __future__ import annotations
 
@@ -103,6 +105,7 @@ class ManyCalls:
         self._reader_done = False
         self._refused: dict[int, str] = {}  # open calls ended by a caller's protocol error
         self._malformed: MalformedRequest | None = None  # the stream's message that did not parse
+        self._tell_draining = servicer.closing  # the draining message is due
         limit = min(servicer.env.settings.max_message_bytes, DEFAULT_MAX_MESSAGE_BYTES)
         self._max_bytes = int(limit * MESSAGE_BYTES_SHARE)
 
@@ -111,6 +114,10 @@ class ManyCalls:
         reader = asyncio.ensure_future(self._read(requests))
         try:
             while True:
+                if self._tell_draining:
+                    self._tell_draining = False
+                    yield worker_pb2.DecodeStreamResponse(draining=True)
+                    continue
                 if self._out:
                     yield worker_pb2.DecodeStreamResponse(entries=self._take())
                     continue
@@ -243,6 +250,8 @@ class ManyCalls:
             self._ready.set()
 
     def close_when_idle(self) -> None:
-        """Shutdown: the stream ends once its calls are done (new ones are refused)."""
+        """Shutdown: the caller is told, and the stream ends once its calls are done (new
+        ones are refused)."""
+        self._tell_draining = True
         self._reader_done = True
         self._ready.set()

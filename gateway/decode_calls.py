@@ -9,7 +9,9 @@ ends it and makes the iteration raise ``asyncio.CancelledError``).
 
 A stream that breaks (the worker died, the connection was lost) fails each of its calls with
 the stream's status, as their own Generate calls would have failed; the next call opens a
-new stream. A worker that does not serve GenerateMany (an older one) gets a Generate call
+new stream. A worker that says it is draining (shutting down: its calls finish on it)
+is reported to ``on_draining`` (the router stops routing to it and keeps those calls
+there). A worker that does not serve GenerateMany (an older one) gets a Generate call
 per request from then on. ``decode_stream = "per_request"`` (a gateway setting) uses
 Generate calls only.
 """
@@ -36,10 +38,12 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 class DecodeCalls:
-    def __init__(self, peers: ChannelPool, mode: str = "many") -> None:
+    def __init__(self, peers: ChannelPool, mode: str = "many", on_draining=None) -> None:
+        """``on_draining(address)``: a worker said on its stream that it is draining."""
         if mode not in STREAM_MODES:
             raise ValueError(f"decode_stream must be one of {', '.join(STREAM_MODES)}")
         self.peers, self.mode = peers, mode
+        self.on_draining = on_draining
         self._streams: dict[str, _Stream] = {}
         self._per_request: set[str] = set()  # workers without GenerateMany
 
@@ -132,6 +136,8 @@ class _Stream:
             async for msg in self.rpc:
                 self.received = True
                 self.messages += 1
+                if msg.draining and self.owner.on_draining is not None:
+                    self.owner.on_draining(self.address)
                 for entry in msg.entries:
                     call = self.calls.get(entry.call_id)
                     if call is not None:

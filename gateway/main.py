@@ -57,7 +57,7 @@ def _env(settings: GatewaySettings, router, tokenizer, model_id: str, vocab_size
         metrics=metrics, limits=settings.limits, model=model_id, vocab_size=vocab_size,
         max_migrations=settings.max_migrations,
         decode=DecodeCalls(ChannelPool(worker_pb2_grpc.DecodeWorkerStub, tls=tls),
-                           settings.decode_stream))
+                           settings.decode_stream, on_draining=router.draining))
 
 
 def _server(settings: GatewaySettings, keys, metrics):

@@ -60,6 +60,7 @@ class Worker:
     #                                  token not back (a decode worker: local prefills)
     failures_until: float = 0.0  # routed around until then, after a failed call
     registered: bool = True  # listed by the registry (or configured); False: leaving
+    draining: bool = False  # it said it is shutting down: no new work, its streams stay
     healthy: bool = True  # answering its probes (gateway.health)
     static: bool = False  # configured by address (learns capacity and load by probing)
     # called with "lost" when it stops answering: the streams it serves end and resume
@@ -82,7 +83,8 @@ class Worker:
 
     @property
     def routable(self) -> bool:
-        return self.registered and self.healthy and self.failures_until <= time.monotonic()
+        return (self.registered and self.healthy and not self.draining
+                and self.failures_until <= time.monotonic())
 
     def load(self) -> float:
         cap = max(self.info.capacity, 1)
@@ -347,20 +349,34 @@ class Router:
         """Route around a worker whose call failed, for ``seconds``."""
         worker.failures_until = time.monotonic() + seconds
 
+    def draining(self, address: str) -> None:
+        """The decode worker at ``address`` said (on its GenerateMany stream) that it is
+        shutting down: no new work goes there, and its streams finish there -- when its
+        server then refuses probes, :meth:`set_health` does not move them. (The registry
+        tells the same, but later and not always: a listing that fails, or a deregistration
+        that does, left such a worker 'registered' and its streams were moved.)"""
+        for w in list(self.workers.values()):
+            if w.info.address == address and not w.draining:
+                w.draining = True
+                logger.info("worker %s is draining: no new requests, %d streams finish "
+                            "there", w.id, len(w.watchers))
+
     def set_health(self, worker: Worker, healthy: bool) -> None:
         """gateway.health's verdict; a worker that stops answering has its ``watchers``
         called: the streams it serves end and their requests resume elsewhere -- unless it
-        left the registry before (it is draining)."""
+        is draining (it said so, or it left the registry first)."""
         if healthy == worker.healthy:
             return
         worker.healthy = healthy
         if healthy:
+            # a worker at a configured address that drained and came back is a new process
+            worker.draining = False
             logger.info("worker %s answers again", worker.id)
             return
-        if not worker.registered and not worker.static:
-            # it left the registry first: a worker shutting down, whose server refuses new
-            # calls (probes) while its streams drain within its grace period; they end there
-            # (a stream that breaks meanwhile still resumes elsewhere)
+        if worker.draining or (not worker.registered and not worker.static):
+            # a worker shutting down, whose server refuses new calls (probes) while its
+            # streams drain within its grace period; they end there (a stream that breaks
+            # meanwhile still resumes elsewhere)
             logger.info("worker %s is draining: %d streams finish there", worker.id,
                         len(worker.watchers))
             return

@@ -511,7 +511,10 @@ class LocalCluster:
                 have = {k.decode().split("pdserve:worker:", 1)[1]
                         for k in r.keys("pdserve:worker:*")}
                 if want <= have:
-                    time.sleep(1.2)  # one gateway refresh period
+                    # the gateway lists the registry every 1 s (after the listing itself):
+                    # two periods, so a listing that was under way, slow or failed once
+                    # under load still leaves one that sees them
+                    time.sleep(2.2)
                     return
                 time.sleep(0.1)
         finally:

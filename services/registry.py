@@ -124,6 +124,7 @@ return {redis.call('GET', KEYS[2]), out}
 
 
 SIGNED_TTLS = 3  # a signed entry expires this many TTLs after it was written
+DEREGISTER_RETRY_S = 0.2  # Heartbeat.stop: between tries to deregister
 
 
 class WorkerRegistry:
@@ -293,8 +294,17 @@ class Heartbeat:
             await cancel_and_wait([self._task])
             self._task = None
         if deregister:
-            try:
-                await self.registry.deregister(self.info.worker_id)
-            except RegistryUnavailable:
-                logger.warning("could not deregister %s; its key expires by TTL",
-                               self.info.worker_id)
+            # tried for up to half a TTL (by then the key is about to expire anyway): one
+            # slow answer, or the client's cool-down after one, must not leave the worker
+            # listed while it drains
+            deadline = time.monotonic() + self.registry.ttl_ms / 2000
+            while True:
+                try:
+                    await self.registry.deregister(self.info.worker_id)
+                    return
+                except RegistryUnavailable:
+                    if time.monotonic() + DEREGISTER_RETRY_S >= deadline:
+                        break
+                    await asyncio.sleep(DEREGISTER_RETRY_S)
+            logger.warning("could not deregister %s; its key expires by TTL",
+                           self.info.worker_id)

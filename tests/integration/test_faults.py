@@ -154,13 +154,21 @@ def test_random_cancels_and_deadlines_leave_every_block_free(worker_args):
                    )[0].completion_tokens == 3
 
 
-def test_sigterm_drains_a_workers_streams_there_and_the_worker_exits():
-    """SIGTERM to one of two colocated workers while it streams: it leaves the registry and
-    its server refuses new calls (the gateway's probes fail), but its streams finish on it
-    within its grace period -- the gateway does not move them -- and the process exits.
-    (Before: the streams were moved after ~1.5 s, and the worker never exited: the
-    clean-ups of the moved calls waited on an engine that had stopped.)"""
+@pytest.mark.parametrize("redis", ["up", "stopped"])
+def test_sigterm_drains_a_workers_streams_there_and_the_worker_exits(redis):
+    """SIGTERM to one of two colocated workers while it streams: it says so on its streams
+    and leaves the registry, and its server refuses new calls (the gateway's probes fail),
+    but its streams finish on it within its grace period -- the gateway does not move them --
+    and the process exits. (Before: the streams were moved after ~1.5 s, and the worker
+    never exited: the clean-ups of the moved calls waited on an engine that had stopped.)
+
+    ``stopped``: Redis is stopped (SIGSTOP) from just before the SIGTERM until well after
+    the gateway's verdict, so the worker cannot deregister and the gateway cannot list:
+    only the worker's own word on its streams tells the gateway that it drains. (Before
+    that word existed, the gateway judged such a worker lost and moved its streams; it
+    also did when the worker left the registry within 3 s of the gateway's start.)"""
     import asyncio
+    import os
     import signal
 
     with LocalCluster("dummy:tiny", prefill=0, decode=0, colocated=2, secure=False) as c:
@@ -174,8 +182,19 @@ def test_sigterm_drains_a_workers_streams_there_and_the_worker_exits():
             while (await worker_stats(a.address)).num_running == 0:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.1)
+            if redis == "stopped":
+                os.kill(c.redis.proc.pid, signal.SIGSTOP)
             a.proc.send_signal(signal.SIGTERM)
             t0 = time.monotonic()
+            try:
+                if redis == "stopped":
+                    # the verdict: its server stops after the deregistration gave up (1.5 s)
+                    # and the drain delay (0.5 s); two failed probes after that
+                    await asyncio.wait({task}, timeout=8)
+                    assert not task.done(), "the streams ended before the gateway's verdict"
+            finally:
+                if redis == "stopped":
+                    os.kill(c.redis.proc.pid, signal.SIGCONT)
             outs = await task
             return outs, time.monotonic() - t0
 

@@ -152,8 +152,21 @@ def test_metrics_count_a_known_workload(traced):
     assert all(o.completion_tokens == m for o in outs)
     run(wait_all_free([w.address for w in cluster.workers]))
     import time
-    time.sleep(0.6)  # worker gauges and prefix counters follow engine stats every 0.25 s
-    after = {k: scrape(s.metrics_port) for k, s in (("gw", gw), ("pre", pre), ("dec", dec))}
+
+    def settled(a) -> bool:
+        """Worker gauges and prefix counters follow engine stats every 0.25 s: wait until
+        they show the finished workload (a fixed 0.6 s was short on a loaded machine)."""
+        return (delta(a["dec"], before["dec"], "pdserve_worker_generated_tokens_total") == n * m
+                and delta(a["pre"], before["pre"], "pdserve_prefix_cache_query_tokens_total") > 0
+                and all(a[k].get((g, ()), 1) == 0 for k in ("pre", "dec")
+                        for g in ("pdserve_running_requests", "pdserve_queue_depth",
+                                  "pdserve_kv_blocks_used")))
+    deadline = time.monotonic() + 15
+    while True:
+        after = {k: scrape(s.metrics_port) for k, s in (("gw", gw), ("pre", pre), ("dec", dec))}
+        if settled(after) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     g0, g1 = before["gw"], after["gw"]
     assert delta(g1, g0, "pdserve_requests_total", code="OK") == n
     assert delta(g1, g0, "pdserve_generation_tokens_total") == n * m

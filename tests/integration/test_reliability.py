@@ -11,11 +11,11 @@ import grpc
 import pytest
 
 from pdserve import client
-from pdserve.chaos.streams import greedy_requests, run_streams, settle
+from pdserve.chaos.streams import greedy_requests, run_streams, settle, until
 from pdserve.cluster import LocalCluster
 from protos.pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, \
     worker_pb2_grpc
-from tests.integration.helpers import run, wait_all_free, worker_stats
+from tests.integration.helpers import run, wait_all_free
 
 KEYS = ("key-alpha", "key-beta")
 CONTEXT = 1024  # the workers' context limit (the model's own is 8192)
@@ -165,14 +165,27 @@ def test_stats_answers_during_a_long_engine_step(cluster):
                                max_tokens=2)
 
     async def main():
-        task = asyncio.ensure_future(_status(cluster.address, long))
-        await asyncio.sleep(0.3)  # the prefill worker is inside the prompt's step now
-        t0 = time.monotonic()
-        await worker_stats(pre.address)
-        stats_s = time.monotonic() - t0
-        t1 = time.monotonic()
-        code = await task
-        return stats_s, time.monotonic() - t1 + 0.3, code
+        from pdserve.cluster import operator_channels
+        from protos.pdserve.v1 import common_pb2, worker_pb2_grpc
+
+        for make in operator_channels(pre.address):  # the first this cluster accepts
+            async with make() as ch:
+                stub = worker_pb2_grpc.PrefillWorkerStub(ch)
+                try:  # the channel's handshake, before anything is timed
+                    await stub.Stats(common_pb2.StatsRequest(), timeout=10)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() is not grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    continue
+                task = asyncio.ensure_future(_status(cluster.address, long))
+                await asyncio.sleep(0.3)  # the prefill worker is inside the prompt's step now
+                t0 = time.monotonic()
+                await stub.Stats(common_pb2.StatsRequest(), timeout=10)
+                stats_s = time.monotonic() - t0
+                t1 = time.monotonic()
+                code = await task
+                return stats_s, time.monotonic() - t1 + 0.3, code
+        raise AssertionError("no channel to the prefill worker")
     stats_s, request_s, code = run(main())
     assert code == ("OK", "")
     assert stats_s < 0.5, (stats_s, request_s)
@@ -214,7 +227,9 @@ def test_gateway_shutdown_ends_long_streams_with_a_final_status():
                 for i in range(3)]
 
         async def stop(streams):
-            await asyncio.sleep(0.5)
+            # every stream under way (a token each) before the gateway stops: on a slow
+            # machine a fixed 0.5 s left some with no token yet
+            assert await until(lambda: all(s.tokens for s in streams), 60)
             os.killpg(c.gateway.proc.pid, signal.SIGTERM)
         streams = run(run_streams(c.address, reqs, during=stop, timeout=60))
         for s in streams:

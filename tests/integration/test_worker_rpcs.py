@@ -224,6 +224,7 @@ class _ScriptedPrefill(worker_pb2_grpc.PrefillWorkerServicer):
         self.layout = layout
         self.tx = make_sender("tcp", torch.zeros(16, *layout.block_shape), layout)
         self.tasks = set()
+        self.sending_at: dict[str, float] = {}  # request id -> time.monotonic() its KV left
 
     async def Prefill(self, request, context):
         kv = request.kv_transfer
@@ -231,7 +232,8 @@ class _ScriptedPrefill(worker_pb2_grpc.PrefillWorkerServicer):
         if request.request_id.startswith("broken"):
             ids = ids[:-1]
         delay = self.LATE_S if request.request_id.startswith("late") else 0.05
-        task = asyncio.get_running_loop().create_task(self._send(kv, ids, delay))
+        task = asyncio.get_running_loop().create_task(
+            self._send(request.request_id, kv, ids, delay))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return worker_pb2.PrefillResponse(
@@ -239,8 +241,11 @@ class _ScriptedPrefill(worker_pb2_grpc.PrefillWorkerServicer):
             transfer=common_pb2.KVTransferResult(
                 state=common_pb2.TRANSFER_STATE_TRANSFERRING, num_blocks=kv.num_blocks))
 
-    async def _send(self, kv, ids, delay):
+    async def _send(self, rid, kv, ids, delay):
+        import time
+
         await asyncio.sleep(delay)
+        self.sending_at[rid] = time.monotonic()
         await self.tx.send(kv.transfer_id, kv.receiver_endpoint, ids, 10)
 
 
@@ -274,8 +279,9 @@ def test_first_token_streams_before_the_kv_and_a_failed_transfer_continues_from_
                     async for r in stub.Generate(worker_pb2.DecodeRequest(
                             request_id=rid, prompt_token_ids=ids, sampling=sampling,
                             prefill_address=prefill), timeout=60):
-                        got.append((time.monotonic() - t0, list(r.token_ids), r.text,
-                                    r.finish_reason, r.usage.completion_tokens))
+                        now = time.monotonic()
+                        got.append((now - t0, list(r.token_ids), r.text,
+                                    r.finish_reason, r.usage.completion_tokens, now))
                     return got
                 late = await generate("late-1")
                 broken = await generate("broken-1")
@@ -284,14 +290,16 @@ def test_first_token_streams_before_the_kv_and_a_failed_transfer_continues_from_
         finally:
             await server.stop(1)
             await peer.tx.close()
-        return late, broken, [t for r in local for t in r[1]]
+        return late, broken, [t for r in local for t in r[1]], peer.sending_at["late-1"]
 
     with LocalCluster("dummy:tiny", prefill=0, decode=1, kv_backend="tcp", secure=False) as c:
         dec = next(w for w in c.workers if w.kind == "decode")
-        late, broken, want = run(main(dec))
+        late, broken, want, kv_sent_at = run(main(dec))
         # late: the first token (and its text) long before the KV, then the rest after it
         assert late[0][1:3] == ([_ScriptedPrefill.FIRST], _ScriptedPrefill.TEXT), late[0]
-        assert late[0][0] < 1.0 and late[1][0] >= _ScriptedPrefill.LATE_S - 0.05, late[:2]
+        # (before the KV started to move, whatever the machine's speed)
+        assert late[0][5] < kv_sent_at and late[1][0] >= _ScriptedPrefill.LATE_S - 0.05, \
+            (late[:2], kv_sent_at)
         assert sum(len(r[1]) for r in late) == 6 and late[-1][3] == "length"
         assert late[-1][4] == 6  # usage counts the early token once
         # broken: the token already streamed, then the local continuation from it

@@ -185,3 +185,31 @@ def test_calls_open_on_a_stream_the_worker_ended_fail_as_unavailable():
 
     codes = asyncio.run(main())
     assert set(codes) == {"UNAVAILABLE"}, {c: codes.count(c) for c in set(codes)}
+
+
+class DrainingWorker(worker_pb2_grpc.DecodeWorkerServicer):
+    """Says it is draining on its stream, then answers each start as EchoWorker does."""
+
+    async def GenerateMany(self, request_iterator, context):
+        yield worker_pb2.DecodeStreamResponse(draining=True)
+        async for msg in request_iterator:
+            if msg.WhichOneof("action") == "start":
+                yield worker_pb2.DecodeStreamResponse(entries=[
+                    worker_pb2.DecodeStreamEntry(call_id=msg.call_id, response=common_pb2.
+                                                 GenerateResponse(token_ids=[5])),
+                    worker_pb2.DecodeStreamEntry(call_id=msg.call_id, end=True)])
+
+
+def test_a_worker_that_says_it_is_draining_is_reported_and_its_calls_go_on():
+    async def main():
+        server, address = await _serve(DrainingWorker())
+        told: list[str] = []
+        calls = DecodeCalls(ChannelPool(worker_pb2_grpc.DecodeWorkerStub), "many",
+                            on_draining=told.append)
+        try:
+            assert await _tokens(calls.generate(address, _req("a"), timeout=10)) == [5]
+            assert told == [address]
+        finally:
+            await calls.close()
+            await server.stop(0)
+    asyncio.run(main())

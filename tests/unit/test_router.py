@@ -190,6 +190,43 @@ def test_a_worker_leaving_right_after_the_gateway_started_is_retired_at_once(red
     asyncio.run(go())
 
 
+def test_a_draining_worker_gets_no_new_work_and_keeps_its_streams(redis_proc):
+    """A decode worker that said it is draining (on its GenerateMany stream) is routed
+    around, and when its server then refuses probes its streams are not moved -- even while
+    the registry still lists it (Redis was unreachable for its deregistration, or the
+    gateway's listing failed). A worker that stops answering without saying so still has
+    its streams moved. A configured worker that drained and answers again is routable."""
+    from gateway.router import Worker
+    from services.registry import WorkerRegistry
+
+    async def go():
+        reg = WorkerRegistry(redis_proc.url, timeout_s=0.5, cooldown_s=0.05)
+        for wid in ("d1", "d2", "d3"):
+            await reg.register(info(wid, "decode"))
+        r = make_router(registry=reg)
+        await r.refresh()
+        cut: dict[str, list[str]] = {"d1": [], "d2": []}
+        for wid in cut:
+            r.workers[wid].watchers.add(cut[wid].append)
+        r.draining("d1:1")  # d1's address
+        assert {w.id for w in r._pool("decode")} == {"d2", "d3"}
+        await r.refresh()  # still listed
+        assert r.workers["d1"].registered
+        r.set_health(r.workers["d1"], False)
+        r.set_health(r.workers["d2"], False)  # stopped answering, said nothing
+        assert cut == {"d1": [], "d2": ["lost"]}
+        assert (await r.route(8, [])).decode.id == "d3"
+        s = Worker(info("s1", "decode"), static=True)
+        r.workers["s1"] = s
+        r.draining("s1:1")
+        r.set_health(s, False)
+        assert not s.routable
+        r.set_health(s, True)  # a new process at that address
+        assert s.routable
+        await reg.close()
+    asyncio.run(go())
+
+
 def test_index_down_falls_back_to_load_only(redis_proc):
     async def go():
         idx = PrefixIndex(redis_proc.url, "m")
