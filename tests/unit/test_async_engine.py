@@ -239,9 +239,17 @@ def test_a_preallocation_waits_for_free_kv_blocks_in_arrival_order():
                 order.append(rid)
                 return blocks
 
+            async def waiters(n):  # queued in that order (not by sleeping: a loaded machine)
+                for _ in range(500):
+                    if ae.kv_block_waiters == n:
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError(f"{ae.kv_block_waiters} waiters, not {n}")
+
             b = asyncio.create_task(wait("b", 28, 10))  # 7 blocks: waits
-            await asyncio.sleep(0.2)
+            await waiters(1)
             c = asyncio.create_task(wait("c", 4, 10))  # 1 block is free, but b came first
+            await waiters(2)
             await asyncio.sleep(0.3)
             assert not b.done() and not c.done()
             assert ae.kv_block_waiters == 2  # counted as waiting (queue depth, load)
@@ -253,9 +261,9 @@ def test_a_preallocation_waits_for_free_kv_blocks_in_arrival_order():
             assert order == ["b", "c"] and len(got_b) == 7 and len(got_c) == 1
             # a waiter that gives up (its client went away) lets the next one through
             f = asyncio.create_task(ae.preallocate("f", list(range(3, 31)), sp, wait_s=10))
-            await asyncio.sleep(0.1)
+            await waiters(1)
             g = asyncio.create_task(ae.preallocate("g", [5], sp, wait_s=10))
-            await asyncio.sleep(0.1)
+            await waiters(2)
             f.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await f
