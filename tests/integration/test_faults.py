@@ -180,8 +180,9 @@ def test_sigterm_drains_a_workers_streams_there_and_the_worker_exits(redis):
                       worker_args=("--grace-s", "120"),
                       gateway_args=("--health-interval-s", "0.25")) as c:
         a = c.workers[0]
+        # 32 streams: they run 16-23 s after the SIGTERM here, the verdict comes within 4 s
         reqs = [client.make_request(f"stream {i} " + "x " * 20, max_tokens=1900,
-                                    temperature=0.0, ignore_eos=True) for i in range(16)]
+                                    temperature=0.0, ignore_eos=True) for i in range(32)]
 
         async def main():
             task = asyncio.ensure_future(gen_many(c.address, reqs, timeout=180))
