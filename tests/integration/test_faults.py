@@ -162,7 +162,7 @@ def test_sigterm_drains_a_workers_streams_there_and_the_worker_exits(redis):
     and the process exits. (Before: the streams were moved after ~1.5 s, and the worker
     never exited: the clean-ups of the moved calls waited on an engine that had stopped.)
 
-    ``stopped``: Redis is stopped (SIGSTOP) from just before the SIGTERM until well after
+    ``stopped``: Redis is stopped (SIGSTOP) from just before the SIGTERM until after
     the gateway's verdict, so the worker cannot deregister and the gateway cannot list:
     only the worker's own word on its streams tells the gateway that it drains. (Before
     that word existed, the gateway judged such a worker lost and moved its streams; it
