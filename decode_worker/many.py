@@ -105,7 +105,9 @@ class ManyCalls:
         self._reader_done = False
         self._refused: dict[int, str] = {}  # open calls ended by a caller's protocol error
         self._malformed: MalformedRequest | None = None  # the stream's message that did not parse
-        self._tell_draining = servicer.closing  # the draining message is due
+        # the draining message is due (at once on a stream opened during the drain delay:
+        # its calls are refused, and it ends when its caller closes it)
+        self._tell_draining = servicer.closing
         limit = min(servicer.env.settings.max_message_bytes, DEFAULT_MAX_MESSAGE_BYTES)
         self._max_bytes = int(limit * MESSAGE_BYTES_SHARE)
 
@@ -116,7 +118,8 @@ class ManyCalls:
             while True:
                 if self._tell_draining:
                     self._tell_draining = False
-                    yield worker_pb2.DecodeStreamResponse(draining=True)
+                    yield worker_pb2.DecodeStreamResponse(
+                        draining=True, grace_s=self.servicer.env.settings.grace_s)
                     continue
                 if self._out:
                     yield worker_pb2.DecodeStreamResponse(entries=self._take())

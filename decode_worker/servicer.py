@@ -63,7 +63,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             many.close_when_idle()
 
     async def Stats(self, request, context):
-        return await self.env.runtime.stats_proto([r for _, r in self.env.receivers])
+        st = await self.env.runtime.stats_proto([r for _, r in self.env.receivers])
+        st.draining = self.closing
+        return st
 
     async def Abort(self, request, context):
         calls = self.calls.with_label(request.request_id)

@@ -39,7 +39,8 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 class DecodeCalls:
     def __init__(self, peers: ChannelPool, mode: str = "many", on_draining=None) -> None:
-        """``on_draining(address)``: a worker said on its stream that it is draining."""
+        """``on_draining(address, grace_s)``: a worker said on its stream that it is
+        draining, and how long it gives its calls."""
         if mode not in STREAM_MODES:
             raise ValueError(f"decode_stream must be one of {', '.join(STREAM_MODES)}")
         self.peers, self.mode = peers, mode
@@ -126,6 +127,15 @@ class _Stream:
         if self.retired and not self.calls:
             self._sends.put_nowait(None)
 
+    def _draining(self, grace_s: float) -> None:
+        """The worker is shutting down: its calls here finish on it; new calls open a new
+        stream (to whatever serves that address next) and this one ends with its calls."""
+        if self.owner._streams.get(self.address) is self:
+            del self.owner._streams[self.address]
+        self.retire()
+        if self.owner.on_draining is not None:
+            self.owner.on_draining(self.address, grace_s)
+
     async def _requests(self):
         while (msg := await self._sends.get()) is not None:
             yield msg
@@ -136,8 +146,8 @@ class _Stream:
             async for msg in self.rpc:
                 self.received = True
                 self.messages += 1
-                if msg.draining and self.owner.on_draining is not None:
-                    self.owner.on_draining(self.address)
+                if msg.draining:
+                    self._draining(msg.grace_s)
                 for entry in msg.entries:
                     call = self.calls.get(entry.call_id)
                     if call is not None:

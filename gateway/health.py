@@ -89,6 +89,7 @@ class HealthProber:
             return False
         self._strikes[worker.id] = 0
         self._learn(worker, st)
+        self.router.learn_draining(worker, st.draining, sent)
         self.router.set_health(worker, True)
         return True
 

@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 TIE = 0.05  # scores closer than this (5% of a worker's capacity) are a tie
 RECENT_S = 10.0  # time constant of the prompt tokens a worker was recently given
+# a draining worker's streams still open this long after its grace period (which it ends
+# itself) move: it hung while draining
+DRAIN_MARGIN_S = 5.0
 
 
 @dataclass
@@ -61,6 +64,7 @@ class Worker:
     failures_until: float = 0.0  # routed around until then, after a failed call
     registered: bool = True  # listed by the registry (or configured); False: leaving
     draining: bool = False  # it said it is shutting down: no new work, its streams stay
+    draining_since: float = 0.0  # time.monotonic() when the gateway learnt it
     healthy: bool = True  # answering its probes (gateway.health)
     static: bool = False  # configured by address (learns capacity and load by probing)
     # called with "lost" when it stops answering: the streams it serves end and resume
@@ -349,17 +353,50 @@ class Router:
         """Route around a worker whose call failed, for ``seconds``."""
         worker.failures_until = time.monotonic() + seconds
 
-    def draining(self, address: str) -> None:
+    def draining(self, address: str, grace_s: float = 0.0) -> None:
         """The decode worker at ``address`` said (on its GenerateMany stream) that it is
         shutting down: no new work goes there, and its streams finish there -- when its
         server then refuses probes, :meth:`set_health` does not move them. (The registry
         tells the same, but later and not always: a listing that fails, or a deregistration
-        that does, left such a worker 'registered' and its streams were moved.)"""
+        that does, left such a worker 'registered' and its streams were moved.) At the end
+        of its ``grace_s`` the worker ends what is still open itself (UNAVAILABLE: resumed
+        elsewhere); streams still open DRAIN_MARGIN_S after that (a worker that hung while
+        draining) move."""
         for w in list(self.workers.values()):
-            if w.info.address == address and not w.draining:
-                w.draining = True
-                logger.info("worker %s is draining: no new requests, %d streams finish "
-                            "there", w.id, len(w.watchers))
+            if w.info.address == address:
+                self._mark_draining(w, grace_s)
+
+    def learn_draining(self, worker: Worker, draining: bool, sent: float) -> None:
+        """A probe sent at ``sent`` (time.monotonic()) was answered: whether the worker
+        said it is draining. A worker marked draining before that probe left that says it
+        is not is another process now (restarted at a configured address)."""
+        if draining:
+            self._mark_draining(worker, 0.0)
+        elif worker.draining and sent > worker.draining_since:
+            worker.draining = False
+            logger.info("worker %s serves again (not draining)", worker.id)
+
+    def _mark_draining(self, w: Worker, grace_s: float) -> None:
+        if not w.draining:
+            w.draining, w.draining_since = True, time.monotonic()
+            logger.info("worker %s is draining: no new requests, %d streams finish there",
+                        w.id, len(w.watchers))
+        if grace_s > 0:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            since = w.draining_since
+            loop.call_later(grace_s + DRAIN_MARGIN_S, self._drain_overdue, w, since, grace_s)
+
+    def _drain_overdue(self, w: Worker, since: float, grace_s: float) -> None:
+        if not w.draining or w.draining_since != since or not w.watchers:
+            return
+        logger.warning("worker %s still serves %d streams %.0f s after it began draining "
+                       "(its grace period: %.0f s): they move", w.id, len(w.watchers),
+                       time.monotonic() - since, grace_s)
+        for cut in list(w.watchers):
+            cut("lost")
 
     def set_health(self, worker: Worker, healthy: bool) -> None:
         """gateway.health's verdict; a worker that stops answering has its ``watchers``
@@ -369,8 +406,6 @@ class Router:
             return
         worker.healthy = healthy
         if healthy:
-            # a worker at a configured address that drained and came back is a new process
-            worker.draining = False
             logger.info("worker %s answers again", worker.id)
             return
         if worker.draining or (not worker.registered and not worker.static):

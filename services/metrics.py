@@ -109,6 +109,9 @@ class GatewayMetrics:
                                   registry=r)
         self.workers_unhealthy = Gauge("pdserve_workers_unhealthy", "Workers failing their "
                                        "health probes (routed around)", registry=r)
+        self.workers_draining = Gauge("pdserve_workers_draining", "Decode workers shutting "
+                                      "down: no new requests, their streams finish there",
+                                      registry=r)
         self.probes_late = Counter("pdserve_health_probes_late", "Health probes that timed "
                                    "out while the worker's decode streams delivered: not "
                                    "counted against it (a worker too busy to answer in "
@@ -139,6 +142,8 @@ class GatewayMetrics:
             lambda: sum(w.pending_prefill_tokens for w in list(router.workers.values())))
         self.workers_unhealthy.set_function(
             lambda: sum(1 for w in list(router.workers.values()) if not w.healthy))
+        self.workers_draining.set_function(
+            lambda: sum(1 for w in list(router.workers.values()) if w.draining))
 
     def routed(self, route, prompt_tokens: int) -> None:
         self.routes.labels(route_mode(route)).inc()

@@ -199,6 +199,65 @@ def test_a_worker_that_dies_fails_every_call_on_its_stream():
         assert took < 10 and not streams  # the next call opens a new stream
 
 
+async def _read_all(call) -> list:
+    out = []
+    while (m := await call.read()) is not grpc.aio.EOF:
+        out.append(m)
+    return out
+
+
+def test_a_worker_shutting_down_says_so_on_every_stream_and_in_stats():
+    """SIGTERM, with a 3 s drain delay: the stream open before it gets a draining message
+    (with the worker's grace period) and its call goes on; a stream opened during the drain
+    delay gets the message at once and its call is refused UNAVAILABLE (the gateway then
+    closes such a stream: gateway/decode_calls.py); Stats says draining."""
+    import signal
+
+    async def main(worker):
+        async with grpc.aio.insecure_channel(worker.address) as ch:
+            stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+            assert not (await stub.Stats(common_pb2.StatsRequest(), timeout=5)).draining
+            sends: asyncio.Queue = asyncio.Queue()
+
+            async def requests(q):
+                while (m := await q.get()) is not None:
+                    yield m
+            old = stub.GenerateMany(requests(sends))
+            sends.put_nowait(worker_pb2.DecodeStreamRequest(
+                call_id=1, start=_req("old", [3, 4, 5], 1500)))
+            first = await old.read()
+            assert first.entries and not first.draining
+            worker.proc.send_signal(signal.SIGTERM)
+            draining = None
+            while draining is None:
+                msg = await asyncio.wait_for(old.read(), 10)
+                if msg.draining:
+                    draining = msg
+            assert (await stub.Stats(common_pb2.StatsRequest(), timeout=5)).draining
+            late_sends: asyncio.Queue = asyncio.Queue()
+            late = stub.GenerateMany(requests(late_sends))
+            late_sends.put_nowait(worker_pb2.DecodeStreamRequest(
+                call_id=1, start=_req("late", [3, 4, 5], 5)))
+            got = [await asyncio.wait_for(late.read(), 10) for _ in range(2)]
+            late_sends.put_nowait(None)
+            assert await _read_all(late) == []
+            sends.put_nowait(None)
+            rest = await _read_all(old)
+            return draining, got, rest
+
+    with LocalCluster("dummy:tiny", prefill=0, decode=0, colocated=1, secure=False,
+                      redis=False, worker_args=("--drain-delay-s", "3", "--grace-s", "30")
+                      ) as c:
+        draining, got, rest = run(asyncio.wait_for(main(c.workers[0]), 60))
+        assert draining.grace_s == 30
+        assert got[0].draining
+        ends = [e for m in got for e in m.entries if e.end]
+        assert len(ends) == 1 and ends[0].status_code == grpc.StatusCode.UNAVAILABLE.value[0]
+        last = [e for m in rest for e in m.entries if e.end]
+        assert len(last) == 1 and last[0].status_code == 0  # the old call finished
+        c.workers[0].proc.wait(30)
+
+
 def test_a_step_bigger_than_the_message_limit_goes_in_several_messages():
     """A worker with a small max_message_bytes: one step of 48 calls with 20 top logprobs
     each (~200 bytes an entry) does not fit one message of 4 KiB. The worker splits it; a

@@ -8,7 +8,7 @@ import redis as redis_sync
 
 from pdserve import client
 from pdserve.cluster import LocalCluster
-from tests.integration.helpers import gen_many, run, worker_stats
+from tests.integration.helpers import gen_many, run, scrape, worker_stats
 
 TTL_S = 3.0
 
@@ -171,13 +171,11 @@ def test_sigterm_drains_a_workers_streams_there_and_the_worker_exits(redis):
     import os
     import signal
 
-    import grpc
-
     # a long grace: on a slow machine worker A's streams must still finish within it; probes
     # 4 a second: the verdict comes soon after A's server refuses calls, while the streams
     # still run on a fast machine
     with LocalCluster("dummy:tiny", prefill=0, decode=0, colocated=2, secure=False,
-                      worker_args=("--grace-s", "120"),
+                      worker_args=("--grace-s", "120"), metrics=True,
                       gateway_args=("--health-interval-s", "0.25")) as c:
         a = c.workers[0]
         # 32 streams: they run 16-23 s after the SIGTERM here, the verdict comes within 4 s
@@ -198,14 +196,15 @@ def test_sigterm_drains_a_workers_streams_there_and_the_worker_exits(redis):
                 # the gateway's verdict: A's server refuses calls once its deregistration
                 # (up to 1.5 s) and the drain delay (0.5 s) are over; then two failed
                 # probes, 0.25 s apart. The streams must still run then, or nothing is tested.
-                while time.monotonic() < t0 + 30:
-                    try:
-                        await worker_stats(a.address)
-                    except grpc.aio.AioRpcError:
+                def gauge(name):
+                    return scrape(c.gateway.metrics_port).get((name, ()), 0)
+                while time.monotonic() < t0 + 30 and not task.done():
+                    if gauge("pdserve_workers_unhealthy") >= 1:
                         break
                     await asyncio.sleep(0.1)
-                await asyncio.sleep(1.5)
                 assert not task.done(), "the streams ended before the gateway's verdict"
+                assert gauge("pdserve_workers_unhealthy") >= 1, "no verdict within 30 s"
+                assert gauge("pdserve_workers_draining") == 1
             finally:
                 if redis == "stopped":
                     os.kill(c.redis.proc.pid, signal.SIGCONT)

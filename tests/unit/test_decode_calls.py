@@ -188,27 +188,44 @@ def test_calls_open_on_a_stream_the_worker_ended_fail_as_unavailable():
 
 
 class DrainingWorker(worker_pb2_grpc.DecodeWorkerServicer):
-    """Says it is draining on its stream, then answers each start as EchoWorker does."""
+    """Says it is draining on each stream, then answers each start as EchoWorker does;
+    counts the streams opened and those the caller ended."""
+
+    def __init__(self):
+        self.opened = self.ended = 0
 
     async def GenerateMany(self, request_iterator, context):
-        yield worker_pb2.DecodeStreamResponse(draining=True)
+        self.opened += 1
+        yield worker_pb2.DecodeStreamResponse(draining=True, grace_s=7.0)
         async for msg in request_iterator:
             if msg.WhichOneof("action") == "start":
                 yield worker_pb2.DecodeStreamResponse(entries=[
                     worker_pb2.DecodeStreamEntry(call_id=msg.call_id, response=common_pb2.
                                                  GenerateResponse(token_ids=[5])),
                     worker_pb2.DecodeStreamEntry(call_id=msg.call_id, end=True)])
+        self.ended += 1
 
 
 def test_a_worker_that_says_it_is_draining_is_reported_and_its_calls_go_on():
+    """The draining message reaches on_draining with the worker's grace period; the call
+    open on that stream goes on; the stream is retired (it ends once its calls did), so
+    the next call opens a new one (to whatever serves the address by then)."""
     async def main():
-        server, address = await _serve(DrainingWorker())
-        told: list[str] = []
+        worker = DrainingWorker()
+        server, address = await _serve(worker)
+        told: list[tuple[str, float]] = []
         calls = DecodeCalls(ChannelPool(worker_pb2_grpc.DecodeWorkerStub), "many",
-                            on_draining=told.append)
+                            on_draining=lambda a, g: told.append((a, g)))
         try:
             assert await _tokens(calls.generate(address, _req("a"), timeout=10)) == [5]
-            assert told == [address]
+            assert told == [(address, 7.0)]
+            for _ in range(100):
+                if worker.ended == 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert worker.ended == 1  # the caller half-closed the retired stream
+            assert await _tokens(calls.generate(address, _req("b"), timeout=10)) == [5]
+            assert worker.opened == 2 and len(told) == 2
         finally:
             await calls.close()
             await server.stop(0)

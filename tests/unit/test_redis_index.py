@@ -99,6 +99,34 @@ def test_heartbeat_calls_on_lost_when_its_key_vanished(redis_server):
     run(main())
 
 
+def test_deregistration_outlasts_a_short_redis_stall(redis_proc):
+    """A worker shutting down while Redis stalls (SIGSTOP for 0.6 s: each call times out)
+    is still deregistered once Redis answers within half a TTL: it is not left listed
+    while it drains (one try used to give up at the first timeout)."""
+    import os
+
+    async def main():
+        reg = WorkerRegistry(redis_proc.url, ttl_s=3.0, timeout_s=0.2, cooldown_s=0.1)
+        hb = Heartbeat(reg, info("d1", role="decode"))
+        await hb.start()
+        assert await reg.get("d1") is not None
+        pid = redis_proc.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.6, os.kill, pid, signal.SIGCONT)
+        try:
+            t0 = time.monotonic()
+            await hb.stop()
+            took = time.monotonic() - t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert await reg.get("d1") is None, took
+        assert took < 1.5 + 0.5  # half the TTL, and one call's timeout
+        await reg.close()
+
+    run(main())
+
+
 async def _present(reg, worker_id):
     return await reg.get(worker_id) is not None
 

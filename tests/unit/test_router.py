@@ -190,39 +190,57 @@ def test_a_worker_leaving_right_after_the_gateway_started_is_retired_at_once(red
     asyncio.run(go())
 
 
-def test_a_draining_worker_gets_no_new_work_and_keeps_its_streams(redis_proc):
+def test_a_draining_worker_gets_no_new_work_and_keeps_its_streams(redis_proc, monkeypatch):
     """A decode worker that said it is draining (on its GenerateMany stream) is routed
     around, and when its server then refuses probes its streams are not moved -- even while
     the registry still lists it (Redis was unreachable for its deregistration, or the
     gateway's listing failed). A worker that stops answering without saying so still has
-    its streams moved. A configured worker that drained and answers again is routable."""
+    its streams moved. One still serving streams DRAIN_MARGIN_S after its grace period
+    (hung while draining) has them moved. A configured worker that drained is routable
+    again only once a probe sent after it said so finds it not draining (a new process);
+    answering probes is not enough (the old one answers during its drain delay)."""
+    import time
+
+    import gateway.router as router_mod
     from gateway.router import Worker
     from services.registry import WorkerRegistry
 
+    monkeypatch.setattr(router_mod, "DRAIN_MARGIN_S", 0.05)
+
     async def go():
         reg = WorkerRegistry(redis_proc.url, timeout_s=0.5, cooldown_s=0.05)
-        for wid in ("d1", "d2", "d3"):
+        for wid in ("d1", "d2", "d3", "d4"):
             await reg.register(info(wid, "decode"))
         r = make_router(registry=reg)
         await r.refresh()
-        cut: dict[str, list[str]] = {"d1": [], "d2": []}
+        cut: dict[str, list[str]] = {"d1": [], "d2": [], "d4": []}
         for wid in cut:
             r.workers[wid].watchers.add(cut[wid].append)
-        r.draining("d1:1")  # d1's address
+        r.draining("d1:1", grace_s=30)  # d1's address
+        r.draining("d4:1", grace_s=0.05)  # d4 then hangs: its streams never end
         assert {w.id for w in r._pool("decode")} == {"d2", "d3"}
         await r.refresh()  # still listed
         assert r.workers["d1"].registered
         r.set_health(r.workers["d1"], False)
         r.set_health(r.workers["d2"], False)  # stopped answering, said nothing
-        assert cut == {"d1": [], "d2": ["lost"]}
+        assert cut == {"d1": [], "d2": ["lost"], "d4": []}
+        await asyncio.sleep(0.3)  # d4's grace and the margin are over
+        assert cut == {"d1": [], "d2": ["lost"], "d4": ["lost"]}
         assert (await r.route(8, [])).decode.id == "d3"
         s = Worker(info("s1", "decode"), static=True)
         r.workers["s1"] = s
-        r.draining("s1:1")
-        r.set_health(s, False)
+        before = time.monotonic()
+        r.draining("s1:1", grace_s=30)
+        r.learn_draining(s, False, sent=before)  # a probe it answered before it drained
+        r.set_health(s, True)
         assert not s.routable
-        r.set_health(s, True)  # a new process at that address
+        r.set_health(s, False)
+        r.set_health(s, True)  # answers again: still the old process, as far as known
+        assert not s.routable
+        r.learn_draining(s, False, sent=time.monotonic())  # a new process at that address
         assert s.routable
+        r.learn_draining(s, True, sent=time.monotonic())  # draining, said in Stats
+        assert not s.routable
         await reg.close()
     asyncio.run(go())
 

@@ -193,7 +193,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "block_size", "num_running", "num_waiting", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "active_transfers", "transferred_bytes", "capacity", "max_model_len", "kv_blocks_stranded")
+    __slots__ = ("worker_id", "role", "model", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "block_size", "num_running", "num_waiting", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "active_transfers", "transferred_bytes", "capacity", "max_model_len", "kv_blocks_stranded", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,7 @@ class StatsResponse(_message.Message):
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_STRANDED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     model: str
@@ -226,7 +227,8 @@ class StatsResponse(_message.Message):
     capacity: int
     max_model_len: int
     kv_blocks_stranded: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., active_transfers: _Optional[int] = ..., transferred_bytes: _Optional[int] = ..., capacity: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_blocks_stranded: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., active_transfers: _Optional[int] = ..., transferred_bytes: _Optional[int] = ..., capacity: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_blocks_stranded: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -59,12 +59,14 @@ class DecodeStreamEntry(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[_common_pb2.GenerateResponse, _Mapping]] = ..., end: _Optional[bool] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
 
 class DecodeStreamResponse(_message.Message):
-    __slots__ = ("entries", "draining")
+    __slots__ = ("entries", "draining", "grace_s")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[DecodeStreamEntry]
     draining: bool
-    def __init__(self, entries: _Optional[_Iterable[_Union[DecodeStreamEntry, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    grace_s: float
+    def __init__(self, entries: _Optional[_Iterable[_Union[DecodeStreamEntry, _Mapping]]] = ..., draining: _Optional[bool] = ..., grace_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "model", "kv_transfer", "output_token_ids")
