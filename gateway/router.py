@@ -395,8 +395,7 @@ class Router:
         logger.warning("worker %s still serves %d streams %.0f s after it began draining "
                        "(its grace period: %.0f s): they move", w.id, len(w.watchers),
                        time.monotonic() - since, grace_s)
-        for cut in list(w.watchers):
-            cut("lost")
+        _move_streams(w)
 
     def set_health(self, worker: Worker, healthy: bool) -> None:
         """gateway.health's verdict; a worker that stops answering has its ``watchers``
@@ -417,8 +416,13 @@ class Router:
             return
         logger.warning("worker %s stopped answering: routed around, %d streams move",
                        worker.id, len(worker.watchers))
-        for cut in list(worker.watchers):
-            cut("lost")
+        _move_streams(worker)
+
+
+def _move_streams(worker: Worker) -> None:
+    """End the streams ``worker`` serves as lost: their requests resume elsewhere."""
+    for cut in list(worker.watchers):
+        cut("lost")
 
 
 def _prefiller(route: Route) -> Worker:
